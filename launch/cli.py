@@ -1,0 +1,53 @@
+"""``megatron-gspo``: the single command-line entry point.
+
+    megatron-gspo sft     --config FILE.yaml [--set a.b=v ...]   cold-start SFT on Megatron
+    megatron-gspo config  --config FILE.yaml [--set ...] [--world-size N]
+                                                                  validate and print a configuration
+    megatron-gspo <command> --help                                what each command does
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+from megatron_gspo.config import ConfigError
+
+# Sub-command modules; each has add_parser(subparsers) and sets ``func(args, argv) -> int``.
+COMMANDS = ["launch.sft", "launch.show_config"]
+OPTIONAL_COMMANDS = ["launch.convert"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
+    parser = argparse.ArgumentParser(
+        prog="megatron-gspo", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMANDS:
+        importlib.import_module(name).add_parser(subparsers)
+    for name in OPTIONAL_COMMANDS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name != name:
+                raise
+            continue
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args, argv) or 0)
+    except ConfigError as err:
+        print(f"megatron-gspo {args.command}: configuration error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

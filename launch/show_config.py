@@ -1,0 +1,35 @@
+"""``megatron-gspo config``: validate a run configuration and print it with its derived layout.
+
+    megatron-gspo config --config launch/configs/qwen3_30b_a3b.yaml --world-size 64
+
+Exits with status 2 and a message naming the field when the configuration is invalid.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from launch.common import add_config_args, load_from_args
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "config", help="validate a configuration and print it resolved",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(p)
+    p.add_argument("--world-size", type=int, default=None,
+                   help="also derive the data-parallel sizes for this many training ranks")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace, argv: list[str]) -> int:
+    from launch.local import minimal_world_size
+    from megatron_gspo.config import dump_config, padded_vocab_size
+    from megatron_gspo.parallel import derive_layout
+
+    cfg = load_from_args(args)
+    print(dump_config(cfg), end="")
+    world = args.world_size or minimal_world_size(cfg.parallel)
+    print(f"# layout: {derive_layout(cfg.parallel, world).describe()}")
+    print(f"# padded vocabulary: {padded_vocab_size(cfg.model, cfg.parallel.tensor)}")
+    return 0

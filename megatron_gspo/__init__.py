@@ -1,0 +1,1 @@
+"""megatron-gspo: GSPO reinforcement learning on Megatron-Core."""

@@ -1,0 +1,230 @@
+"""Every accommodation that lets real Megatron-Core run on a machine without CUDA.
+
+Megatron-Core 0.16 assumes a GPU in a handful of places. Nothing here replaces a Megatron module:
+the model, DDP, optimizer and pipeline schedules that run on the CPU are Megatron's own. Each
+accommodation below names the Megatron behaviour it meets; ``tests/unit/test_cpu_compat.py`` has a
+test for each one that fails if it stops working (or stops being needed in a new Megatron).
+
+Use::
+
+    from megatron_gspo import cpu_compat
+    cpu_compat.apply()          # no-op when torch.cuda.is_available()
+
+``apply()`` is idempotent and is called by :func:`megatron_gspo.parallel.initialize` before any
+Megatron module is built. On a GPU machine it does nothing at all, so the Transformer Engine spec,
+the distributed optimizer and gradient clipping run exactly as Megatron intends.
+
+The accommodations (measured facts in ../shared/docs/megatron_on_cpu.md):
+
+1. ``CudaDeviceToCpu``: a ``TorchFunctionMode`` that rewrites every CUDA device argument
+   (``device="cuda"``, ``device=0``, ``.to("cuda")``, ``.cuda()``) to the CPU. Megatron creates
+   tensors with an explicit CUDA device in the default causal mask, the schedules' token counters,
+   the optimizer's scale tensors, p2p shape buffers and RoPE (``device=torch.cuda.current_device()``).
+2. Stand-ins for ``torch.cuda.current_device/synchronize/current_stream/default_stream/Stream/
+   stream/Event``: p2p communication synchronises, the token dispatchers and DDP record streams and
+   events. On the CPU all work is synchronous, so each is a no-op.
+3. ``moe_utils.te_general_gemm = None``: megatron-core 0.16.1 imports it from Transformer Engine
+   inside a ``try`` and leaves the name undefined when TE is absent, so the router raises
+   ``NameError`` (``router_gating_linear``). ``None`` selects its torch fallback.
+4. Gradient clipping: ``clip_grad_by_total_norm_fp32`` asserts
+   ``param.grad.type() == 'torch.cuda.FloatTensor'``. The replacement keeps the semantics
+   (same coefficient ``max_norm / (total_norm + 1e-6)``, applied only when below 1, fp32 grads)
+   and asserts fp32 on any device instead.
+5. The RNG tracker: ``model_parallel_cuda_manual_seed`` seeds the CUDA generator. We use
+   :func:`seed_rng_tracker`, an inference tracker whose ``fork()`` leaves the default CPU
+   generator in place. That is exact while dropout is 0 (the RL setting; enforced by
+   ``ModelConfig``), and model weights are initialised by ``megatron_gspo.sharding`` from
+   layout-independent generators, not by the tracker.
+
+Sequence parallelism without Transformer Engine needs a norm that accepts it (Megatron's
+``WrappedTorchNorm`` refuses); that is not a CUDA accommodation but a module of ours, in
+``megatron_gspo/norm.py``, used on every machine where the local spec is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_lock = threading.Lock()
+_applied = False
+_mode: "CudaDeviceToCpu | None" = None
+
+
+def cuda_available() -> bool:
+    """True when a real CUDA device is usable (then no accommodation is applied)."""
+    return torch.cuda.is_available()
+
+
+def _is_cuda_device(device) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # A bare int means "cuda:<int>" to torch's factories.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class CudaDeviceToCpu(TorchFunctionMode):
+    """Rewrite CUDA device arguments to the CPU (accommodation 1)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = torch.device("cpu")
+        if func is torch.Tensor.cuda:
+            # ``tensor.cuda()``: the tensor already lives where the work happens.
+            return args[0]
+        if func is torch.Tensor.to:
+            args = tuple(torch.device("cpu") if _is_cuda_device(a) else a for a in args)
+        if func is torch.Tensor.pin_memory:
+            return args[0]
+        if func is torch.Tensor.record_stream:
+            return None
+        return func(*args, **kwargs)
+
+
+class _NoStream:
+    """A CUDA stream stand-in: the CPU executes eagerly, so waiting is a no-op (accommodation 2)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        return None
+
+    def wait_event(self, event):
+        return None
+
+    def record_event(self, event=None):
+        return event or _NoEvent()
+
+    def synchronize(self):
+        return None
+
+    def query(self):
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _NoEvent:
+    """A CUDA event stand-in (accommodation 2)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        return None
+
+    def wait(self, stream=None):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def _patch_torch_cuda() -> None:
+    """Accommodation 2: no-op stand-ins for the torch.cuda calls Megatron makes on the hot path."""
+    # Megatron passes ``device=torch.cuda.current_device()`` to factories, also inside autograd
+    # backward functions, where the TorchFunctionMode of accommodation 1 is not active.
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_stream = lambda *a, **k: _NoStream()
+    torch.cuda.default_stream = lambda *a, **k: _NoStream()
+    torch.cuda.Stream = _NoStream
+    torch.cuda.Event = _NoEvent
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.empty_cache = lambda: None
+
+
+def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """Accommodation 6: Megatron's ``moe_utils.maybe_move_tensor_to_cpu`` converts the alltoall
+    split sizes to numpy only for CUDA tensors; on the CPU they stayed tensors, which
+    ``all_to_all_single`` rejects. Same contract, for tensors on any device."""
+    if torch.is_tensor(tensor):
+        tensor = tensor.cpu()
+        if as_numpy:
+            tensor = tensor.numpy()
+    return tensor
+
+
+def _patch_moe_utils() -> None:
+    """Accommodations 3 and 6 (MoE router and token dispatcher)."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """Accommodation 4: Megatron's ``clip_grad_by_total_norm_fp32`` without its CUDA type assert.
+
+    Same contract: scale every fp32 gradient in place by ``max_norm / (total_norm + 1e-6)`` when
+    that coefficient is below 1.
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = []
+    for param in parameters:
+        grad = param.decoupled_grad if use_decoupled_grad else param.grad
+        if grad is None:
+            continue
+        if grad.dtype != torch.float32 and not (use_decoupled_grad and grad.dtype == torch.bfloat16):
+            raise TypeError(f"gradient clipping expects fp32 gradients, got {grad.dtype}")
+        grads.append(grad.detach())
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+def _patch_grad_clipping() -> None:
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+
+def seed_rng_tracker() -> None:
+    """Accommodation 5: an RNG tracker that needs no CUDA generator (exact with dropout 0)."""
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def apply() -> bool:
+    """Apply every accommodation when CUDA is absent. Returns True if they are (now) active."""
+    global _applied, _mode
+    if cuda_available():
+        return False
+    with _lock:
+        if _applied:
+            return True
+        _patch_torch_cuda()
+        _patch_moe_utils()
+        _patch_grad_clipping()
+        _mode = CudaDeviceToCpu()
+        _mode.__enter__()  # stays active for the life of the process
+        _applied = True
+    return True
+
+
+def is_applied() -> bool:
+    return _applied

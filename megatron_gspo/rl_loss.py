@@ -1,0 +1,87 @@
+"""The GSPO loss as a Megatron ``loss_fn``: vocab-parallel log-probs in, per-rank loss sum out.
+
+A micro-batch (one row per sequence, prompt + response, right-padded to the schedule's length)::
+
+    tokens          [b, s] int64   input ids
+    position_ids    [b, s] int64
+    labels          [b, s] int64   tokens shifted left: labels[:, t] = tokens[:, t + 1]
+    response_mask   [b, s] bool    True where labels[:, t] is a response token
+    old_log_probs   [b, s] float   log pi_old(labels)        (recomputed by Megatron, or rollout's)
+    advantages      [b] or [b, s]  group-relative advantages
+    rollout_log_probs [b, s]       optional: the rollout engine's log-probs (mismatch weight)
+    ref_log_probs   [b, s]         optional: reference policy (KL term)
+
+``make_gspo_loss_fn`` returns ``loss_fn(logits, batch) -> (sum over this rank's sequences of the
+per-sequence loss, metrics)``; ``train_step.forward_backward`` applies the scaling contract (divide
+by the global number of sequences N, undo Megatron's micro-batch and DP factors). Under context
+parallelism the per-sequence sums go through ``sequence_reduce`` (an all-reduce over the CP group
+with identity backward), so every CP rank has the exact ``s_i``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from megatron_gspo import gspo
+from megatron_gspo.config import GSPOConfig, ModelConfig
+
+
+def count_sequences(response_mask: torch.Tensor) -> int:
+    """Loss units of a micro-batch: rows with at least one response token."""
+    return int(response_mask.any(dim=-1).sum())
+
+
+def make_gspo_loss_fn(model: ModelConfig, gspo_cfg: GSPOConfig, pg_collection, *,
+                      temperature: float = 1.0,
+                      sequence_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
+    """Build the Megatron loss function for the configured GSPO variant."""
+    from megatron_gspo.model import token_log_probs
+
+    eps_low, eps_high = gspo_cfg.clip_range()
+    need_entropy = gspo_cfg.entropy_coef > 0
+
+    def loss_fn(logits: torch.Tensor, batch: dict):
+        log_probs, entropy = token_log_probs(logits, batch["labels"], model, pg_collection,
+                                             temperature=temperature, with_entropy=need_entropy)
+        use_rollout = gspo_cfg.old_logprobs == "rollout" or "rollout_log_probs" in batch
+        loss_sum, metrics = gspo.gspo_loss(
+            log_probs,
+            batch["old_log_probs"],
+            batch["advantages"],
+            batch["response_mask"],
+            eps_low=eps_low,
+            eps_high=eps_high,
+            variant=gspo_cfg.variant,
+            loss_denominator=1.0,  # a SUM over sequences; train_step divides by the global N
+            sequence_reduce=sequence_reduce,
+            ref_log_probs=batch.get("ref_log_probs") if gspo_cfg.kl_coef > 0 else None,
+            kl_coef=gspo_cfg.kl_coef,
+            entropy=entropy,
+            entropy_coef=gspo_cfg.entropy_coef,
+            rollout_log_probs=batch.get("rollout_log_probs") if use_rollout else None,
+            mismatch_cap=gspo_cfg.mismatch_cap if use_rollout else None,
+        )
+        return loss_sum, metrics
+
+    return loss_fn
+
+
+def make_log_prob_fn(model: ModelConfig, pg_collection, *, key: str = "old_log_probs",
+                     temperature: float = 1.0):
+    """A forward-only ``loss_fn`` that stores this policy's per-token log-probs in ``batch[key]``.
+
+    Used to recompute log pi_old with Megatron before the updates of a rollout batch (on the last
+    pipeline stage, where the logits are).
+    """
+    from megatron_gspo.model import token_log_probs
+
+    def loss_fn(logits: torch.Tensor, batch: dict):
+        with torch.no_grad():
+            log_probs, _ = token_log_probs(logits, batch["labels"], model, pg_collection,
+                                           temperature=temperature)
+        batch[key] = log_probs.detach()
+        return log_probs.new_zeros(()), {}
+
+    return loss_fn
