@@ -181,7 +181,9 @@ def model_config_from_hf(hf_config, **overrides) -> ModelConfig:
         num_experts=get("num_experts", None) or get("num_local_experts"),
         moe_router_topk=get("num_experts_per_tok"),
         moe_ffn_hidden_size=get("moe_intermediate_size"),
-        norm_topk_prob=bool(get("norm_topk_prob", True)),
+        # transformers' Qwen3MoeConfig defaults norm_topk_prob to False (the published Qwen3-MoE
+        # configs set it to true explicitly); an absent key must mean what it means to transformers.
+        norm_topk_prob=bool(get("norm_topk_prob", False)),
         vocab_size=get("vocab_size"),
         rope_theta=float(rope_theta),
         rms_norm_eps=float(get("rms_norm_eps", 1e-6)),

@@ -1,0 +1,108 @@
+"""Typed configuration: loading, overrides, and errors that name the field and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_gspo.config import (Config, ConfigError, config_from_dict, dump_config, load_config,
+                                  padded_vocab_size)
+
+CONFIGS = Path(__file__).resolve().parents[2] / "launch" / "configs"
+
+
+def test_shipped_configs_load():
+    tiny = load_config(CONFIGS / "tiny_cpu.yaml")
+    assert tiny.parallel.expert == 2 and tiny.model.head_dim * tiny.model.num_attention_heads != \
+        tiny.model.hidden_size
+    big = load_config(CONFIGS / "qwen3_30b_a3b.yaml")
+    m = big.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim,
+            m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.vocab_size, m.rope_theta) == \
+        (48, 2048, 32, 4, 128, 128, 8, 768, 151936, 1e6)
+    assert big.gspo.eps_low == 3e-4 and big.gspo.eps_high == 4e-4
+
+
+def test_defaults_are_the_papers_clip_range():
+    cfg = Config()
+    assert (cfg.gspo.eps_low, cfg.gspo.eps_high) == (3e-4, 4e-4)
+    assert cfg.gspo.clip_range() == (3e-4, 4e-4)
+    assert config_from_dict({"gspo": {"variant": "grpo"}}).gspo.clip_range() == (0.2, 0.28)
+
+
+def test_unknown_keys_are_rejected_with_their_full_path():
+    with pytest.raises(ConfigError, match=r"gspo\.clip_eps_hi: unknown key"):
+        config_from_dict({"gspo": {"clip_eps_hi": 0.1}})
+    with pytest.raises(ConfigError, match=r"^modle: unknown key"):
+        config_from_dict({"modle": {}})
+
+
+def test_divisibility_errors_name_both_fields():
+    with pytest.raises(ConfigError,
+                       match=r"parallel\.tensor: 3 does not divide model\.num_query_groups 4"):
+        config_from_dict({"model": {"num_attention_heads": 12, "num_query_groups": 4},
+                          "parallel": {"tensor": 3, "sequence_parallel": True}})
+    with pytest.raises(ConfigError, match=r"parallel\.expert: 3 does not divide model\.num_experts 4"):
+        config_from_dict({"model": {"num_experts": 4}, "parallel": {"expert": 3}})
+    with pytest.raises(ConfigError, match=r"parallel\.pipeline: 4 does not divide model\.num_layers 2"):
+        config_from_dict({"parallel": {"pipeline": 4}})
+
+
+def test_invalid_values_name_the_field_and_the_fix():
+    cases = [
+        ({"gspo": {"eps_low": 2.0}}, r"gspo\.eps_low: must be in \(0, 1\)"),
+        ({"gspo": {"variant": "ppo"}}, r"gspo\.variant: 'ppo' is not one of"),
+        ({"model": {"hidden_size": "big"}}, r"model\.hidden_size: expected an integer"),
+        ({"parallel": {"tensor": 2}}, r"parallel\.sequence_parallel: must be true"),
+        ({"parallel": {"tensor": 2, "sequence_parallel": True, "expert_tensor": 1}},
+         r"parallel\.expert_tensor: 1 must equal parallel\.tensor 2"),
+        ({"run": {"global_batch_size": 10, "micro_batch_size": 4}},
+         r"run\.global_batch_size: 10 is not a multiple of run\.micro_batch_size 4"),
+        ({"rollout": {"mode": "external"}}, r"rollout\.router_url: required"),
+        ({"model": {"moe_router_topk": 9}}, r"model\.moe_router_topk: 9 exceeds model\.num_experts"),
+        ({"optim": {"clip_grad": -1}}, r"optim\.clip_grad: must be >= 0"),
+    ]
+    for data, pattern in cases:
+        with pytest.raises(ConfigError, match=pattern):
+            config_from_dict(data)
+
+
+def test_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("gspo:\n  eps_high: 4.0e-4\n")
+    cfg = load_config(path, ["gspo.eps_high=5e-4", "run.num_steps=3", "parallel.expert=2",
+                             "rollout.router_url=http://h:1"])
+    assert cfg.gspo.eps_high == 5e-4 and cfg.run.num_steps == 3 and cfg.parallel.expert == 2
+    assert cfg.rollout.router_url == "http://h:1"
+    with pytest.raises(ConfigError, match=r"gspo\.nope: unknown key"):
+        load_config(path, ["gspo.nope=1"])
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        load_config(path, ["gspo"])
+
+
+def test_file_errors_name_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [1, 2\n")
+    with pytest.raises(ConfigError, match=f"{bad}: not valid YAML"):
+        load_config(bad)
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("model:\n  num_layers: 0\n")
+    with pytest.raises(ConfigError, match=rf"{wrong}: model\.num_layers: must be >= 1"):
+        load_config(wrong)
+
+
+def test_dump_round_trips(tmp_path):
+    cfg = load_config(CONFIGS / "tiny_cpu.yaml", ["gspo.variant=gspo_token"])
+    path = tmp_path / "dumped.yaml"
+    path.write_text(dump_config(cfg))
+    assert load_config(path) == cfg
+
+
+def test_padded_vocab_is_derived_not_stored():
+    cfg = config_from_dict({"model": {"vocab_size": 250, "make_vocab_size_divisible_by": 8}})
+    assert padded_vocab_size(cfg.model, 1) == 256 and padded_vocab_size(cfg.model, 4) == 256
+    assert padded_vocab_size(cfg.model, 3) == 264
+    assert cfg.model.vocab_size == 250
