@@ -85,12 +85,18 @@ def _worker(rank: int, world_size: int, seq_lens, num_sequences: int, repeats: i
             reduce(partial_S2)
 
         gathered = torch.empty(world_size * num_sequences, local_len)
+        is_response_gathered = torch.ones(world_size * num_sequences, local_len, dtype=torch.bool)
 
-        def gather():
+        def gather_comm_only():
             dist.all_gather_into_tensor(gathered, log_probs_SL)
 
+        def gather():
+            # the same sums, over the whole (gathered) sequences: cp times the tokens
+            dist.all_gather_into_tensor(gathered, log_probs_SL)
+            torch.stack([is_response_gathered.sum(-1).float(), (gathered * is_response_gathered).sum(-1)], -1)
+
         out[seq_len] = {"reduce_s": _timed(ours, repeats), "reduce_comm_s": _timed(ours_comm_only, repeats),
-                        "gather_s": _timed(gather, repeats)}
+                        "gather_s": _timed(gather, repeats), "gather_comm_s": _timed(gather_comm_only, repeats)}
     return out
 
 
@@ -106,20 +112,22 @@ def main() -> None:
     for cp in args.cp:
         per_rank = run_on_ranks(cp, _worker, args=(args.seq_lens, args.num_sequences, args.repeats), timeout_s=600)
         for seq_len in args.seq_lens:
-            times = {k: max(r[seq_len][k] for r in per_rank) for k in ("reduce_s", "reduce_comm_s", "gather_s")}
+            times = {k: max(r[seq_len][k] for r in per_rank) for k in ("reduce_s", "reduce_comm_s", "gather_s", "gather_comm_s")}
             rows.append((cp, seq_len, analytic_bytes(cp, seq_len, args.num_sequences), times))
 
     print(f"\n{args.num_sequences} sequences per micro-batch, float32, gloo over loopback, "
           f"{os.cpu_count()} CPU cores, {datetime.date.today().isoformat()}\n")
     print("| cp | tokens/seq | ours: payload / sent (B) | gather: payload / sent (B) | bytes sent: gather / ours "
-          "| ours, sums + all-reduce (us) | ours, all-reduce only (us) | gather (us) | time: gather / ours |")
+          "| ours: total / comm (us) | gather: total / comm (us) | time: gather / ours (total) | (comm) |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for cp, seq_len, b, t in rows:
         print(f"| {cp} | {seq_len} | {b['reduce_payload']} / {b['reduce_sent']:.0f} | "
               f"{b['gather_payload']} / {b['gather_sent']:.0f} | {b['gather_sent'] / b['reduce_sent']:.0f}x | "
-              f"{t['reduce_s'] * 1e6:.0f} | {t['reduce_comm_s'] * 1e6:.0f} | {t['gather_s'] * 1e6:.0f} | "
-              f"{t['gather_s'] / t['reduce_s']:.2f}x |")
-    print("\nours = local per-sequence sums + all_reduce([S, 2]); gather = all_gather_into_tensor([S, T/cp]);")
+              f"{t['reduce_s'] * 1e6:.0f} / {t['reduce_comm_s'] * 1e6:.0f} | "
+              f"{t['gather_s'] * 1e6:.0f} / {t['gather_comm_s'] * 1e6:.0f} | "
+              f"{t['gather_s'] / t['reduce_s']:.2f}x | {t['gather_comm_s'] / t['reduce_comm_s']:.2f}x |")
+    print("\ntotal = until every rank has the exact per-sequence sums: ours = local sums + all_reduce([S, 2]);")
+    print("gather = all_gather_into_tensor([S, T/cp]) + the same sums over whole sequences. comm = collective only.")
     print("time = slowest rank's median over the repeats; cp=4 runs 4 processes on the machine's cores.")
     print("reproduce: .venv/bin/python bench/bench_cp_reduction.py " + " ".join(sys.argv[1:]))
 

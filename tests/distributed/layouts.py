@@ -26,8 +26,8 @@ LAYOUTS = {
 }
 
 
-def tiny_config(parallel: dict, **sections) -> dict:
-    cfg = {"model": dict(TINY_MODEL), "parallel": dict(parallel),
+def tiny_config(parallel: dict, model: dict | None = None, **sections) -> dict:
+    cfg = {"model": {**TINY_MODEL, **(model or {})}, "parallel": dict(parallel),
            # adam_eps 1e-4: Adam's first step is ~lr*sign(g), which turns float rounding of
            # gradient entries near 0 into O(lr) differences; a larger eps keeps the step a smooth
            # function of the gradient, so the weight comparison measures the layout, not rounding.

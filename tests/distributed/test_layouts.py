@@ -31,9 +31,9 @@ def _batch(seed: int = 1, rows: int = 4, seq: int = 16, vocab: int = 250) -> dic
             "position_ids": torch.arange(seq).expand(rows, seq).contiguous(), "loss_mask": mask}
 
 
-def _run(layout: str, weights, batch) -> tuple[float, dict, dict, float]:
+def _run(layout: str, weights, batch, model=None) -> tuple[float, dict, dict, float]:
     world, parallel = LAYOUTS[layout]
-    cfg = tiny_config(parallel)
+    cfg = tiny_config(parallel, model)
     results = [r[0] for r in run_on_ranks(world, layout_worker.run_layout,
                                           (cfg, weights, batch, [NUM_MICROBATCHES], "sft"),
                                           timeout_s=300)]
@@ -66,3 +66,18 @@ def test_one_step_matches_single_process(layout, reference):
     # The step really moved the weights (the comparison above is not between two no-ops).
     moved = max(max_rel_diff(ref_weights[n], weights[n].double()) for n in ref_weights)
     assert moved > 1e-4
+
+
+def test_tied_embeddings_under_pipeline_parallelism():
+    """Tied input/output embeddings live on both pipeline stages and must stay one tensor."""
+    tied = {"tie_word_embeddings": True}
+    weights = random_hf_weights(tiny_config({}, tied)["model"], seed=7)
+    batch = _batch(seed=2)
+    ref_loss, ref_grads, ref_weights, _ = _run("1", weights, batch, tied)
+    # assemble() has already checked that both stages' copies of the embedding agree
+    loss, grads, new_weights, _ = _run("PP2", weights, batch, tied)
+    assert "lm_head.weight" not in ref_grads
+    assert abs(loss - ref_loss) <= TOLERANCE * abs(ref_loss)
+    for name in ref_grads:
+        assert max_rel_diff(grads[name], ref_grads[name]) <= TOLERANCE, name
+        assert max_rel_diff(new_weights[name], ref_weights[name]) <= TOLERANCE, name
