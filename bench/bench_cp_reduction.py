@@ -112,7 +112,8 @@ def main() -> None:
     for cp in args.cp:
         per_rank = run_on_ranks(cp, _worker, args=(args.seq_lens, args.num_sequences, args.repeats), timeout_s=600)
         for seq_len in args.seq_lens:
-            times = {k: max(r[seq_len][k] for r in per_rank) for k in ("reduce_s", "reduce_comm_s", "gather_s", "gather_comm_s")}
+            times = {k: max(r[seq_len][k] for r in per_rank)
+                     for k in ("reduce_s", "reduce_comm_s", "gather_s", "gather_comm_s")}
             rows.append((cp, seq_len, analytic_bytes(cp, seq_len, args.num_sequences), times))
 
     print(f"\n{args.num_sequences} sequences per micro-batch, float32, gloo over loopback, "

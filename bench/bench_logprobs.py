@@ -98,7 +98,8 @@ def worker(args) -> dict:
         start = time.perf_counter()
         _step(args.variant, logits, target, grad_lp, grad_ent, args.temperature, args.chunk_size)
         times.append(time.perf_counter() - start)
-    return {"extra_peak_bytes": extra_peak, "first_s": first_s, "median_s": statistics.median(times) if times else first_s,
+    return {"extra_peak_bytes": extra_peak, "first_s": first_s,
+            "median_s": statistics.median(times) if times else first_s,
             "logits_bytes": logits.numel() * logits.element_size()}
 
 

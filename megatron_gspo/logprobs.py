@@ -233,6 +233,8 @@ def vocab_parallel_log_probs(
 
     Args:
         logits: ``[..., V]`` this rank's vocabulary slice (bf16, fp16, fp32 or fp64). Finite values.
+            Any leading layout works (Megatron's ``[S, B, V]`` with an ``[S, B]`` target); a
+            non-contiguous tensor is copied once by the flattening, so pass it as it comes.
         target: ``[...]`` integer token ids in the GLOBAL vocabulary. Ids outside ``[0, V_global)``
             (e.g. -100 on padding) give a finite but meaningless log-prob: mask those tokens.
         tp_group: tensor-parallel group holding the other vocabulary slices; ``None`` or a group

@@ -22,10 +22,14 @@ the CP ranks of its CP group (every CP rank of a group holds the same sequences)
 
 What the per-rank gradient sums to, for whoever applies Megatron's schedule factors: the SUM
 (not the mean) over the data-parallel-with-CP group (size dp x cp) and over all micro-batches of
-the per-rank, per-micro-batch gradients of ``loss_{d,c}`` equals the full mini-batch gradient.
-Megatron's DDP averages over that group (divides by dp x cp) and the forward-backward schedule
-divides each micro-batch loss by ``num_microbatches`` unless the loss function returns a token
-count; those factors must be undone in the adapter (train_step), not here.
+the per-rank, per-micro-batch gradients of ``loss_{d,c}`` equals the full mini-batch gradient
+(each micro-batch's loss uses the same mini-batch N). Megatron then applies its own factors,
+which the adapter (train_step) must cancel, not this module: ``schedules.forward_step`` divides a
+3-tuple ``(loss, num_tokens, log)`` output by ``num_tokens`` and by ``num_microbatches`` unless
+``config.calculate_per_token_loss``, and multiplies a 2-tuple output by the CP size and divides it
+by ``num_microbatches``; DDP (``DistributedDataParallel``) scales the gradients by
+``1 / (dp x cp)`` before its all-reduce over the data-parallel-with-CP group unless
+``calculate_per_token_loss`` (then it sums). (Read in megatron-core 0.16.1.)
 """
 
 from __future__ import annotations

@@ -31,3 +31,42 @@ def right_pad(rows: list[list[int]], length: int, pad_id: int) -> torch.Tensor:
         row = row[:length]
         out[i, :len(row)] = torch.tensor(row, dtype=torch.long)
     return out
+
+
+def rl_batch(prompts: list[list[int]], outputs: list[list[int]], rollout_log_probs: list[list[float]],
+             advantages: torch.Tensor, seq_length: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """Training rows for sampled responses (one row per sample).
+
+    ``tokens = prompt + output`` (right-padded), ``labels`` the next tokens, ``response_mask`` True
+    at label positions that are output tokens, ``rollout_log_probs`` the rollout engine's
+    log-probs at those positions (0 elsewhere). Raises ValueError if a sample does not fit.
+    """
+    rows, masks, rollout = [], [], []
+    for i, (prompt, output, lps) in enumerate(zip(prompts, outputs, rollout_log_probs)):
+        ids = list(prompt) + list(output)
+        if len(ids) - 1 > seq_length:
+            raise ValueError(f"sample {i}: prompt {len(prompt)} + response {len(output)} tokens "
+                             f"exceed run.seq_length + 1 = {seq_length + 1}")
+        if len(lps) != len(output):
+            raise ValueError(f"sample {i}: {len(lps)} log-probs for {len(output)} output tokens")
+        start = len(prompt) - 1  # label position of the first output token
+        rows.append(ids)
+        masks.append([0] * start + [1] * len(output))
+        rollout.append([0.0] * start + list(lps))
+    tokens = right_pad(rows, seq_length + 1, pad_id)
+    num = len(rows)
+    rollout_t = torch.zeros(num, seq_length)
+    for i, lps in enumerate(rollout):
+        rollout_t[i, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
+    return {
+        "tokens": tokens[:, :-1].contiguous(),
+        "labels": tokens[:, 1:].contiguous(),
+        "position_ids": torch.arange(seq_length).expand(num, seq_length).contiguous(),
+        "response_mask": right_pad(masks, seq_length, 0).bool(),
+        "rollout_log_probs": rollout_t,
+        "advantages": advantages.to(torch.float32).clone(),
+    }
+
+
+def select_rows(batch: dict[str, torch.Tensor], index: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {k: v[index].clone() for k, v in batch.items()}

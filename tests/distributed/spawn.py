@@ -66,7 +66,7 @@ def run_on_ranks(world_size: int, fn: Callable, args: tuple = (), *,
     with tempfile.TemporaryDirectory(prefix="gspo_spawn_") as out_dir:
         port = _free_port()
         procs = [
-            ctx.Process(target=_worker, args=(rank, world_size, port, out_dir, fn, args), daemon=True)
+            ctx.Process(target=_worker, args=(rank, world_size, port, out_dir, fn, args), daemon=False)
             for rank in range(world_size)
         ]
         for proc in procs:

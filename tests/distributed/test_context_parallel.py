@@ -120,6 +120,13 @@ def test_packed_rows_roundtrip_and_gradient():
     assert torch.equal(values.grad, rows_to_packed(weights * mask, cu, 10))
 
 
+def test_global_num_sequences_single_process_inputs():
+    mask = torch.tensor([[True, False], [False, False], [False, True]])
+    assert global_num_sequences(mask, dp_group=None, cp_group=None) == 2
+    assert global_num_sequences(torch.tensor([3, 0, 1, 0]), dp_group=None, cp_group=None) == 2
+    assert global_num_sequences([mask, torch.tensor([0, 5])], dp_group=None, cp_group=None) == 3  # micro-batches
+
+
 def test_no_cp_reduce_is_identity():
     x = torch.randn(4, 2)
     assert make_sequence_reduce(None)(x) is x

@@ -114,6 +114,13 @@ def test_gradient_through_entropy_only():
     torch.testing.assert_close(x.grad, ref[2], rtol=0, atol=1e-12)
 
 
+def test_zero_tokens():
+    logits = torch.zeros(0, 7, requires_grad=True)
+    log_probs, entropy = vocab_parallel_log_probs(logits, torch.zeros(0, dtype=torch.long), with_entropy=True)
+    (log_probs.sum() + entropy.sum()).backward()
+    assert log_probs.shape == (0,) and logits.grad.shape == (0, 7)
+
+
 def test_argument_errors():
     logits = torch.zeros(3, 5)
     with pytest.raises(ValueError, match="target shape"):

@@ -1,0 +1,136 @@
+"""Training checkpoints: model and optimizer (Megatron dist_checkpointing, torch_dist), RNG states,
+and the run's own state (step, data position, weight version), saved atomically.
+
+Layout of ``<run_dir>/checkpoints``::
+
+    step_000012/            one checkpoint (a torch_dist directory written by every rank)
+        model_optim/        dist_checkpointing: model + optimizer, layout-independent
+        rank_00003.pt       this rank's RNG states
+        run_state.json      step, data sampler position, weight version, ... (rank 0)
+    latest                  text file: the name of the newest complete checkpoint
+
+A checkpoint is written into ``step_N.tmp`` and renamed by rank 0 after every rank has finished
+(barrier), then ``latest`` is replaced atomically: a rank killed mid-save leaves a ``.tmp``
+directory that resume ignores. Model and optimizer shards use Megatron's ``sharded_state_dict``, so a
+checkpoint written under one parallel layout loads under another.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def checkpoint_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def latest_checkpoint(run_dir: str | Path) -> Optional[Path]:
+    """The newest complete checkpoint of a run, or None."""
+    root = checkpoint_root(run_dir)
+    marker = root / "latest"
+    if not marker.is_file():
+        return None
+    path = root / marker.read_text().strip()
+    if not (path / "run_state.json").is_file():
+        raise RuntimeError(f"{marker} names {path.name}, which is not a complete checkpoint")
+    return path
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda_tracker"] = get_cuda_rng_tracker().get_states()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        torch.cuda.set_rng_state(state["cuda"])
+        get_cuda_rng_tracker().set_states(state["cuda_tracker"])
+
+
+def _module(chunk):
+    """The GPTModel inside Megatron's DDP wrapper (whose state-dict keys carry ``module.``)."""
+    return getattr(chunk, "module", chunk)
+
+
+def _sharded_state(model_chunks: list, optimizer, *, is_loading: bool) -> dict:
+    model_sd = {}
+    for i, chunk in enumerate(model_chunks):
+        key = "model" if len(model_chunks) == 1 else f"model{i}"
+        model_sd[key] = _module(chunk).sharded_state_dict()
+    state = dict(model_sd)
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+    return state
+
+
+def save_checkpoint(run_dir: str | Path, step: int, model_chunks: list, optimizer,
+                    run_state: dict[str, Any]) -> Path:
+    """Collective: every rank calls it. Returns the checkpoint directory."""
+    from megatron.core import dist_checkpointing
+
+    root = checkpoint_root(run_dir)
+    name = f"step_{step:06d}"
+    final, tmp = root / name, root / f"{name}.tmp"
+    rank = dist.get_rank()
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        (tmp / "model_optim").mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(model_chunks, optimizer, is_loading=False),
+                            str(tmp / "model_optim"))
+    torch.save(_rng_state(), tmp / f"rank_{rank:05d}.pt")
+    if rank == 0:
+        (tmp / "run_state.json").write_text(json.dumps({"step": step, **run_state}, indent=1))
+    dist.barrier()
+    if rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        marker_tmp = root / "latest.tmp"
+        marker_tmp.write_text(name)
+        os.replace(marker_tmp, root / "latest")
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(path: str | Path, model_chunks: list, optimizer, *,
+                    restore_rng: bool = True) -> dict[str, Any]:
+    """Collective: load model, optimizer and this rank's RNG; returns the run state (with step)."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    state_path = path / "run_state.json"
+    if not state_path.is_file():
+        raise FileNotFoundError(f"{path}: not a checkpoint (no run_state.json)")
+    loaded = dist_checkpointing.load(_sharded_state(model_chunks, optimizer, is_loading=True),
+                                     str(path / "model_optim"))
+    for i, chunk in enumerate(model_chunks):
+        key = "model" if len(model_chunks) == 1 else f"model{i}"
+        _module(chunk).load_state_dict(loaded[key], strict=True)
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    rank_file = path / f"rank_{dist.get_rank():05d}.pt"
+    if restore_rng and rank_file.is_file():
+        _set_rng_state(torch.load(rank_file, weights_only=False))
+    return json.loads(state_path.read_text())
