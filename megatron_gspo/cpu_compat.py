@@ -32,9 +32,12 @@ The accommodations (measured facts in ../shared/docs/megatron_on_cpu.md):
    and asserts fp32 on any device instead.
 5. The RNG tracker: ``model_parallel_cuda_manual_seed`` seeds the CUDA generator. We use
    :func:`seed_rng_tracker`, an inference tracker whose ``fork()`` leaves the default CPU
-   generator in place. That is exact while dropout is 0 (the RL setting; enforced by
-   ``ModelConfig``), and model weights are initialised by ``megatron_gspo.sharding`` from
-   layout-independent generators, not by the tracker.
+   generator in place. That is exact while dropout is 0 (the RL setting; hard-wired in
+   ``model.build_transformer_config``), and model weights are initialised by
+   ``model.init_weights`` from layout-independent generators, not by the tracker.
+6. ``maybe_move_tensor_to_cpu`` (token dispatcher): returns numpy split sizes on the CPU too.
+7. Uneven all-gather / reduce-scatter (expert-tensor parallelism): gloo accepts only equal sizes;
+   the replacements pad (gather) or all-reduce and slice (reduce-scatter).
 
 Sequence parallelism without Transformer Engine needs a norm that accepts it (Megatron's
 ``WrappedTorchNorm`` refuses); that is not a CUDA accommodation but a module of ours, in
@@ -202,6 +205,46 @@ def _patch_grad_clipping() -> None:
     optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
 
 
+def _patch_uneven_collectives() -> None:
+    """Accommodation 7: uneven all-gather / reduce-scatter along the first dimension.
+
+    With expert-tensor parallelism the token dispatcher gathers and reduce-scatters tokens with
+    per-rank sizes (``output_split_sizes`` / ``input_split_sizes`` in
+    ``tensor_parallel.mappings``). NCCL accepts lists of unequal tensors; gloo raises "invalid
+    tensor size". The replacements pad every piece to the largest size and use an equal all-gather,
+    and compute the uneven reduce-scatter as an all-reduce followed by this rank's slice. The equal
+    paths go to Megatron's own functions unchanged.
+    """
+    from megatron.core.tensor_parallel import mappings
+
+    original_gather = mappings._gather_along_first_dim
+    original_reduce_scatter = mappings._reduce_scatter_along_first_dim
+
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return original_gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        longest = max(sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        pieces = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(pieces, padded.contiguous(), group=group)
+        return torch.cat([piece[:n] for piece, n in zip(pieces, sizes)], dim=0)
+
+    def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None,
+                                       use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return original_reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        sizes = [int(n) for n in input_split_sizes]
+        start = sum(sizes[: group.rank()])
+        return total[start:start + sizes[group.rank()]].contiguous()
+
+    mappings._gather_along_first_dim = gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
+
+
 def seed_rng_tracker() -> None:
     """Accommodation 5: an RNG tracker that needs no CUDA generator (exact with dropout 0)."""
     from megatron.core import tensor_parallel
@@ -220,6 +263,7 @@ def apply() -> bool:
         _patch_torch_cuda()
         _patch_moe_utils()
         _patch_grad_clipping()
+        _patch_uneven_collectives()
         _mode = CudaDeviceToCpu()
         _mode.__enter__()  # stays active for the life of the process
         _applied = True

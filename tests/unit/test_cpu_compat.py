@@ -145,3 +145,33 @@ def test_each_accommodation_is_still_needed(accommodation):
         """,
     }[accommodation]
     assert run_py(code).strip() == "fails"
+
+
+def _uneven_worker(rank, world):
+    import torch
+
+    from megatron_gspo import cpu_compat
+
+    cpu_compat.apply()
+    from megatron.core.tensor_parallel import mappings
+
+    group = torch.distributed.new_group([0, 1])
+    sizes = [3, 1]
+    local = torch.full((sizes[rank], 2), float(rank + 1))
+    gathered = mappings._gather_along_first_dim(local, group, output_split_sizes=sizes)
+    full = torch.arange(8, dtype=torch.float32).reshape(4, 2) * (rank + 1)
+    scattered = mappings._reduce_scatter_along_first_dim(full, group, input_split_sizes=sizes)
+    return gathered, scattered
+
+
+def test_uneven_gather_and_reduce_scatter_over_gloo():
+    import torch
+
+    from tests.distributed.spawn import run_on_ranks
+
+    results = run_on_ranks(2, _uneven_worker)
+    expected_gather = torch.tensor([[1.0, 1.0]] * 3 + [[2.0, 2.0]])
+    total = torch.arange(8, dtype=torch.float32).reshape(4, 2) * 3
+    for rank, (gathered, scattered) in enumerate(results):
+        assert torch.equal(gathered, expected_gather)
+        assert torch.equal(scattered, total[:3] if rank == 0 else total[3:])
