@@ -3,6 +3,10 @@
     megatron-gspo sft     --config FILE.yaml [--set a.b=v ...]   cold-start SFT on Megatron
     megatron-gspo config  --config FILE.yaml [--set ...] [--world-size N]
                                                                   validate and print a configuration
+    megatron-gspo plot    RUN_DIR [--out DIR]                     PNG charts of RUN_DIR/metrics.jsonl
+    megatron-gspo serve   --model-path DIR [--host H] [--port P]  CPU rollout server, SGLang's API
+    megatron-gspo launch slurm --config FILE.yaml --nodes N --rollout-nodes M [--gpus-per-node G ...]
+                                                                  one Slurm job: servers + training
     megatron-gspo <command> --help                                what each command does
 """
 
@@ -15,7 +19,7 @@ from typing import Optional
 from megatron_gspo.config import ConfigError
 
 # Sub-command modules; each has add_parser(subparsers) and sets ``func(args, argv) -> int``.
-COMMANDS = ["launch.sft", "launch.show_config"]
+COMMANDS = ["launch.sft", "launch.show_config", "launch.plot", "launch.serve", "launch.slurm"]
 OPTIONAL_COMMANDS = ["launch.convert"]
 
 

@@ -1,6 +1,6 @@
 """Typed run configuration: one dataclass per concern, loaded from YAML with ``--set`` overrides.
 
-A YAML file has up to seven sections, each a dataclass below::
+A YAML file has up to eight sections, each a dataclass below::
 
     model:    ModelConfig      the Qwen3-MoE architecture
     parallel: ParallelConfig   tensor / pipeline / expert / context parallel sizes
@@ -8,7 +8,8 @@ A YAML file has up to seven sections, each a dataclass below::
     rollout:  RolloutConfig    sampling and the rollout servers
     optim:    OptimConfig      optimizer and learning-rate schedule
     run:      RunSettings      seed, steps, batch sizes, output, logging
-    data:     DataConfig       prompts: a synthetic task (files arrive with the RL loop)
+    data:     DataConfig       prompts: a synthetic task, or JSONL / Parquet files
+    reward:   RewardConfig     how responses are scored (built-ins, a function, an HTTP service)
 
 ``load_config(path, overrides=["gspo.eps_high=5e-4"])`` returns a validated :class:`Config`.
 Unknown keys are rejected with their full path, values are type-checked, and every invalid value
@@ -196,6 +197,16 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     max_new_tokens: int = 32
+    eval_samples_per_prompt: int = 4
+    """n: samples per held-out prompt; pass@1 is averaged over them."""
+    weight_sync: Literal["disk", "tensor", "distributed"] = "disk"
+    """How weights reach the servers after each training phase: safetensors on a shared
+    filesystem, tensors in the request (colocated servers), or a broadcast group (NCCL on GPUs,
+    gloo on CPU)."""
+    weight_sync_dir: Optional[str] = None
+    """Shared directory for disk sync (default: <run.output_dir>/weights)."""
+    weight_sync_bucket_mb: int = 512
+    """Upper bound of one weight bucket in MiB."""
     max_concurrency: int = 64
     request_timeout_s: float = 600.0
 
@@ -206,6 +217,10 @@ class RolloutConfig:
         _require(self.temperature > 0, f"rollout.temperature: must be > 0, got {self.temperature}")
         _require(0 < self.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {self.top_p}")
         _require(self.top_k == -1 or self.top_k >= 1, f"rollout.top_k: must be -1 or >= 1, got {self.top_k}")
+        _require(self.eval_samples_per_prompt >= 1,
+                 f"rollout.eval_samples_per_prompt: must be >= 1, got {self.eval_samples_per_prompt}")
+        _require(self.weight_sync_bucket_mb >= 1,
+                 f"rollout.weight_sync_bucket_mb: must be >= 1, got {self.weight_sync_bucket_mb}")
         _require(self.max_new_tokens >= 1,
                  f"rollout.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
 
@@ -241,11 +256,16 @@ class RunSettings:
 
     seed: int = 1234
     output_dir: str = "runs/tiny"
+    init_from: Optional[str] = None
+    """Hugging Face directory of the initial policy (e.g. the SFT result); null: random weights
+    from run.seed."""
     num_steps: int = 20
     micro_batch_size: int = 4
     """Sequences per micro-batch per data-parallel rank."""
     global_batch_size: int = 16
-    """Sequences per optimizer step over all data-parallel ranks."""
+    """Sequences per step over all data-parallel ranks: one optimizer step in SFT; the rollout
+    batch in RL (global_batch_size / gspo.group_size prompts), which gspo.updates_per_rollout
+    splits into mini-batches."""
     seq_length: int = 64
     log_interval: int = 1
     save_interval: int = 0
@@ -261,19 +281,106 @@ class RunSettings:
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
-    """Where prompts come from. ``task`` generates a verifiable synthetic task (no files needed)."""
+    """Where prompts come from: a synthetic ``task`` (no files needed) or prompt files.
 
-    task: Literal["addition"] = "addition"
-    """Synthetic task: "addition" = exact sums "a+b=" -> "c" (byte-level tokens)."""
+    Exactly one of ``task`` and ``train_path`` is set; a file run writes ``task: null``. The
+    datasets are built by ``pipeline.data.build_datasets``.
+    """
+
+    task: Optional[Literal["addition"]] = "addition"
+    """Synthetic task: "addition" = exact sums "a+b=" -> "c" (byte-level tokens); null with
+    data.train_path."""
     digits: int = 2
     """Addition operands have up to this many digits."""
-    num_eval_prompts: int = 64
-    """Held-out prompts evaluated every run.eval_interval steps (and at the start and the end)."""
+    num_eval_prompts: Optional[int] = 64
+    """Held-out prompts evaluated every run.eval_interval steps (and at the start and the end):
+    the task's "eval" split, or the first this many rows of data.eval_path (null: all rows)."""
+    train_path: Optional[str] = None
+    """Training prompts: JSONL (one JSON object per line) or Parquet, one prompt per row."""
+    eval_path: Optional[str] = None
+    """Held-out prompts, same format and keys as train_path; without it a file run has no
+    evaluation."""
+    format: Literal["auto", "jsonl", "parquet"] = "auto"
+    """File format; auto: from the suffix (.jsonl / .ndjson / .json, .parquet)."""
+    prompt_key: str = "prompt"
+    """Row field holding the prompt: a string, or a list of chat messages {role, content}.
+    Dotted paths reach into nested objects ("question.text")."""
+    label_key: Optional[str] = "label"
+    """Row field holding the reference answer (string or number; dotted allowed); null: no labels
+    (only a reward.kind that needs none: function or http)."""
+    tokenizer_dir: Optional[str] = None
+    """Local Hugging Face tokenizer directory (read with local_files_only, never downloaded);
+    null: byte-level tokens (id = UTF-8 byte), as the synthetic task uses."""
+    apply_chat_template: bool = True
+    """With tokenizer_dir: wrap each prompt in the tokenizer's chat template, with the generation
+    prompt. Without it prompts are encoded as plain text."""
+    shuffle: bool = True
+    """Reshuffle the training prompts every epoch from (run.seed, epoch)."""
+    skip_malformed: bool = False
+    """Count and report malformed rows instead of stopping at the first one (never silent)."""
 
     def __post_init__(self) -> None:
         _require(1 <= self.digits <= 9, f"data.digits: must be in [1, 9], got {self.digits}")
-        _require(self.num_eval_prompts >= 1,
-                 f"data.num_eval_prompts: must be >= 1, got {self.num_eval_prompts}")
+        _require(self.num_eval_prompts is None or self.num_eval_prompts >= 1,
+                 f"data.num_eval_prompts: must be >= 1 (or null for all rows of data.eval_path), "
+                 f"got {self.num_eval_prompts}")
+        _require((self.task is None) != (self.train_path is None),
+                 "data.task: exactly one of data.task and data.train_path must be set "
+                 f"(got task {self.task!r}, train_path {self.train_path!r}); "
+                 "write task: null to train on a prompt file")
+        if self.task is not None:
+            _require(self.num_eval_prompts is not None,
+                     f"data.num_eval_prompts: must be set for data.task {self.task!r}")
+            for name in ("eval_path", "tokenizer_dir"):
+                _require(getattr(self, name) is None,
+                         f"data.{name}: only used with data.train_path (data.task {self.task!r} "
+                         "generates its own byte-level prompts and eval split); unset it")
+        _require(bool(self.prompt_key and self.prompt_key.strip(".")),
+                 f"data.prompt_key: must name a field, got {self.prompt_key!r}")
+        _require(self.label_key is None or bool(self.label_key.strip(".")),
+                 f"data.label_key: must name a field or be null, got {self.label_key!r}")
+
+
+REWARD_KINDS = ("exact_match", "math", "addition", "function", "http")
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardConfig:
+    """How a response is scored (``pipeline.rewards.build_reward``)."""
+
+    kind: Optional[Literal["exact_match", "math", "addition", "function", "http"]] = None
+    """exact_match: stripped response == label; math: equivalence through math-verify;
+    addition: the synthetic task's exact match (up to the end token); function: reward.function;
+    http: a reward service at reward.url. null: the reward of data.task (required with files)."""
+    function: Optional[str] = None
+    """kind function: "package.module:function" or "path/to/file.py:function", called as
+    fn(prompt, response_ids, response_text) -> float."""
+    url: Optional[str] = None
+    """kind http: the service's URL; POST a JSON list of {prompt, response, label, prompt_index,
+    sample_index}, answered by {"rewards": [...]}."""
+    timeout_s: float = 30.0
+    """kind http: seconds per request before it counts as failed."""
+    max_retries: int = 2
+    """kind http: further attempts after a connection error, timeout, 429 or 5xx answer."""
+    batch_size: int = 64
+    """kind http: samples per request."""
+    on_error: Literal["raise", "zero"] = "raise"
+    """An exception or a non-finite reward: raise (naming the sample) or count it as 0 and report
+    it in the step's metrics."""
+
+    def __post_init__(self) -> None:
+        _require(self.kind != "function" or bool(self.function),
+                 "reward.function: required when reward.kind is 'function' "
+                 "(\"package.module:function\" or \"file.py:function\")")
+        _require(self.function is None or ":" in self.function,
+                 f"reward.function: expected \"module:function\", got {self.function!r}")
+        _require(self.kind != "http" or bool(self.url),
+                 "reward.url: required when reward.kind is 'http'")
+        _require(self.url is None or self.url.startswith(("http://", "https://")),
+                 f"reward.url: expected an http:// or https:// URL, got {self.url!r}")
+        _require(self.timeout_s > 0, f"reward.timeout_s: must be > 0, got {self.timeout_s}")
+        _require(self.max_retries >= 0, f"reward.max_retries: must be >= 0, got {self.max_retries}")
+        _require(self.batch_size >= 1, f"reward.batch_size: must be >= 1, got {self.batch_size}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -287,9 +394,11 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunSettings = field(default_factory=RunSettings)
     data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
 
     def __post_init__(self) -> None:
         validate_model_parallel(self.model, self.parallel)
+        validate_data_reward(self.data, self.reward)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: _to_plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -315,6 +424,18 @@ def validate_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> Non
     errors = [message for ok, message in checks if not ok]
     if errors:
         raise ConfigError("; ".join(errors))
+
+
+def validate_data_reward(data: DataConfig, reward: RewardConfig) -> None:
+    """The reward must fit the prompts: files need an explicit kind, labels where it reads them."""
+    _require(not (reward.kind is None and data.train_path is not None),
+             f"reward.kind: required with data.train_path (one of {', '.join(REWARD_KINDS)})")
+    _require(not (reward.kind in ("exact_match", "math", "addition") and data.task is None
+                  and data.label_key is None),
+             f"data.label_key: reward.kind {reward.kind!r} compares with a label; set the label field")
+    _require(not (reward.kind == "addition" and data.tokenizer_dir is not None),
+             "reward.kind: 'addition' reads byte-level responses; with data.tokenizer_dir use "
+             "exact_match")
 
 
 def padded_vocab_size(model: ModelConfig, tensor_parallel: int) -> int:

@@ -136,8 +136,8 @@ def _implied_by_weights(model: ModelConfig, shapes: Mapping[str, tuple]) -> list
     return problems
 
 
-def check_weights(model: ModelConfig, shapes: Mapping[str, tuple], source: str) -> None:
-    """Raise one HFConfigError listing every disagreement between ``model`` and the tensors."""
+def weight_problems(model: ModelConfig, shapes: Mapping[str, tuple]) -> list[str]:
+    """Every disagreement between ``model`` (from config.json) and the tensors on disk."""
     expected = hf_param_shapes(model)
     problems = _implied_by_weights(model, shapes)
     missing = [n for n in expected if n not in shapes]
@@ -151,25 +151,36 @@ def check_weights(model: ModelConfig, shapes: Mapping[str, tuple], source: str) 
         if names:
             shown = "; ".join(names[:8]) + (f"; ... ({len(names) - 8} more)" if len(names) > 8 else "")
             problems.append(f"{label} ({len(names)}): {shown}")
+    return problems
+
+
+def check_weights(model: ModelConfig, shapes: Mapping[str, tuple], source: str) -> None:
+    """Raise one HFConfigError listing every disagreement between ``model`` and the tensors."""
+    problems = weight_problems(model, shapes)
     if problems:
         raise HFConfigError(f"{source}: config.json does not match the weights:\n  - "
                             + "\n  - ".join(problems))
 
 
 def model_config_from_checkpoint(hf_dir: str | Path, shapes: Mapping[str, tuple]) -> ModelConfig:
-    """Validate config.json (supported features, weights) and return the ModelConfig."""
+    """Validate config.json (supported features, agreement with the weights) and return the
+    ModelConfig; one HFConfigError lists every problem found."""
     from megatron_gspo.model import model_config_from_hf
 
-    config = load_hf_config(hf_dir)
+    config_file = Path(hf_dir) / "config.json"
+    config = load_hf_config(config_file)
     problems = unsupported_features(config)
+    model = None
+    if not any(p.startswith("missing required") for p in problems):
+        try:
+            model = model_config_from_hf(config)
+        except ConfigError as err:
+            problems.append(str(err))
+    if model is not None:
+        problems += weight_problems(model, shapes)
     if problems:
-        raise HFConfigError(f"{Path(hf_dir) / 'config.json'}: not a supported Qwen3-MoE config:\n  - "
-                            + "\n  - ".join(problems))
-    try:
-        model = model_config_from_hf(config)
-    except ConfigError as err:
-        raise HFConfigError(f"{Path(hf_dir) / 'config.json'}: {err}") from None
-    check_weights(model, shapes, str(hf_dir))
+        raise HFConfigError(f"{config_file}: does not describe a supported Qwen3-MoE model with "
+                            "these weights:\n  - " + "\n  - ".join(problems))
     return model
 
 

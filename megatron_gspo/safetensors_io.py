@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,10 +126,10 @@ def read_into(info: TensorInfo, out: torch.Tensor, rows: Optional[slice] = None,
     close = handle is None
     f = open(info.path, "rb", buffering=0) if handle is None else handle
     try:
-        f.seek(info.offset + start * row_bytes)
-        done = 0
+        # positioned reads (no shared file position): safe from several writer threads at once
+        position, done = info.offset + start * row_bytes, 0
         while done < want:
-            n = f.readinto(view[done:])
+            n = os.preadv(f.fileno(), [view[done:]], position + done)
             if not n:
                 raise CheckpointError(f"{info.path}: truncated safetensors file (short read)")
             done += n
@@ -188,9 +189,10 @@ class HFCheckpoint:
             raise CheckpointError(f"{self.directory}: tensor {name} is not in the checkpoint") from None
 
     def _handle(self, path: Path):
-        if path not in self._handles:
-            self._handles[path] = open(path, "rb", buffering=0)
-        return self._handles[path]
+        handle = self._handles.get(path)
+        if handle is None:  # a race between threads opens the file twice: harmless
+            handle = self._handles.setdefault(path, open(path, "rb", buffering=0))
+        return handle
 
     def read_into(self, name: str, out: torch.Tensor, rows: Optional[slice] = None) -> torch.Tensor:
         info = self.info(name)
@@ -258,6 +260,11 @@ class ShardWriter:
             self._index += 1
             self._written = 0
 
+    @property
+    def complete(self) -> bool:
+        """Every declared tensor has been written."""
+        return self._index == len(self.entries)
+
     def close(self, *, fsync: bool = True) -> None:
         if self._index != len(self.entries) and self.entries:
             name = self.entries[self._index][0]
@@ -300,13 +307,11 @@ def parse_size(text: str) -> int:
     """'5GB' -> 5e9 bytes, '512MiB' -> 512 * 2**20, '1000' -> 1000."""
     units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-    text = text.strip().upper()
-    number = text.rstrip("KMGTIB")
-    unit = text[len(number):]
-    try:
-        value = float(number)
-    except ValueError:
-        raise ValueError(f"size {text!r}: expected a number with an optional unit (e.g. 5GB)") from None
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if match is None:
+        raise ValueError(f"size {text!r}: expected a number with an optional unit (e.g. 5GB)")
+    unit = match.group(2).upper()
     if unit not in units:
-        raise ValueError(f"size {text!r}: unknown unit {unit!r} (use B, KB, MB, GB, KiB, MiB, GiB)")
-    return int(value * units[unit])
+        raise ValueError(f"size {text!r}: unknown unit {match.group(2)!r} (use B, KB, MB, GB, KiB, "
+                         "MiB, GiB)")
+    return int(float(match.group(1)) * units[unit])

@@ -66,11 +66,12 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    """All records of ``metrics.jsonl`` (the last record of a step wins after a resume)."""
+    """All records of ``metrics.jsonl``, one per step: records of the same step are merged key by
+    key, a later value winning (a resumed run rewrites the steps after its checkpoint)."""
     records: dict[int, dict] = {}
     with open(Path(run_dir) / "metrics.jsonl") as f:
         for line in f:
             if line.strip():
                 record = json.loads(line)
-                records[record["step"]] = record
+                records.setdefault(record["step"], {}).update(record)
     return [records[k] for k in sorted(records)]

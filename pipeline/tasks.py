@@ -43,11 +43,20 @@ class AdditionTask:
     digits: int = 2
     seed: int = 0
 
+    def is_held_out(self, a: int, b: int) -> bool:
+        """One pair in 8 belongs to the held-out split; training never sees those pairs."""
+        return random.Random(f"{self.seed}:pair:{a}:{b}").random() < 0.125
+
     def problem(self, index: int, *, split: str = "train") -> Problem:
+        """Problem ``index`` of ``split`` ("train" or "eval"); the two splits share no pair."""
+        if split not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
         rng = random.Random(f"{self.seed}:{split}:{index}")
         high = 10 ** self.digits - 1
-        a, b = rng.randint(0, high), rng.randint(0, high)
-        return Problem(prompt=f"{a}+{b}=", answer=str(a + b))
+        while True:
+            a, b = rng.randint(0, high), rng.randint(0, high)
+            if self.is_held_out(a, b) == (split == "eval"):
+                return Problem(prompt=f"{a}+{b}=", answer=str(a + b))
 
     def problems(self, start: int, count: int, *, split: str = "train") -> list[Problem]:
         return [self.problem(i, split=split) for i in range(start, start + count)]

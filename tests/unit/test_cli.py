@@ -13,6 +13,7 @@ from launch.cli import build_parser, main
 EXPECTED_OPTIONS = {
     "sft": {"--config", "--set", "--nproc"},
     "config": {"--config", "--set", "--world-size"},
+    "plot": {"--out"},
 }
 
 
@@ -34,7 +35,8 @@ def test_help_explains_each_command(command):
     out = subprocess.run([sys.executable, "-m", "launch.cli", command, "--help"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0
-    assert "--config" in out.stdout and len(out.stdout.splitlines()) > 8
+    assert all(option in out.stdout for option in EXPECTED_OPTIONS[command])
+    assert len(out.stdout.splitlines()) > 8
 
 
 def test_config_command_prints_layout(capsys):

@@ -106,3 +106,45 @@ def test_padded_vocab_is_derived_not_stored():
     assert padded_vocab_size(cfg.model, 1) == 256 and padded_vocab_size(cfg.model, 4) == 256
     assert padded_vocab_size(cfg.model, 3) == 264
     assert cfg.model.vocab_size == 250
+
+
+def test_data_files_and_reward_sections():
+    cfg = config_from_dict({
+        "data": {"task": None, "train_path": "data/train.parquet", "eval_path": "data/eval.jsonl",
+                 "prompt_key": "question.text", "label_key": "meta.answer",
+                 "tokenizer_dir": "tok/", "num_eval_prompts": None, "shuffle": False},
+        "reward": {"kind": "math", "on_error": "zero"}})
+    assert cfg.data.train_path == "data/train.parquet" and cfg.data.num_eval_prompts is None
+    assert (cfg.reward.kind, cfg.reward.on_error) == ("math", "zero")
+    default = Config()
+    assert default.data.task == "addition" and default.reward.kind is None
+    cfg = config_from_dict({"reward": {"kind": "http", "url": "http://127.0.0.1:8000/score"}})
+    assert cfg.reward.url.endswith("/score")
+
+
+def test_data_and_reward_errors_name_the_field():
+    cases = [
+        ({"data": {"train_path": "t.jsonl"}},
+         r"data\.task: exactly one of data\.task and data\.train_path .* write task: null"),
+        ({"data": {"task": None}}, r"data\.task: exactly one of"),
+        ({"data": {"eval_path": "e.jsonl"}}, r"data\.eval_path: only used with data\.train_path"),
+        ({"data": {"tokenizer_dir": "tok"}}, r"data\.tokenizer_dir: only used with"),
+        ({"data": {"num_eval_prompts": None}}, r"data\.num_eval_prompts: must be set"),
+        ({"data": {"format": "csv"}}, r"data\.format: 'csv' is not one of"),
+        ({"data": {"task": None, "train_path": "t.jsonl"}}, r"reward\.kind: required with data\.train_path"),
+        ({"data": {"task": None, "train_path": "t.jsonl", "label_key": None},
+          "reward": {"kind": "exact_match"}}, r"data\.label_key: reward\.kind 'exact_match'"),
+        ({"data": {"task": None, "train_path": "t.jsonl", "tokenizer_dir": "tok"},
+          "reward": {"kind": "addition"}}, r"reward\.kind: 'addition' reads byte-level"),
+        ({"reward": {"kind": "function"}}, r"reward\.function: required"),
+        ({"reward": {"kind": "function", "function": "mod.fn"}}, r"reward\.function: expected"),
+        ({"reward": {"kind": "http"}}, r"reward\.url: required"),
+        ({"reward": {"kind": "http", "url": "localhost:80"}}, r"reward\.url: expected an http"),
+        ({"reward": {"on_error": "skip"}}, r"reward\.on_error: 'skip' is not one of"),
+        ({"reward": {"kind": "bleu"}}, r"reward\.kind: 'bleu'"),
+        ({"reward": {"timeout_s": 0}}, r"reward\.timeout_s: must be > 0"),
+        ({"reward": {"urls": "x"}}, r"reward\.urls: unknown key"),
+    ]
+    for data, pattern in cases:
+        with pytest.raises(ConfigError, match=pattern):
+            config_from_dict(data)

@@ -1,0 +1,194 @@
+"""Benchmark: HF <-> Megatron conversion throughput (against ``cp``) and peak memory.
+
+    .venv/bin/python bench/bench_convert.py                       # 3- and 6-layer models
+    .venv/bin/python bench/bench_convert.py --layers 3 --workdir /tmp/bench_convert
+
+For each size, a synthetic Qwen3-MoE checkpoint with Qwen3-30B-A3B's layer shapes (hidden 2048,
+32 heads / 4 KV groups of 128, 128 experts of 768, vocabulary 151936, untied, bf16) but fewer
+layers is written as Hugging Face safetensors shards (~1.25 GB per layer + 1.24 GB of embeddings).
+Then, in this order and each in a fresh process (``python -m launch.convert``):
+
+1. ``cp -r`` of the HF directory (the same bytes), timed;
+2. ``convert hf-to-mcore`` (one writer thread), timed, its peak RSS from ``wait4``;
+3. ``convert mcore-to-hf`` back, timed, peak RSS; then ``cp -r`` of the Megatron directory;
+4. a spot check that the exported tensors equal the synthetic ones (embedding, an expert);
+
+and everything is deleted. Throughput ratio = cp seconds / conversion seconds for the same bytes
+(>= 0.5 is the target). Both include process start-up and the imports (about 2 s on the
+development machine): the "conversion only" ratio uses the time the converter itself reports.
+The source files are in the page cache when cp reads them (they were just written), and cp and
+the converter alike leave the written pages for the kernel to flush (``--no-fsync``); a fully
+synced conversion is timed too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from megatron_gspo.safetensors_io import (HFCheckpoint, ShardWriter, plan_shards,  # noqa: E402
+                                          shard_file_names, write_index)
+
+QWEN3_30B_SHAPES = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4,
+                        head_dim=128, num_experts=128, num_experts_per_tok=8,
+                        moe_intermediate_size=768, vocab_size=151936)
+
+
+def hf_config(num_layers: int) -> dict:
+    c = QWEN3_30B_SHAPES
+    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "num_hidden_layers": num_layers, "hidden_size": c["hidden_size"],
+            "num_attention_heads": c["num_attention_heads"],
+            "num_key_value_heads": c["num_key_value_heads"], "head_dim": c["head_dim"],
+            "num_experts": c["num_experts"], "num_experts_per_tok": c["num_experts_per_tok"],
+            "moe_intermediate_size": c["moe_intermediate_size"], "intermediate_size": 6144,
+            "vocab_size": c["vocab_size"], "norm_topk_prob": True, "tie_word_embeddings": False,
+            "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 40960,
+            "hidden_act": "silu", "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "use_sliding_window": False, "attention_bias": False, "torch_dtype": "bfloat16"}
+
+
+def synthetic_value(name: str, shape: tuple, pool: torch.Tensor) -> torch.Tensor:
+    """A deterministic bf16 tensor per name: a window of a random pool (cheap to make)."""
+    n = math.prod(shape)
+    start = zlib.crc32(name.encode()) % (pool.numel() - n) if pool.numel() > n else 0
+    if n <= pool.numel():
+        return pool[start:start + n].view(shape)
+    return pool.repeat(math.ceil(n / pool.numel()))[:n].view(shape)
+
+
+def write_synthetic(directory: Path, num_layers: int, shard_bytes: int = 2 * 10**9) -> int:
+    from megatron_gspo.hf_mapping import hf_param_shapes
+    from megatron_gspo.model import model_config_from_hf
+
+    directory.mkdir(parents=True)
+    config = hf_config(num_layers)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    model = model_config_from_hf(config)
+    entries = [(name, shape, torch.bfloat16) for name, shape in hf_param_shapes(model).items()]
+    shards = plan_shards(entries, shard_bytes)
+    pool = torch.randn(400_000_000 // 2, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    weight_map, total = {}, 0
+    for file, shard in zip(shard_file_names(len(shards)), shards):
+        writer = ShardWriter(directory / file, shard)
+        for name, shape, _ in shard:
+            writer.write(name, synthetic_value(name, shape, pool))
+            weight_map[name] = file
+            total += math.prod(shape) * 2
+        writer.close(fsync=False)
+    write_index(directory, weight_map, total)
+    return total
+
+
+def du(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def timed_cp(src: Path, dst: Path) -> float:
+    start = time.perf_counter()
+    subprocess.run(["cp", "-r", "--reflink=never", str(src), str(dst)], check=True)
+    seconds = time.perf_counter() - start
+    shutil.rmtree(dst)
+    return seconds
+
+
+def run_convert(args: list[str]) -> dict:
+    """Run ``python -m launch.convert ARGS``; wall seconds, peak RSS (GiB), reported seconds."""
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "launch.convert", *args, "--no-progress"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    out, err = proc.stdout.read(), proc.stderr.read()
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"convert {args} failed:\n{out}\n{err}")
+    reported = float(out.strip().split(" in ")[-1].split(" s")[0])
+    return {"wall_s": wall, "convert_s": reported, "peak_rss_gib": usage.ru_maxrss / 2**20}
+
+
+def spot_check(src: Path, exported: Path, num_layers: int) -> None:
+    with HFCheckpoint(src) as a, HFCheckpoint(exported) as b:
+        names = ["model.embed_tokens.weight", "lm_head.weight",
+                 f"model.layers.{num_layers - 1}.self_attn.q_proj.weight",
+                 f"model.layers.{num_layers - 1}.mlp.experts.127.up_proj.weight",
+                 "model.layers.0.mlp.experts.5.down_proj.weight"]
+        for name in names:
+            if not torch.equal(a.read(name), b.read(name)):
+                raise AssertionError(f"{name}: exported tensor differs from the source")
+
+
+def bench_size(workdir: Path, num_layers: int) -> dict:
+    src, mcore, export = workdir / "hf", workdir / "mcore", workdir / "export"
+    for path in (src, mcore, export):
+        if path.exists():
+            shutil.rmtree(path)
+    try:
+        payload = write_synthetic(src, num_layers)
+        disk = du(src)
+        cp_hf = timed_cp(src, workdir / "hf_copy")
+        to_mcore = run_convert(["hf-to-mcore", "--hf", str(src), "--out", str(mcore), "--tp", "4",
+                                "--ep", "8", "--no-fsync"])
+        cp_mcore = timed_cp(mcore, workdir / "mcore_copy")
+        to_hf = run_convert(["mcore-to-hf", "--mcore", str(mcore), "--out", str(export),
+                             "--no-fsync"])
+        spot_check(src, export, num_layers)
+        shutil.rmtree(mcore)
+        synced = run_convert(["hf-to-mcore", "--hf", str(src), "--out", str(mcore), "--tp", "4",
+                              "--ep", "8"])
+        return {"layers": num_layers, "hf_bytes": disk, "payload_bytes": payload,
+                "cp_hf_s": cp_hf, "cp_mcore_s": cp_mcore, "hf_to_mcore": to_mcore,
+                "mcore_to_hf": to_hf, "hf_to_mcore_fsync": synced}
+    finally:
+        for path in (src, mcore, export):
+            if path.exists():
+                shutil.rmtree(path)
+
+
+def report(rows: list[dict]) -> str:
+    lines = ["| model (layers) | HF size | direction | cp | convert (process) | ratio | "
+             "convert only | ratio | peak RSS |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        size = f"{r['hf_bytes'] / 1e9:.2f} GB"
+        for label, key, cp in (("hf-to-mcore", "hf_to_mcore", r["cp_hf_s"]),
+                               ("hf-to-mcore, fsync", "hf_to_mcore_fsync", r["cp_hf_s"]),
+                               ("mcore-to-hf", "mcore_to_hf", r["cp_mcore_s"])):
+            m = r[key]
+            lines.append(f"| {r['layers']} | {size} | {label} | {cp:.2f} s | {m['wall_s']:.2f} s | "
+                         f"{cp / m['wall_s']:.2f} | {m['convert_s']:.2f} s | {cp / m['convert_s']:.2f} | "
+                         f"{m['peak_rss_gib']:.2f} GiB |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", default="3,6",
+                        help="comma-separated layer counts, one synthetic model each (default 3,6)")
+    parser.add_argument("--workdir", default="/tmp/bench_convert", type=Path)
+    args = parser.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for layers in (int(x) for x in args.layers.split(",")):
+        rows.append(bench_size(args.workdir, layers))
+        print(json.dumps(rows[-1]), flush=True)
+    shutil.rmtree(args.workdir, ignore_errors=True)
+    print(report(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Set up and tear down one GSPO training session on a training rank (used by ``train``).
+
+Everything here is plumbing: distributed start, the trainer, resume, datasets and rewards on rank
+0, the rollout servers (started here in embedded mode, found through the router otherwise), the
+weight-sync transport, signals, and a guaranteed stop of every process this session started.
+The loop itself is ``pipeline.loop.run``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_gspo.config import Config, ConfigError
+
+
+def validate_rl(cfg: Config) -> None:
+    """RL-specific consistency checks (errors name the fields)."""
+    g, gbs, k = cfg.gspo.group_size, cfg.run.global_batch_size, cfg.gspo.updates_per_rollout
+    if gbs % g:
+        raise ConfigError(f"run.global_batch_size: {gbs} is not a multiple of gspo.group_size {g}")
+    if gbs % k:
+        raise ConfigError(f"run.global_batch_size: {gbs} does not split into "
+                          f"gspo.updates_per_rollout = {k} mini-batches")
+    if cfg.parallel.context > 1:
+        raise ConfigError("parallel.context: context parallelism of the policy needs Transformer "
+                          "Engine attention; the RL trainer does not split rollout batches over "
+                          "context-parallel ranks yet (the loss supports it: "
+                          "megatron_gspo.context_parallel)")
+
+
+def _server_urls_from_router(router_url: str) -> list[str]:
+    from pipeline.rollout import router_workers
+
+    return [w["url"] for w in router_workers(router_url)]
+
+
+def run_training(cfg: Config, *, resume: bool) -> int:
+    from megatron_gspo import parallel
+    from megatron_gspo.checkpoint import checkpoint_root, latest_checkpoint
+    from megatron_gspo.rl_trainer import RLTrainer
+    from pipeline import loop
+    from pipeline.metrics import MetricsLogger
+
+    validate_rl(cfg)
+    run_dir = Path(cfg.run.output_dir)
+    parallel.init_distributed()
+    cluster = None
+    logger = None
+    try:
+        pg = parallel.initialize(cfg.parallel, seed=cfg.run.seed)
+        is_main = dist.get_rank() == 0
+        latest = latest_checkpoint(run_dir) if resume else None
+        if not resume and checkpoint_root(run_dir).joinpath("latest").exists():
+            raise ConfigError(f"run.output_dir: {run_dir} already holds checkpoints; pass --resume "
+                              "to continue that run or choose another run.output_dir")
+        if is_main:
+            layout = parallel.derive_layout(cfg.parallel, dist.get_world_size())
+            print(f"layout: {layout.describe()}", flush=True)
+        stop = loop.StopFlag().install()
+        trainer = RLTrainer(cfg, pg, init_hf_dir=cfg.run.init_from)
+        start_step, run_state = 0, {}
+        if latest is not None:
+            run_state = trainer.load(latest)
+            start_step = int(run_state["step"])
+            if is_main:
+                print(f"resumed from {latest} (step {start_step})", flush=True)
+
+        # Rank 0: data, rewards, rollout client (and in embedded mode the servers + router).
+        ctx_parts = None
+        server_urls = None
+        if is_main:
+            from pipeline.data import PromptSampler, build_datasets
+            from pipeline.rewards import build_reward
+            from pipeline.rollout import RolloutClient
+
+            train_set, eval_set = build_datasets(cfg.data, seed=cfg.run.seed)
+            sampler = PromptSampler(train_set, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+            if run_state.get("sampler"):
+                sampler.load_state_dict(run_state["sampler"])
+            eval_prompts = [eval_set[i] for i in range(len(eval_set))] if eval_set else []
+            encoder = train_set.encoder
+            if cfg.rollout.mode == "embedded":
+                from pipeline.servers import LocalRolloutCluster
+
+                model_path = cfg.run.init_from or _export_initial_weights(trainer, run_dir)
+                cluster = LocalRolloutCluster(model_path, cfg.rollout.num_servers,
+                                              log_dir=run_dir / "logs", random_seed=cfg.run.seed)
+                cluster.start()
+                client = RolloutClient(router_url=cluster.router_url,
+                                       max_concurrency=cfg.rollout.max_concurrency,
+                                       request_timeout_s=cfg.rollout.request_timeout_s)
+                server_urls = list(cluster.server_urls)
+            else:
+                client = RolloutClient(router_url=cfg.rollout.router_url,
+                                       max_concurrency=cfg.rollout.max_concurrency,
+                                       request_timeout_s=cfg.rollout.request_timeout_s)
+                client.wait_healthy()
+                server_urls = _server_urls_from_router(cfg.rollout.router_url)
+            logger = MetricsLogger(run_dir, enabled=True)
+            ctx_parts = dict(sampler=sampler, eval_prompts=eval_prompts if cfg.run.eval_interval
+                             else [], client=client, decode=encoder.decode,
+                             stop_token_ids=[encoder.eos_id])
+        elif _needs_export(cfg):
+            _export_initial_weights(trainer, run_dir)  # collective
+        box = [server_urls]
+        dist.broadcast_object_list(box, src=0)
+        server_urls = box[0]
+
+        from megatron_gspo.weight_sync import sync_weights
+
+        sync_dir = cfg.rollout.weight_sync_dir or str(run_dir / "weights")
+
+        def sync(version: str) -> dict:
+            return sync_weights(trainer.gpt, cfg.model, pg, server_urls,
+                                transport=cfg.rollout.weight_sync, weight_version=version,
+                                bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20,
+                                shared_dir=sync_dir) or {}
+
+        trainer.sync_weights = sync
+        ctx = loop.LoopContext(cfg=cfg, run_dir=str(run_dir), reward_fn=(
+            build_reward(cfg.reward, cfg.data) if is_main else None),
+            logger=logger or MetricsLogger(run_dir, enabled=False), stop=stop,
+            **(ctx_parts or dict(sampler=None, eval_prompts=[], client=None, decode=None,
+                                 stop_token_ids=[])))
+        result = loop.run(ctx, trainer, start_step=start_step)
+        if is_main:
+            history = result["history"]["eval/reward_mean"]
+            if result["status"] == "preempted":
+                print(f"preempted: checkpoint saved; exit {loop.PREEMPTED_EXIT_CODE}", flush=True)
+            elif len(history) >= 2:
+                print(f"held-out reward: step {history[0][0]} {history[0][1]:.3f} -> "
+                      f"step {history[-1][0]} {history[-1][1]:.3f}", flush=True)
+        return loop.PREEMPTED_EXIT_CODE if result["status"] == "preempted" else 0
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        if logger is not None:
+            logger.close()
+        parallel.destroy()
+
+
+def _needs_export(cfg: Config) -> bool:
+    return cfg.rollout.mode == "embedded" and not cfg.run.init_from
+
+
+def _export_initial_weights(trainer, run_dir: Path) -> str:
+    """Write the trainer's initial weights as a Hugging Face directory (collective)."""
+    from megatron_gspo.weight_sync import export_hf_dir
+
+    out = run_dir / "init_hf"
+    export_hf_dir(trainer.gpt, trainer.cfg.model, trainer.pg, out)
+    return str(out)

@@ -1,0 +1,60 @@
+"""``megatron-gspo serve``: a rollout server that speaks SGLang's HTTP protocol, on the CPU.
+
+For machines where SGLang cannot run (no GPU). It serves a Hugging Face Qwen3-MoE directory with
+transformers (fp32, KV cache, batched decoding) and answers SGLang's native endpoints, so the
+client, the sglang-router and the weight sync run unchanged::
+
+    megatron-gspo serve --model-path DIR --port 30001 [--host 127.0.0.1] [--random-seed 0]
+    python -m sglang_router.launch_router --host 127.0.0.1 --port 30000 \\
+        --worker-urls http://127.0.0.1:30001
+
+The flags are SGLang's launch-flag names where one exists (``--model-path``, ``--host``,
+``--port``, ``--random-seed``, ``--skip-tokenizer-init``, ``--weight-version``,
+``--context-length``, ``--max-running-requests``, ``--max-prefill-tokens``, ``--dtype``,
+``--log-level``); ``--cpu-threads`` and ``--weight-update-timeout`` are this server's own.
+Stop it with SIGINT or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve", help="local CPU rollout server with SGLang's HTTP API (no GPU needed)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=main)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-path", "--model", dest="model_path", required=True,
+                   help="Hugging Face Qwen3-MoE directory (config.json + safetensors; tokenizer "
+                        "files optional)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--random-seed", type=int, default=None,
+                   help="seed of the sampling noise of requests without sampling_seed")
+    p.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="do not load a tokenizer: input_ids only, responses without 'text'")
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="default: max_position_embeddings of config.json")
+    p.add_argument("--max-running-requests", type=int, default=64,
+                   help="requests decoded together in one batch")
+    p.add_argument("--max-prefill-tokens", type=int, default=16384,
+                   help="padded prompt tokens per prefill batch")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    p.add_argument("--log-level", default="warning",
+                   choices=["debug", "info", "warning", "error"])
+    p.add_argument("--cpu-threads", type=int, default=1,
+                   help="torch intra-op threads (this server's own flag; default 1)")
+    p.add_argument("--weight-update-timeout", type=float, default=300.0,
+                   help="seconds init_weights_update_group / a broadcast may wait for the trainer")
+
+
+def main(args: argparse.Namespace, argv: list[str]) -> int:
+    from pipeline.local_server import serve
+
+    return serve(args)

@@ -1,0 +1,367 @@
+"""``megatron-gspo launch slurm``: run a GSPO job on a Slurm cluster, rollout servers and trainers
+in one job.
+
+    # 4 rollout nodes (SGLang, --tp-size from rollout.tp_size) + 8 training nodes, 8 GPUs each
+    megatron-gspo launch slurm --config launch/configs/qwen3_30b_a3b.yaml --nodes 8 \\
+        --rollout-nodes 4 --gpus-per-node 8 --partition gpu --time 24:00:00 \\
+        --model-path /models/Qwen3-30B-A3B --container-image /images/megatron-gspo.sqsh \\
+        --container-mounts /lustre:/lustre
+
+    # CPU machines: local rollout servers (`megatron-gspo serve`) and gloo training ranks
+    megatron-gspo launch slurm --config launch/configs/tiny_cpu.yaml --nodes 2 --rollout-nodes 1 \\
+        --model-path runs/tiny_cpu/hf
+
+    # print the batch script, submit nothing
+    megatron-gspo launch slurm --config X.yaml ... --dry-run
+
+The batch script is rendered from the templates in ``slurm/`` (``disaggregated.sbatch``: a
+heterogeneous job, rollout component then training component; ``colocated.sbatch`` with
+``--rollout-nodes 0``: one component whose nodes host both) and ``slurm/lib.sh``, and submitted
+with sbatch; the job id and the run directory are printed. The script holds resources and
+environment only. The run's configuration, with the ``--set`` overrides applied and
+``run.output_dir`` made absolute, is written to ``<run dir>/slurm/config.yaml`` and is the only
+place with hyperparameters. The job:
+
+* starts the rollout servers (SGLang with ``--gpus-per-node`` > 0, else ``megatron-gspo serve``),
+  the router on the rollout component's first node, waits for every server's ``/health`` (bounded
+  by ``--health-timeout-s``; an error names the server and shows the end of its log), and
+  registers the servers with the router (``POST /workers``);
+* runs ``megatron-gspo train --resume`` on every training rank (``srun``; ranks from
+  SLURM_PROCID / SLURM_LOCALID, MASTER_ADDR = the training component's first node) against the
+  router, then stops the servers; it exits non-zero if any component failed;
+* is requeueable: SIGUSR1 ``--signal-before-s`` seconds before the time limit is forwarded to the
+  trainer, which checkpoints; the job requeues itself and resumes in the same run directory
+  (``scontrol requeue`` or a preemption works the same way through SIGTERM).
+
+Logs: ``<run dir>/logs/slurm-<job id>.out`` (the batch script, appended across restarts) and
+``<run dir>/logs/<job id>-<restart>/{router,server-task<t>,train-rank<r>}.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from launch.common import add_config_args, load_from_args
+from megatron_gspo.config import Config, ConfigError, dump_config, load_config
+
+TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "slurm"
+PREEMPTED_MARKER = "PREEMPTED"
+"""Created by the trainer (rank 0) in run.output_dir once its checkpoint on SIGTERM/SIGUSR1 is
+saved; the batch script then requeues the job (see slurm/lib.sh)."""
+PREEMPTED_EXIT_STATUS = 75
+"""EX_TEMPFAIL: a trainer exit status the batch script treats like the marker."""
+
+
+@dataclass(frozen=True)
+class JobLayout:
+    """Where every process of the job runs (derived from the command line and the config)."""
+
+    colocated: bool
+    train_nodes: int
+    train_tasks_per_node: int
+    rollout_nodes: int
+    """Nodes that host rollout servers (the training nodes themselves when colocated)."""
+    gpus_per_node: int
+    server: str
+    """"sglang" (GPU) or "local" (``megatron-gspo serve``, CPU)."""
+    server_tp: int
+    server_tasks_per_node: int
+    nodes_per_server: int
+    num_servers: int
+
+    @property
+    def world_size(self) -> int:
+        return self.train_nodes * self.train_tasks_per_node
+
+    def describe(self) -> str:
+        where = "on the training nodes" if self.colocated else f"on {self.rollout_nodes} node(s)"
+        span = (f"{self.nodes_per_server} nodes each" if self.nodes_per_server > 1
+                else f"{self.server_tasks_per_node} per node")
+        tp = f", --tp-size {self.server_tp}" if self.server == "sglang" else ""
+        return (f"training: {self.train_nodes} node(s) x {self.train_tasks_per_node} rank(s) = "
+                f"{self.world_size} ranks; rollout: {self.num_servers} {self.server} server(s) "
+                f"{where} ({span}{tp}); router on the first rollout node")
+
+
+def server_tp_size(cfg: Config) -> int:
+    """Tensor-parallel size of one rollout server (SGLang ``--tp-size``): ``rollout.tp_size``."""
+    return int(getattr(cfg.rollout, "tp_size", 1) or 1)
+
+
+def plan_layout(cfg: Config, args: argparse.Namespace) -> JobLayout:
+    """Check the command line against the config; errors name the option or field to change."""
+    gpus = args.gpus_per_node
+    for flag, value, minimum in (("--nodes", args.nodes, 1), ("--rollout-nodes", args.rollout_nodes, 0),
+                                 ("--gpus-per-node", gpus, 0)):
+        if value < minimum:
+            raise ConfigError(f"{flag}: must be >= {minimum}, got {value}")
+    server = args.server or ("sglang" if gpus > 0 else "local")
+    if server == "sglang" and gpus == 0:
+        raise ConfigError("--server sglang: SGLang servers need GPUs; set --gpus-per-node, or use "
+                          "--server local (megatron-gspo serve) on CPU machines")
+    colocated = args.rollout_nodes == 0
+    rollout_nodes = args.nodes if colocated else args.rollout_nodes
+
+    if args.ntasks_per_node is not None:
+        if args.ntasks_per_node < 1:
+            raise ConfigError(f"--ntasks-per-node: must be >= 1, got {args.ntasks_per_node}")
+        tasks_per_node = args.ntasks_per_node
+    elif gpus > 0:
+        tasks_per_node = gpus
+    else:  # CPU: the smallest world the parallel layout needs, spread over the training nodes
+        from launch.local import minimal_world_size
+        tasks_per_node = max(1, math.ceil(minimal_world_size(cfg.parallel) / args.nodes))
+
+    from megatron_gspo.parallel import derive_layout
+    derive_layout(cfg.parallel, args.nodes * tasks_per_node)  # raises naming every factor
+
+    tp = server_tp_size(cfg)
+    if server == "sglang":
+        if tp <= gpus:
+            if gpus % tp:
+                raise ConfigError(f"rollout.tp_size: {tp} does not divide --gpus-per-node {gpus}")
+            per_node, nodes_per_server = gpus // tp, 1
+            num_servers = rollout_nodes * per_node
+        else:
+            if tp % gpus:
+                raise ConfigError(f"rollout.tp_size: {tp} is not a multiple of --gpus-per-node "
+                                  f"{gpus} (a server spanning nodes uses whole nodes)")
+            per_node, nodes_per_server = 1, tp // gpus
+            if rollout_nodes % nodes_per_server:
+                raise ConfigError(
+                    f"--rollout-nodes: {rollout_nodes} is not a multiple of the {nodes_per_server} "
+                    f"nodes one server spans (rollout.tp_size {tp} / --gpus-per-node {gpus})")
+            num_servers = rollout_nodes // nodes_per_server
+    else:
+        if tp != 1:
+            raise ConfigError(f"rollout.tp_size: {tp} needs SGLang servers on GPUs; the local "
+                              "server (--server local) has no tensor parallelism, set it to 1")
+        num_servers = cfg.rollout.num_servers
+        if num_servers % rollout_nodes:
+            raise ConfigError(f"rollout.num_servers: {num_servers} local servers do not spread "
+                              f"evenly over {rollout_nodes} rollout node(s)")
+        per_node, nodes_per_server = num_servers // rollout_nodes, 1
+    return JobLayout(colocated=colocated, train_nodes=args.nodes, train_tasks_per_node=tasks_per_node,
+                     rollout_nodes=rollout_nodes, gpus_per_node=gpus, server=server, server_tp=tp,
+                     server_tasks_per_node=per_node, nodes_per_server=nodes_per_server,
+                     num_servers=num_servers)
+
+
+def server_command(layout: JobLayout, seed: int, colocated: bool) -> str:
+    """The body of ``bash -c`` that every server task runs; $-variables expand in the task.
+
+    Server i is made of tasks i*K .. i*K+K-1 (K = nodes per server, one task per node then);
+    its HTTP port is MGSPO_SERVER_PORT0 + 2 i, and + 2 i + 1 is its multi-node rendezvous port.
+    """
+    k = layout.nodes_per_server
+    index = f"$((SLURM_PROCID / {k}))" if k > 1 else "$SLURM_PROCID"
+    lines = [f"i={index}"]
+    port = "--port $((MGSPO_SERVER_PORT0 + 2 * i))"
+    seed_arg = f"--random-seed $(({seed} + i))"
+    if layout.server == "sglang":
+        cmd = ['exec "$MGSPO_SGLANG_PYTHON" -m sglang.launch_server --model-path "$MGSPO_MODEL_PATH"',
+               f"--tp-size {layout.server_tp}", "--host 0.0.0.0", port, seed_arg]
+        if k > 1:
+            lines.append("hosts=($MGSPO_ROLLOUT_HOSTS)")
+            cmd += [f"--nnodes {k} --node-rank $((SLURM_PROCID % {k}))",
+                    f"--dist-init-addr ${{hosts[$((i * {k}))]}}:$((MGSPO_SERVER_PORT0 + 2 * i + 1))"]
+        else:
+            cmd.append(f"--base-gpu-id $((SLURM_LOCALID * {layout.server_tp}))")
+        if colocated:
+            cmd.append("--enable-memory-saver")  # the trainer releases/resumes server memory
+    else:
+        cmd = ['exec "$MGSPO_PYTHON" -m launch.cli serve --model-path "$MGSPO_MODEL_PATH"',
+               "--host 0.0.0.0", port, seed_arg]
+    lines.append(" ".join(cmd))
+    return "; ".join(lines)
+
+
+def _sbatch_lines(args: argparse.Namespace, layout: JobLayout, run_dir: Path, job_name: str,
+                  workdir: Path) -> str:
+    job = [f"--job-name={job_name}", f"--output={run_dir}/logs/slurm-%j.out", "--open-mode=append",
+           f"--chdir={workdir}", "--requeue", f"--signal=B:USR1@{args.signal_before_s}"]
+
+    def component(nodes: int, tasks_per_node: int) -> list[str]:
+        lines = [f"--partition={args.partition}"] if args.partition else []
+        lines += [f"--account={args.account}"] if args.account else []
+        lines += [f"--time={args.time}"] if args.time else []
+        lines += [f"--nodes={nodes}", f"--ntasks-per-node={tasks_per_node}"]
+        if layout.gpus_per_node:
+            lines += [f"--gpus-per-node={layout.gpus_per_node}", "--exclusive"]
+        return lines
+
+    if layout.colocated:
+        groups = [job + component(layout.train_nodes, layout.train_tasks_per_node)]
+    else:
+        groups = [job + component(layout.rollout_nodes, layout.server_tasks_per_node),
+                  component(layout.train_nodes, layout.train_tasks_per_node)]
+    blocks = ["\n".join(f"#SBATCH {shlex.quote(line)}" for line in group) for group in groups]
+    return "\n#SBATCH hetjob\n".join(blocks)
+
+
+def _container_options(args: argparse.Namespace, run_dir: Path, workdir: Path) -> str:
+    if not args.container_image:
+        if args.container_mounts:
+            raise ConfigError("--container-mounts: only with --container-image")
+        return ""
+    mounts = [m for m in (args.container_mounts or "").split(",") if m]
+    sources = [m.split(":")[0] for m in mounts]
+    for needed in (run_dir, workdir):  # the job writes the run dir and works in the submit dir
+        if not any(str(needed) == s or str(needed).startswith(s.rstrip("/") + "/") for s in sources):
+            mounts.append(f"{needed}:{needed}")
+            sources.append(str(needed))
+    opts = [f"--container-image={args.container_image}", f"--container-mounts={','.join(mounts)}",
+            f"--container-workdir={workdir}"]
+    return " ".join(shlex.quote(o) for o in opts)
+
+
+def render(template_name: str, values: dict[str, str]) -> str:
+    """Fill ``{{name}}`` placeholders; an unknown or leftover placeholder is an error."""
+    text = (TEMPLATE_DIR / template_name).read_text()
+
+    def fill(match: re.Match) -> str:
+        name = match.group(1)
+        if name not in values:
+            raise KeyError(f"slurm/{template_name}: no value for {{{{{name}}}}}")
+        return values[name]
+
+    out = re.sub(r"\{\{(\w+)\}\}", fill, text)
+    if "{{" in out:
+        raise ValueError(f"slurm/{template_name}: malformed placeholder near "
+                         f"{out[out.index('{{'):][:40]!r}")
+    return out
+
+
+def build_script(cfg: Config, args: argparse.Namespace, layout: JobLayout, run_dir: Path,
+                 config_copy: Path, workdir: Path) -> str:
+    gpus = layout.gpus_per_node
+    python = "python" if args.container_image else sys.executable
+    model_path = args.model_path
+    if model_path is None:
+        raise ConfigError("--model-path: required: the Hugging Face model directory the rollout "
+                          "servers load (its architecture must match the config's model section)")
+    if not args.container_image and "://" not in model_path:
+        model_path = str(Path(model_path).expanduser().resolve())
+    q = shlex.quote
+    common = f"--nodes={layout.rollout_nodes} --ntasks-per-node={layout.server_tasks_per_node} --distribution=block"
+    values = {
+        "config": q(str(config_copy)),
+        "run_dir": q(str(run_dir)),
+        "python": q(python),
+        "model_path": q(model_path),
+        "omp_num_threads": "1" if gpus == 0 else "8",
+        "health_timeout_s": str(args.health_timeout_s or (1800 if layout.server == "sglang" else 300)),
+        "num_servers": str(layout.num_servers),
+        "server_tasks_per_node": str(layout.server_tasks_per_node),
+        "nodes_per_server": str(layout.nodes_per_server),
+        "signal_before_s": str(args.signal_before_s),
+        "sbatch_header": _sbatch_lines(args, layout, run_dir, args.job_name or f"gspo-{run_dir.name}",
+                                       workdir),
+        "container_options": _container_options(args, run_dir, workdir),
+        "server_srun_options": common + " --overlap",
+        "server_command": q(server_command(layout, cfg.run.seed, layout.colocated)),
+        "train_srun_options": (f"--nodes={layout.train_nodes} "
+                               f"--ntasks-per-node={layout.train_tasks_per_node} --distribution=block"),
+        "lib": (TEMPLATE_DIR / "lib.sh").read_text().rstrip("\n"),
+    }
+    template = "colocated.sbatch" if layout.colocated else "disaggregated.sbatch"
+    return render(template, values)
+
+
+def add_parser(subparsers) -> None:
+    launch = subparsers.choices.get("launch") if hasattr(subparsers, "choices") else None
+    if launch is None:
+        launch = subparsers.add_parser(
+            "launch", help="launch a GSPO job on a cluster scheduler (slurm)",
+            description="Launch a GSPO job on a cluster scheduler.")
+        launch.add_subparsers(dest="launcher", metavar="SCHEDULER", required=True)
+    launchers = next(a for a in launch._actions if isinstance(a, argparse._SubParsersAction))
+    p = launchers.add_parser(
+        "slurm", help="rollout servers and training ranks as one Slurm job (sbatch)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(p)
+    p.add_argument("--nodes", type=int, default=1, help="training nodes (default 1)")
+    p.add_argument("--rollout-nodes", type=int, default=1,
+                   help="rollout-server nodes, a separate het-job component; 0 = colocated: the "
+                        "servers share the training nodes (default 1)")
+    p.add_argument("--gpus-per-node", type=int, default=0,
+                   help="GPUs per node; 0 = CPU machines (local servers, gloo ranks) (default 0)")
+    p.add_argument("--ntasks-per-node", type=int, default=None,
+                   help="training ranks per node (default: --gpus-per-node; on CPU the smallest "
+                        "world the parallel layout needs, spread over --nodes)")
+    p.add_argument("--server", choices=("sglang", "local"), default=None,
+                   help="rollout server: sglang (python -m sglang.launch_server, GPUs) or local "
+                        "(megatron-gspo serve, CPU) (default: sglang with GPUs, else local)")
+    p.add_argument("--model-path", default=None, metavar="DIR",
+                   help="Hugging Face model directory (or hub id) the rollout servers load")
+    p.add_argument("--partition", default=None, help="Slurm partition (every component)")
+    p.add_argument("--account", default=None, help="Slurm account (every component)")
+    p.add_argument("--time", default=None, metavar="T",
+                   help="time limit per (re)start, e.g. 4:00:00 (default: the partition's)")
+    p.add_argument("--job-name", default=None, help="default: gspo-<run dir name>")
+    p.add_argument("--signal-before-s", type=int, default=300, metavar="S",
+                   help="SIGUSR1 this many seconds before the time limit: checkpoint and requeue "
+                        "(default 300)")
+    p.add_argument("--health-timeout-s", type=int, default=None, metavar="S",
+                   help="bound on the wait for servers and router to be healthy "
+                        "(default 1800 for SGLang, 300 for local servers)")
+    p.add_argument("--container-image", default=None, metavar="IMG",
+                   help="run every step in this container (pyxis/enroot srun flags)")
+    p.add_argument("--container-mounts", default=None, metavar="SRC:DST[,...]",
+                   help="container mounts; the run dir and working directory are added if "
+                        "not covered")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the batch script and submit nothing")
+    p.set_defaults(func=main)
+
+
+def _submit(script: str, script_path: Path) -> Optional[str]:
+    script_path.write_text(script)
+    try:
+        proc = subprocess.run(["sbatch", "--parsable", str(script_path)], capture_output=True,
+                              text=True, timeout=120)
+    except FileNotFoundError:
+        print("megatron-gspo launch slurm: sbatch not found (is Slurm installed, SLURM_CONF set?)",
+              file=sys.stderr)
+        return None
+    if proc.returncode != 0:
+        print(f"megatron-gspo launch slurm: sbatch failed (status {proc.returncode}):\n"
+              f"{proc.stderr.strip()}", file=sys.stderr)
+        return None
+    return proc.stdout.strip().split(";")[0]
+
+
+def main(args: argparse.Namespace, argv: list[str]) -> int:
+    cfg = load_from_args(args)
+    layout = plan_layout(cfg, args)
+    workdir = Path.cwd().resolve()
+    run_dir = (workdir / cfg.run.output_dir).resolve()
+    config_copy = run_dir / "slurm" / "config.yaml"
+    script = build_script(cfg, args, layout, run_dir, config_copy, workdir)
+    if args.dry_run:
+        print(script, end="")
+        print(f"# dry run: {layout.describe()}; nothing submitted", file=sys.stderr)
+        return 0
+
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    config_copy.parent.mkdir(parents=True, exist_ok=True)
+    # the job's config: the file with the --set overrides applied and an absolute output dir
+    job_cfg = load_config(args.config, [*args.overrides, f"run.output_dir={run_dir}"])
+    config_copy.write_text(dump_config(job_cfg))
+    job_id = _submit(script, run_dir / "slurm" / "job.sbatch")
+    if job_id is None:
+        return 1
+    print(f"submitted job {job_id}: {layout.describe()}")
+    if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+        print(f"the run resumes from the newest checkpoint in {run_dir / 'checkpoints'}")
+    print(f"run dir: {run_dir}")
+    print(f"logs: {run_dir}/logs/slurm-{job_id}.out and {run_dir}/logs/{job_id}-<restart>/")
+    return 0

@@ -1,0 +1,47 @@
+"""``megatron-gspo train``: the GSPO loop on Megatron with SGLang-protocol rollout servers.
+
+On one machine (ranks and, in embedded mode, the rollout servers and the router are started for
+you; they are always stopped, also on error or Ctrl-C)::
+
+    megatron-gspo train --config launch/configs/tiny_cpu.yaml --set run.init_from=runs/sft/hf
+
+Under torchrun or srun, one process per training rank, with ``rollout.mode: external`` and
+``rollout.router_url`` pointing at a running SGLang router (worker URLs are read from it).
+
+``--resume`` continues from the newest checkpoint in ``run.output_dir`` (model, optimizer, RNG,
+data position, step). SIGTERM / SIGUSR1 finish the current step, save a checkpoint and exit with
+status 75 ("requeue me"); a finished run exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from launch import local
+from launch.common import add_config_args, load_from_args
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("train", help="GSPO reinforcement learning on Megatron",
+                              description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(p)
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in run.output_dir (if there is one)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="local training ranks to start when not launched by torchrun/srun "
+                        "(default: the smallest world the parallel layout needs)")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace, argv: list[str]) -> int:
+    cfg = load_from_args(args)
+    code = local.ensure_ranks(argv, args.nproc or local.minimal_world_size(cfg.parallel))
+    if code is not None:
+        return code
+    from launch.rl_session import run_training
+
+    return run_training(cfg, resume=args.resume)

@@ -1,0 +1,630 @@
+"""The local rollout server's engine: transformers' Qwen3-MoE on the CPU with batched decoding.
+
+One thread owns the model. Each turn of its loop:
+
+1. runs the queued control operations (weight updates, reads) - so weights change only *between*
+   decoding steps, never under a forward pass;
+2. applies aborts (a queued request answers "Abort in waiting queue", a running one returns its
+   partial output with the ``Aborted`` finish reason);
+3. admits waiting requests: one left-padded prefill for all of them, whose KV cache is merged into
+   the running batch's cache (shorter side padded on the left, the attention mask marking padding);
+4. decodes ONE token for every running request in a single batched forward pass (explicit
+   ``position_ids`` per row, so padding never shifts RoPE), samples, and drops finished rows.
+
+Sampling (SGLang semantics, ``sglang.srt.layers.sampler.Sampler.forward`` in 0.5.23):
+
+* temperature < 1e-6 means greedy (``top_k = 1`` at temperature 1);
+* the returned ``output_token_logprobs`` are log-probs of the **temperature-scaled** distribution
+  ``log_softmax(logits / T)`` over the full vocabulary, *before* top-k / top-p / min-p truncation
+  (SGLang's default; greedy requests get ``log_softmax(logits)``). ``input_token_logprobs`` are
+  raw (``T = 1``) log-probs, as in SGLang's logits processor;
+* the token is drawn from the truncated distribution by an exponential race
+  (``argmax p_i / q_i``, ``q_i ~ Exp(1)``, equivalent to multinomial sampling) with noise from a
+  per-request ``torch.Generator``: seeded by ``sampling_seed`` when given, else from the server's
+  ``--random-seed`` stream. A request's draws therefore do not depend on what else is in the batch.
+
+Shape legend: B running rows, T cached positions, V vocabulary, H_kv KV heads, d head dim.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import inspect
+import json
+import logging
+import os
+import random
+import re
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from pipeline.local_protocol import (Sampling, finish_abort_queued, finish_abort_running,
+                                     finish_length, finish_stop)
+
+log = logging.getLogger("megatron_gspo.serve")
+
+
+class EngineRequest:
+    """One sample being generated (after ``n`` expansion)."""
+
+    def __init__(self, rid: str, input_ids: list[int], sampling: Sampling, *,
+                 return_logprob: bool = False, logprob_start_len: int = -1,
+                 top_logprobs_num: int = 0, on_event: Optional[Callable[[str], None]] = None):
+        self.rid = rid
+        self.input_ids = list(input_ids)
+        self.sampling = sampling
+        self.return_logprob = return_logprob
+        self.logprob_start_len = logprob_start_len
+        self.top_logprobs_num = top_logprobs_num
+        self.on_event = on_event  # called from the engine thread: "token" or "finish"
+        self.output_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.output_top: list[list[tuple[float, int]]] = []
+        self.input_logprobs: Optional[list[Optional[float]]] = None
+        self.input_top: Optional[list[Optional[list[tuple[float, int]]]]] = None
+        self.finish: Optional[dict] = None
+        self.was_running = False
+        self.weight_version = ""
+        self.max_new_tokens = sampling.max_new_tokens
+        self.created = time.time()
+        self.e2e_latency = 0.0
+        self.generator: Optional[torch.Generator] = None
+        self._abort = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
+
+
+def _read_eos_ids(model_path: Path, config) -> set[int]:
+    ids: set[int] = set()
+
+    def add(v) -> None:
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+
+    add(getattr(config, "eos_token_id", None))
+    gen = model_path / "generation_config.json"
+    if gen.is_file():
+        add(json.loads(gen.read_text()).get("eos_token_id"))
+    return ids
+
+
+def _has_tokenizer(model_path: Path) -> bool:
+    return any((model_path / f).is_file() for f in ("tokenizer.json", "tokenizer.model",
+                                                      "vocab.json", "tokenizer_config.json"))
+
+
+class WeightTable:
+    """Hugging Face on-disk names -> (parameter, index) of the in-memory transformers model.
+
+    transformers 5 fuses a layer's experts into ``experts.gate_up_proj`` [E, 2I, H] (gate rows
+    first) and ``experts.down_proj`` [E, H, I]; on disk (and on the wire) they are the per-expert
+    ``experts.{e}.{gate,up,down}_proj.weight``. transformers 4 keeps the per-expert modules.
+    """
+
+    _FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+    def __init__(self, model: torch.nn.Module):
+        self.entries: dict[str, tuple[torch.nn.Parameter, tuple]] = {}
+        modules = dict(model.named_modules())
+        for name, param in model.named_parameters():
+            fused = self._FUSED.match(name)
+            if fused and param.dim() == 3:
+                prefix, kind = fused.groups()
+                transposed = bool(getattr(modules.get(prefix), "is_transposed", False))
+                for e in range(param.shape[0]):
+                    if kind == "gate_up_proj":
+                        inter = param.shape[2 if transposed else 1] // 2
+                        for j, w in enumerate(("gate", "up")):
+                            rows = slice(j * inter, (j + 1) * inter)
+                            index = (e, slice(None), rows) if transposed else (e, rows)
+                            self.entries[f"{prefix}.{e}.{w}_proj.weight"] = (param, index, transposed)
+                    else:
+                        self.entries[f"{prefix}.{e}.down_proj.weight"] = (param, (e,), transposed)
+            else:
+                self.entries[name] = (param, (), False)
+        # Tied embeddings: lm_head.weight is not a separate parameter; accept it as an alias.
+        self.aliases = {}
+        if "lm_head.weight" not in self.entries and "model.embed_tokens.weight" in self.entries:
+            self.aliases["lm_head.weight"] = "model.embed_tokens.weight"
+
+    def names(self) -> list[str]:
+        return sorted(self.entries)
+
+    def _resolve(self, name: str):
+        name = self.aliases.get(name, name)
+        if name not in self.entries:
+            raise KeyError(name)
+        return self.entries[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        param, index, transposed = self._resolve(name)
+        view = param.data[index]
+        return tuple(view.t().shape) if transposed else tuple(view.shape)
+
+    def get(self, name: str) -> torch.Tensor:
+        param, index, transposed = self._resolve(name)
+        view = param.data[index]
+        return (view.t() if transposed else view).clone()
+
+    def check(self, tensors: dict[str, torch.Tensor]) -> list[str]:
+        """Every problem that would stop ``tensors`` from being loaded (empty: loadable)."""
+        problems = []
+        for name, t in tensors.items():
+            try:
+                shape = self.shape(name)
+            except KeyError:
+                problems.append(f"{name}: no such parameter in the served model")
+                continue
+            if tuple(t.shape) != shape:
+                problems.append(f"{name}: shape {list(t.shape)} does not match the model's {list(shape)}")
+            elif not (t.is_floating_point()):
+                problems.append(f"{name}: dtype {t.dtype} is not a floating-point type")
+        return problems
+
+    @torch.no_grad()
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy (casting to the parameter dtype); call :meth:`check` first."""
+        for name, t in tensors.items():
+            param, index, transposed = self._resolve(name)
+            param.data[index].copy_(t.t() if transposed else t)
+
+
+class LocalEngine:
+    """Owns the model and its thread; thread-safe ``submit`` / ``abort`` / ``call``."""
+
+    def __init__(self, model_path: str, *, random_seed: Optional[int] = None,
+                 max_running_requests: int = 64, max_prefill_tokens: int = 16384,
+                 context_length: Optional[int] = None, weight_version: str = "default",
+                 skip_tokenizer_init: bool = False, dtype: str = "float32"):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.model_path = Path(model_path).resolve()
+        if not (self.model_path / "config.json").is_file():
+            raise FileNotFoundError(f"{self.model_path}: no config.json (not a Hugging Face model dir)")
+        self.dtype = getattr(torch, dtype)
+        config = AutoConfig.from_pretrained(self.model_path)
+        kwargs = {"attn_implementation": "eager"}
+        dtype_kw = "dtype" if "dtype" in inspect.signature(
+            AutoModelForCausalLM.from_pretrained).parameters else "torch_dtype"
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                self.model_path, config=config, **{dtype_kw: self.dtype}, **kwargs)
+        except TypeError:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                self.model_path, config=config, torch_dtype=self.dtype, **kwargs)
+        self.model.eval().requires_grad_(False)
+        self.config = self.model.config
+        self.vocab_size = int(self.config.vocab_size)
+        self.context_length = int(context_length or getattr(self.config, "max_position_embeddings", 4096))
+        self.eos_token_ids = _read_eos_ids(self.model_path, self.config)
+        self.tokenizer = None
+        if not skip_tokenizer_init and _has_tokenizer(self.model_path):
+            from transformers import AutoTokenizer
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.weights = WeightTable(self.model)
+        self.weight_version = weight_version
+        self.max_running_requests = max_running_requests
+        self.max_prefill_tokens = max_prefill_tokens
+        self._seed_rng = random.Random(random_seed if random_seed is not None
+                                       else int.from_bytes(os.urandom(8), "little"))
+        forward_params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in forward_params else "past_key_values"
+
+        self._cv = threading.Condition()
+        self._waiting: deque[EngineRequest] = deque()
+        self._running: list[EngineRequest] = []
+        self._inflight: dict[str, EngineRequest] = {}
+        self._ops: deque[tuple[Callable, concurrent.futures.Future]] = deque()
+        self._abort_queued = False
+        self._hold = False  # pause_generation(in_place / retract): keep requests, do not step
+        self._stopping = False
+        self._error: Optional[BaseException] = None
+        self.last_step_time = time.time()
+        # Batch state (engine thread only).
+        self._cache_kv: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None  # [B,H_kv,T,d]
+        self._mask: Optional[torch.Tensor] = None  # [B, T] 1 = real token
+        self._next_pos: Optional[torch.Tensor] = None  # [B] position of the next input token
+        self._last: Optional[torch.Tensor] = None  # [B] sampled token not yet fed
+        self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
+
+    # ------------------------------------------------------------------ public, any thread
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("text input needs a tokenizer; this server has none (started with "
+                             "--skip-tokenizer-init or without tokenizer files): send input_ids")
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> Optional[str]:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def submit(self, reqs: list[EngineRequest]) -> None:
+        """Queue requests (all or none); ValueError for a duplicate rid or a too-long prompt."""
+        with self._cv:
+            if self._error is not None:
+                raise RuntimeError(f"the engine thread failed: {self._error!r}")
+            seen = set()
+            for r in reqs:
+                if r.rid in self._inflight or r.rid in seen:
+                    raise ValueError(f"Duplicate request ID detected: {r.rid}")
+                seen.add(r.rid)
+                if len(r.input_ids) >= self.context_length:
+                    raise ValueError(
+                        f"Input length ({len(r.input_ids)} tokens) exceeds the maximum allowed "
+                        f"length ({self.context_length - 1} tokens). Use a shorter input.")
+                bad = [t for t in r.input_ids if not 0 <= t < self.vocab_size]
+                if bad:
+                    raise ValueError(f"input_ids: token id {bad[0]} is outside the vocabulary "
+                                     f"[0, {self.vocab_size})")
+                if r.sampling.stop and self.tokenizer is None:
+                    raise ValueError("stop strings need a tokenizer; use stop_token_ids")
+            for r in reqs:
+                r.max_new_tokens = min(r.sampling.max_new_tokens,
+                                       self.context_length - len(r.input_ids))
+                seed = (r.sampling.sampling_seed if r.sampling.sampling_seed is not None
+                        else self._seed_rng.getrandbits(63))
+                r.generator = torch.Generator().manual_seed(seed)
+                self._inflight[r.rid] = r
+                self._waiting.append(r)
+            self._cv.notify_all()
+
+    def abort(self, rid: Optional[str] = None, *, abort_all: bool = False) -> int:
+        """Mark requests whose rid starts with ``rid`` (or all); returns how many."""
+        with self._cv:
+            hits = [r for r in self._inflight.values()
+                    if abort_all or (rid is not None and r.rid.startswith(rid))]
+            for r in hits:
+                r._abort = True
+            if hits:
+                self._abort_queued = True
+                self._cv.notify_all()
+            return len(hits)
+
+    def hold(self, on: bool) -> None:
+        """Stop (or resume) stepping without dropping requests (pause mode in_place / retract)."""
+        with self._cv:
+            self._hold = on
+            self._cv.notify_all()
+
+    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run ``fn`` on the engine thread between two steps; returns a Future of its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if not self._thread.is_alive():
+                fut.set_exception(RuntimeError("the engine is not running"))
+                return fut
+            self._ops.append((fn, fut))
+            self._cv.notify_all()
+        return fut
+
+    def counts(self) -> tuple[int, int]:
+        with self._cv:
+            running = sum(1 for r in self._inflight.values() if r.was_running)
+            return running, len(self._inflight) - running
+
+    def num_used_tokens(self) -> int:
+        mask = self._mask
+        return int(mask.shape[0] * mask.shape[1]) if mask is not None else 0
+
+    # ------------------------------------------------------------------ engine thread
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        try:
+            while True:
+                with self._cv:
+                    while (not self._stopping and not self._ops and not self._abort_queued
+                           and (self._hold or (not self._waiting and not self._running))):
+                        self._cv.wait(0.5)
+                    if self._stopping:
+                        break
+                    ops = list(self._ops)
+                    self._ops.clear()
+                    do_abort, self._abort_queued = self._abort_queued, False
+                    admit = [] if self._hold else self._take_waiting()
+                    hold = self._hold
+                for fn, fut in ops:
+                    if fut.set_running_or_notify_cancel():
+                        try:
+                            fut.set_result(fn())
+                        except BaseException as err:  # noqa: BLE001 - reported to the caller
+                            fut.set_exception(err)
+                if do_abort:
+                    self._apply_aborts()
+                if admit:
+                    self._prefill(admit)
+                if self._running and not hold:
+                    self._decode_step()
+                self.last_step_time = time.time()
+        except BaseException as err:  # noqa: BLE001 - kept for health checks and submitters
+            log.exception("engine thread failed")
+            self._error = err
+        finally:
+            with self._cv:
+                pending = list(self._inflight.values())
+                ops = list(self._ops)
+                self._ops.clear()
+            for r in pending:
+                self._finish(r, finish_abort_running() if r.was_running else finish_abort_queued())
+            for _, fut in ops:
+                if not fut.done():
+                    fut.set_exception(RuntimeError("the engine stopped"))
+
+    def _take_waiting(self) -> list[EngineRequest]:
+        room = self.max_running_requests - len(self._running)
+        taken, tokens = [], 0
+        while self._waiting and len(taken) < room:
+            r = self._waiting[0]
+            if r._abort:
+                break  # handled by _apply_aborts first
+            need = len(r.input_ids)
+            if taken and (len(taken) + 1) * max(tokens, need) > self.max_prefill_tokens:
+                break
+            taken.append(self._waiting.popleft())
+            tokens = max(tokens, need)
+        return taken
+
+    def _apply_aborts(self) -> None:
+        with self._cv:
+            queued = [r for r in self._waiting if r._abort]
+            self._waiting = deque(r for r in self._waiting if not r._abort)
+        for r in queued:
+            self._finish(r, finish_abort_queued())
+        rows = [i for i, r in enumerate(self._running) if r._abort]
+        for i in rows:
+            self._finish(self._running[i], finish_abort_running())
+        if rows:
+            self._drop_rows(set(rows))
+
+    def _finish(self, r: EngineRequest, reason: dict) -> None:
+        if r.finish is not None:
+            return
+        r.finish = reason
+        r.weight_version = self.weight_version
+        r.e2e_latency = time.time() - r.created
+        with self._cv:
+            self._inflight.pop(r.rid, None)
+        if r.on_event is not None:
+            r.on_event("finish")
+
+    # --- model calls
+    def _forward(self, ids, mask, pos, kv, *, all_logits: bool):
+        from transformers import DynamicCache
+
+        cache = DynamicCache() if kv is None else DynamicCache(ddp_cache_data=kv)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                         use_cache=True, logits_to_keep=0 if all_logits else 1,
+                         **{self._cache_kw: cache})
+        new_cache = getattr(out, "cache", None) or getattr(out, "past_key_values")
+        new_kv = [(layer.keys, layer.values) for layer in new_cache.layers]
+        return out.logits.float(), new_kv
+
+    def _prefill(self, reqs: list[EngineRequest]) -> None:
+        for r in reqs:
+            r.was_running = True
+        lengths = [len(r.input_ids) for r in reqs]
+        width = max(lengths)
+        ids = torch.zeros(len(reqs), width, dtype=torch.long)
+        mask = torch.zeros(len(reqs), width, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            ids[i, width - lengths[i]:] = torch.tensor(r.input_ids)
+            mask[i, width - lengths[i]:] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        want_input = any(r.return_logprob and r.logprob_start_len >= 0 for r in reqs)
+        logits, kv = self._forward(ids, mask, pos, None, all_logits=want_input)
+        if want_input:
+            self._input_logprobs(reqs, logits, lengths, width)
+        last = logits[:, -1]
+        keep = []
+        for i, r in enumerate(reqs):
+            if r._abort:
+                self._finish(r, finish_abort_running())
+            elif r.max_new_tokens <= 0:
+                self._finish(r, finish_length(0))
+            else:
+                keep.append(i)
+        if not keep:
+            return
+        tokens = self._sample_and_record([reqs[i] for i in keep], last[keep])
+        still = [(i, t) for i, t in zip(keep, tokens) if not reqs[i].finished]
+        if not still:
+            return
+        rows = torch.tensor([i for i, _ in still])
+        new_kv = [(k[rows], v[rows]) for k, v in kv]
+        self._merge([reqs[i] for i, _ in still], new_kv, mask[rows],
+                    torch.tensor([lengths[i] for i, _ in still]),
+                    torch.tensor([t for _, t in still]))
+
+    def _input_logprobs(self, reqs, logits, lengths, width) -> None:
+        logprobs = torch.log_softmax(logits, dim=-1)  # raw, T = 1 (SGLang's input logprobs)
+        for i, r in enumerate(reqs):
+            if not (r.return_logprob and r.logprob_start_len >= 0):
+                continue
+            off = width - lengths[i]
+            start = min(r.logprob_start_len, lengths[i] - 1)
+            vals: list[Optional[float]] = []
+            tops: list[Optional[list[tuple[float, int]]]] = []
+            for p in range(start, lengths[i]):
+                if p == 0:
+                    vals.append(None)
+                    tops.append(None)
+                    continue
+                row = logprobs[i, off + p - 1]
+                vals.append(float(row[r.input_ids[p]]))
+                if r.top_logprobs_num > 0:
+                    top = torch.topk(row, min(r.top_logprobs_num, row.numel()))
+                    tops.append(list(zip(top.values.tolist(), top.indices.tolist())))
+            r.input_logprobs = vals
+            r.input_top = tops if r.top_logprobs_num > 0 else None
+
+    def _merge(self, reqs, kv, mask, next_pos, last) -> None:
+        if not self._running:
+            self._running, self._cache_kv, self._mask = list(reqs), kv, mask
+            self._next_pos, self._last = next_pos, last
+            return
+        width = max(self._mask.shape[1], mask.shape[1])
+
+        def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+            missing = width - t.shape[dim]
+            if missing == 0:
+                return t
+            shape = list(t.shape)
+            shape[dim] = missing
+            return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+        self._cache_kv = [(torch.cat([pad(k0, 2), pad(k1, 2)]), torch.cat([pad(v0, 2), pad(v1, 2)]))
+                          for (k0, v0), (k1, v1) in zip(self._cache_kv, kv)]
+        self._mask = torch.cat([pad(self._mask, 1), pad(mask, 1)])
+        self._next_pos = torch.cat([self._next_pos, next_pos])
+        self._last = torch.cat([self._last, last])
+        self._running.extend(reqs)
+
+    def _drop_rows(self, rows: set[int]) -> None:
+        keep = [i for i in range(len(self._running)) if i not in rows]
+        if not keep:
+            self._running, self._cache_kv, self._mask = [], None, None
+            self._next_pos = self._last = None
+            return
+        idx = torch.tensor(keep)
+        mask = self._mask[idx]
+        # Drop leading columns that are padding in every remaining row.
+        first = int((mask.sum(0) > 0).nonzero()[0])
+        self._running = [self._running[i] for i in keep]
+        self._mask = mask[:, first:]
+        self._cache_kv = [(k[idx, :, first:], v[idx, :, first:]) for k, v in self._cache_kv]
+        self._next_pos, self._last = self._next_pos[idx], self._last[idx]
+
+    def _decode_step(self) -> None:
+        batch = len(self._running)
+        mask = torch.cat([self._mask, torch.ones(batch, 1, dtype=self._mask.dtype)], dim=1)
+        logits, kv = self._forward(self._last[:, None], mask, self._next_pos[:, None],
+                                   self._cache_kv, all_logits=False)
+        self._cache_kv, self._mask = kv, mask
+        self._next_pos = self._next_pos + 1
+        tokens = self._sample_and_record(self._running, logits[:, -1])
+        self._last = torch.tensor(tokens)
+        done = {i for i, r in enumerate(self._running) if r.finished}
+        if done:
+            self._drop_rows(done)
+
+    # --- sampling
+    def _sample_and_record(self, reqs: list[EngineRequest], logits: torch.Tensor) -> list[int]:
+        """Sample one token per row of ``logits`` [B, V], append it, apply stop rules."""
+        logits = logits[:, : self.vocab_size]
+        temps = torch.tensor([[r.sampling.temperature] for r in reqs], dtype=logits.dtype)
+        logprobs = torch.log_softmax(logits / temps, dim=-1)  # [B, V], what SGLang returns
+        tokens = []
+        for i, r in enumerate(reqs):
+            s = r.sampling
+            if s.is_greedy:
+                tok = int(torch.argmax(logits[i]))
+            else:
+                probs = logprobs[i].exp()
+                probs = _truncate(probs, s.top_k, s.top_p, s.min_p)
+                noise = torch.empty_like(probs).exponential_(generator=r.generator)
+                tok = int(torch.argmax(probs / noise))
+            tokens.append(tok)
+            r.output_ids.append(tok)
+            if r.return_logprob:
+                r.output_logprobs.append(float(logprobs[i, tok]))
+                if r.top_logprobs_num > 0:
+                    top = torch.topk(logprobs[i], min(r.top_logprobs_num, logprobs.shape[1]))
+                    r.output_top.append(list(zip(top.values.tolist(), top.indices.tolist())))
+            reason = self._stop_reason(r, tok)
+            if reason is not None:
+                self._finish(r, reason)
+            elif r.on_event is not None:
+                r.on_event("token")
+        return tokens
+
+    def _stop_reason(self, r: EngineRequest, tok: int) -> Optional[dict]:
+        s = r.sampling
+        if s.stop:  # SGLang: stop strings first, then stop tokens / EOS, then the length cap
+            tail = self.decode(r.output_ids[-64:], skip_special_tokens=False) or ""
+            for stop in s.stop:
+                if stop in tail:
+                    return finish_stop(stop)
+        if not s.ignore_eos and (tok in s.stop_token_ids or tok in self.eos_token_ids):
+            return finish_stop(tok)
+        if len(r.output_ids) >= r.max_new_tokens:
+            return finish_length(r.max_new_tokens)
+        return None
+
+    # --- weights (engine thread, through ``call``)
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        problems = self.weights.check(tensors)
+        if problems:
+            raise ValueError("; ".join(problems[:10]) + (
+                f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""))
+        self.weights.load(tensors)
+
+    def checksum(self) -> str:
+        from pipeline.weight_transport import weights_checksum
+
+        return weights_checksum((n, self.weights.get(n)) for n in self.weights.names())
+
+
+def _truncate(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Zero the probabilities outside top-k, the top-p nucleus and the min-p floor (one row)."""
+    if top_k > 0 and top_k < probs.numel():
+        kth = torch.topk(probs, top_k).values[-1]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_p, 0) - sorted_p  # mass strictly above each token
+        sorted_p = torch.where(before > top_p, torch.zeros_like(sorted_p), sorted_p)
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
+    if min_p > 0.0:
+        probs = torch.where(probs >= probs.max() * min_p, probs, torch.zeros_like(probs))
+    return probs
+
+
+def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in a directory (update_weights_from_disk)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: not a directory")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(path / f)))
+    return tensors
+
+
+def iter_named(tensors: dict[str, torch.Tensor]) -> Iterable[tuple[str, torch.Tensor]]:
+    return ((n, tensors[n]) for n in sorted(tensors))
+
+
+_ = hashlib  # used by weight_transport; keep the import light here

@@ -1,0 +1,326 @@
+"""SGLang's ``/generate`` contract on the local rollout server's side: parse, validate, answer.
+
+Follows ``../shared/docs/sglang_protocol.md`` (sglang 0.5.23) §1:
+
+* unknown top-level keys are ignored; unknown ``sampling_params`` keys and wrong JSON types are a
+  *contract* violation (400 ``{"error": "<string>"}``, serde's wording);
+* bad values (ranges, an empty input, a duplicate rid, a prompt that is too long) are a
+  :class:`ValueError` (400 ``{"error": {"message": ...}}``);
+* a body that is not a JSON object is a parse error (400 ``{"object": "error", ...}``).
+
+Sampling features the local server does not implement (penalties, grammars, logit bias, ...) are
+accepted at their default values and rejected with a ValueError otherwise, so a request never
+silently samples from a different distribution than the one it asked for.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+# Every sampling_params key of the 0.5.23 schema (sglang.api.v1.SamplingParams), in its order.
+SAMPLING_KEYS = (
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
+    "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
+    "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias",
+    "sampling_seed", "custom_params", "beam_width", "watermark", "choice",
+)
+# Known keys the local server does not implement: accepted only at these (default) values.
+_UNSUPPORTED_DEFAULTS = {
+    "stop_regex": (None, [], ""), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0), "min_new_tokens": (0,), "json_schema": (None,),
+    "regex": (None,), "ebnf": (None,), "structural_tag": (None,), "logit_bias": (None, {}),
+    "custom_params": (None,), "beam_width": (None, 0, 1), "watermark": (None,), "choice": (None, []),
+}
+GREEDY_EPS = 1e-6  # SGLang: temperature in [0, 1e-6) means greedy (top_k = 1)
+
+
+class ContractError(ValueError):
+    """The body violates SGLang's JSON contract (HTTP 400 ``{"error": "<message>"}``)."""
+
+
+class ParseError(ValueError):
+    """The body is not a JSON object at all (HTTP 400, the pydantic error shape)."""
+
+
+def _type_error(value: Any, expected: str) -> ContractError:
+    if value is None:
+        shown = "null"
+    elif isinstance(value, bool):
+        shown = f"boolean `{str(value).lower()}`"
+    elif isinstance(value, int):
+        shown = f"integer `{value}`"
+    elif isinstance(value, float):
+        shown = f"floating point `{value}`"
+    elif isinstance(value, str):
+        shown = f'string "{value}"'
+    else:
+        shown = "sequence" if isinstance(value, list) else "map"
+    return ContractError(f"invalid type: {shown}, expected {expected}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int(d: dict, key: str, default: Optional[int]) -> Optional[int]:
+    v = d.get(key)
+    if v is None:
+        return default
+    if not _is_int(v):
+        raise _type_error(v, "i64")
+    return v
+
+
+def _float(d: dict, key: str, default: float) -> float:
+    v = d.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _type_error(v, "f64")
+    return float(v)
+
+
+def _bool(d: dict, key: str, default: bool) -> bool:
+    v = d.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _type_error(v, "a boolean")
+    return v
+
+
+def _int_list(v: Any, what: str) -> list[int]:
+    if not isinstance(v, list) or not all(_is_int(x) for x in v):
+        raise _type_error(v if not isinstance(v, list) else next(x for x in v if not _is_int(x)),
+                          what)
+    return list(v)
+
+
+@dataclass
+class Sampling:
+    """Validated sampling parameters of one request (SGLang semantics)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: the whole vocabulary
+    min_p: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    sampling_seed: Optional[int] = None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS or self.top_k == 1
+
+
+def parse_sampling(d: Any) -> Sampling:
+    """One ``sampling_params`` object -> :class:`Sampling` (ContractError / ValueError)."""
+    if d is None:
+        return Sampling()
+    if not isinstance(d, dict):
+        raise _type_error(d, "struct SamplingParams")
+    unknown = [k for k in d if k not in SAMPLING_KEYS]
+    if unknown:
+        expected = ", ".join(f"`{k}`" for k in SAMPLING_KEYS)
+        raise ContractError(f"unknown field `{unknown[0]}`, expected one of {expected}")
+    stop = d.get("stop")
+    if stop is None:
+        stops = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = list(stop)
+    else:
+        raise _type_error(stop, "a string or a list of strings")
+    stop_ids = d.get("stop_token_ids")
+    s = Sampling(
+        max_new_tokens=_int(d, "max_new_tokens", 128),
+        temperature=_float(d, "temperature", 1.0),
+        top_p=_float(d, "top_p", 1.0),
+        top_k=_int(d, "top_k", -1),
+        min_p=_float(d, "min_p", 0.0),
+        stop=stops,
+        stop_token_ids=[] if stop_ids is None else _int_list(stop_ids, "i64"),
+        ignore_eos=_bool(d, "ignore_eos", False),
+        skip_special_tokens=_bool(d, "skip_special_tokens", True),
+        spaces_between_special_tokens=_bool(d, "spaces_between_special_tokens", True),
+        no_stop_trim=_bool(d, "no_stop_trim", False),
+        n=_int(d, "n", 1),
+        sampling_seed=_int(d, "sampling_seed", None),
+    )
+    _int(d, "stream_interval", None)
+    for key, allowed in _UNSUPPORTED_DEFAULTS.items():
+        if key in d and d[key] not in allowed:
+            raise ValueError(f"sampling_params.{key}={d[key]!r} is not supported by the local "
+                             "rollout server (only its default)")
+    # Ranges, with SGLang's messages where it has them.
+    if s.max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be at least 0, got {s.max_new_tokens}.")
+    if not math.isfinite(s.temperature) or s.temperature < 0:
+        raise ValueError(f"temperature must be a non-negative finite number, got {s.temperature}.")
+    if not 0 < s.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {s.top_p}.")
+    if s.top_k == 0 or s.top_k < -1:
+        raise ValueError(f"top_k must be -1 (disable) or at least 1, got {s.top_k}.")
+    if not 0 <= s.min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1], got {s.min_p}.")
+    if s.n < 1:
+        raise ValueError(f"n must be at least 1, got {s.n}.")
+    if len(s.stop) > 32:
+        raise ValueError(f"stop: at most 32 stop strings, got {len(s.stop)}.")
+    if s.temperature < GREEDY_EPS:  # SGLang: greedy means top_k = 1 at temperature 1
+        s.temperature, s.top_k = 1.0, 1
+    return s
+
+
+@dataclass
+class ItemSpec:
+    """One prompt of a (possibly batched) /generate call, before ``n`` expansion."""
+
+    rid: str
+    input_ids: Optional[list[int]]
+    text: Optional[str]
+    sampling: Sampling
+    return_logprob: bool
+    logprob_start_len: int
+    top_logprobs_num: int
+
+
+@dataclass
+class GenerateCall:
+    items: list[ItemSpec]
+    is_batch: bool  # the response is a JSON array
+    stream: bool
+    return_text_in_logprobs: bool
+    return_prompt_token_ids: bool
+
+
+def _per_item(value: Any, n_items: int, name: str, is_batch: bool, parse) -> list:
+    if is_batch and isinstance(value, list):
+        if len(value) != n_items:
+            raise ValueError(f"{name}: a list must have one entry per batch item ({n_items}), "
+                             f"got {len(value)}")
+        return [parse(v) for v in value]
+    return [parse(value)] * n_items
+
+
+def parse_generate(body: Any) -> GenerateCall:
+    """A /generate body -> :class:`GenerateCall` (ParseError, ContractError or ValueError)."""
+    if not isinstance(body, dict):
+        raise ParseError("the request body must be a JSON object (GenerateReqInput)")
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if body.get("input_embeds") is not None:
+        raise ValueError("input_embeds is not supported by the local rollout server")
+    if text is not None:
+        if isinstance(text, str):
+            texts, is_batch = [text], False
+        elif isinstance(text, list) and all(isinstance(t, str) for t in text):
+            texts, is_batch = list(text), True
+        else:
+            raise _type_error(text, "a string or a list of strings")
+        prompts: list = [None] * len(texts)
+    elif input_ids is not None:
+        if not isinstance(input_ids, list):
+            raise _type_error(input_ids, "a list of token ids or a list of lists")
+        if input_ids and all(isinstance(x, list) for x in input_ids):
+            prompts, is_batch = [_int_list(x, "i64") for x in input_ids], True
+        else:
+            prompts, is_batch = [_int_list(input_ids, "i64")], False
+        texts = [None] * len(prompts)
+        for p in prompts:
+            if not p:
+                raise ValueError("input_ids cannot be empty.")
+    else:
+        raise ValueError("Either text, input_ids or input_embeds should be provided.")
+    n_items = len(prompts)
+    if n_items == 0:
+        raise ValueError("input_ids cannot be empty.")
+    stream = body.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise _type_error(stream, "a boolean")
+
+    samplings = _per_item(body.get("sampling_params"), n_items, "sampling_params", is_batch,
+                          parse_sampling)
+    if isinstance(body.get("sampling_params"), list) and not is_batch:
+        raise ValueError("sampling_params: a list needs a batch of inputs")
+    if len({s.n for s in samplings}) > 1:
+        raise ValueError("all sampling_params of a batch must have the same n")
+    n = samplings[0].n
+    for key in ("return_logprob", "logprob_start_len", "top_logprobs_num"):
+        if n > 1 and isinstance(body.get(key), list):
+            raise ValueError(f"{key} cannot be a list when n > 1")
+    return_lp = _per_item(body.get("return_logprob"), n_items, "return_logprob", is_batch,
+                          lambda v: _bool({"v": v}, "v", False))
+    start_len = _per_item(body.get("logprob_start_len"), n_items, "logprob_start_len", is_batch,
+                          lambda v: _int({"v": v}, "v", -1))
+    top_num = _per_item(body.get("top_logprobs_num"), n_items, "top_logprobs_num", is_batch,
+                        lambda v: _int({"v": v}, "v", 0))
+    if body.get("token_ids_logprob") is not None:
+        raise ValueError("token_ids_logprob is not supported by the local rollout server")
+    if body.get("return_routed_experts"):
+        raise ValueError("return_routed_experts needs --enable-return-routed-experts, which the "
+                         "local rollout server does not implement")
+
+    rid = body.get("rid")
+    if rid is None:
+        rids = [uuid.uuid4().hex for _ in range(n_items)]
+    elif isinstance(rid, str):
+        rids = [f"{rid}_{i}" for i in range(n_items)] if is_batch else [rid]
+    elif isinstance(rid, list) and all(isinstance(r, str) for r in rid):
+        if len(rid) != n_items:
+            raise ValueError(f"rid: a list must have one entry per batch item ({n_items}), "
+                             f"got {len(rid)}")
+        rids = list(rid)
+    else:
+        raise _type_error(rid, "a string or a list of strings")
+
+    items = [ItemSpec(rid=rids[i], input_ids=prompts[i], text=texts[i], sampling=samplings[i],
+                      return_logprob=return_lp[i], logprob_start_len=start_len[i],
+                      top_logprobs_num=top_num[i]) for i in range(n_items)]
+    return GenerateCall(
+        items=items, is_batch=is_batch or n > 1, stream=bool(stream),
+        return_text_in_logprobs=_bool(body, "return_text_in_logprobs", False),
+        return_prompt_token_ids=_bool(body, "return_prompt_token_ids", False))
+
+
+# --- error bodies (§1.3) -------------------------------------------------------------------------
+
+def contract_error_body(message: str) -> dict:
+    return {"error": message}
+
+
+def value_error_body(message: str) -> dict:
+    return {"error": {"message": message}}
+
+
+def parse_error_body(message: str) -> dict:
+    return {"object": "error", "message": message, "type": "Bad Request", "param": None,
+            "code": 400}
+
+
+# --- finish reasons (§1.4) ------------------------------------------------------------------------
+
+def finish_length(length: int) -> dict:
+    return {"type": "length", "length": length}
+
+
+def finish_stop(matched) -> dict:
+    return {"type": "stop", "matched": matched}
+
+
+def finish_abort_running() -> dict:
+    return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+
+
+def finish_abort_queued() -> dict:
+    return {"type": "abort", "message": "Abort in waiting queue"}

@@ -1,0 +1,625 @@
+"""The local rollout server's HTTP side: SGLang's native API over :class:`LocalEngine`.
+
+Started by ``megatron-gspo serve`` (``launch/serve.py``). Follows the "minimum behaviour" list of
+``../shared/docs/sglang_protocol.md``: single / batch / ``n`` / streamed ``/generate`` with
+SGLang's ids, ordering, finish reasons, logprob triples and three error shapes; health, info and
+load endpoints; flush (400 while busy); abort by rid prefix; pause / continue (new generates block
+while paused); release / resume memory (no-ops returning ``null``); the weight endpoints with
+``{"success", "message"}`` bodies (400 when ``success`` is false).
+
+Deviations (all documented in docs/rollout.md):
+
+* ``update_weights_from_tensor`` takes base64 safetensors bytes, never pickles
+  (:mod:`pipeline.weight_transport`);
+* ``init_weights_update_group`` / ``update_weights_from_distributed`` run over gloo (CPU);
+* ``/weights_checker {"action": "checksum"}`` returns :func:`weights_checksum` (sha256 over the HF
+  names, dtypes, shapes and bytes), not SGLang's per-engine digest;
+* weight updates are applied between two decoding steps; running requests continue on the new
+  weights unless the caller paused (``pause_generation``) or set ``abort_all_requests``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import threading
+import time
+import uuid
+from typing import Any, Optional
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from pipeline import local_protocol as proto
+from pipeline.local_engine import EngineRequest, LocalEngine, read_safetensors_dir
+from pipeline.weight_transport import (broadcast, decode_named_tensors, new_update_group,
+                                       parse_dtype)
+
+log = logging.getLogger("megatron_gspo.serve")
+
+PROTOCOL_VERSION = "0.5.23"  # the SGLang release whose HTTP contract this server follows
+HEALTH_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT
+FLUSH_OK = ("Cache flushed.\nPlease check backend logs for more details. (When there are running "
+            "or waiting requests, the operation will not be performed.)\n")
+
+
+def _json(content: Any, status: int = 200):
+    return JSONResponse(content=content, status_code=status)
+
+
+async def _body(request, *, required: bool = False) -> dict:
+    raw = await request.body()
+    if not raw.strip():
+        if required:
+            raise proto.ParseError("a JSON body is required")
+        return {}
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise proto.ParseError(f"JSON decode error: {err}") from None
+    if body is None:
+        return {}
+    if not isinstance(body, dict):
+        raise proto.ParseError("the request body must be a JSON object")
+    return body
+
+
+class LocalRolloutServer:
+    """FastAPI app + engine. ``args``: the parsed ``megatron-gspo serve`` namespace."""
+
+    def __init__(self, args):
+        self.args = args
+        self.engine = LocalEngine(
+            args.model_path, random_seed=args.random_seed,
+            max_running_requests=args.max_running_requests,
+            max_prefill_tokens=args.max_prefill_tokens, context_length=args.context_length,
+            weight_version=args.weight_version, skip_tokenizer_init=args.skip_tokenizer_init,
+            dtype=args.dtype)
+        self.startup_time = time.time()
+        self.paused = False
+        self.shutting_down = False
+        self._not_paused: Optional[asyncio.Event] = None
+        self._groups: dict[str, tuple] = {}  # group_name -> (group, store, rank)
+        self._group_lock = threading.Lock()
+        self.app = self._build_app()
+
+    # ------------------------------------------------------------------ helpers
+    def _loop_event(self) -> asyncio.Event:
+        if self._not_paused is None:
+            self._not_paused = asyncio.Event()
+            if not self.paused:
+                self._not_paused.set()
+        return self._not_paused
+
+    def _response(self, r: EngineRequest, prompt_len: int, call: proto.GenerateCall,
+                  item: proto.ItemSpec) -> dict:
+        eng = self.engine
+        meta: dict[str, Any] = {"id": r.rid, "finish_reason": r.finish}
+        queued_abort = r.finish.get("message") == "Abort in waiting queue"
+        text_lp = call.return_text_in_logprobs and eng.tokenizer is not None
+
+        def triple(lp, tok):
+            return [lp, tok, eng.decode([tok], skip_special_tokens=False) if text_lp else None]
+
+        if not queued_abort:
+            meta["prompt_tokens"] = prompt_len
+        meta["weight_version"] = r.weight_version
+        if not queued_abort:
+            meta["num_retractions"] = 0
+        if item.return_logprob:
+            if r.input_logprobs is None:
+                meta["input_token_logprobs"] = []
+            else:
+                start = len(r.input_ids) - len(r.input_logprobs)
+                meta["input_token_logprobs"] = [triple(lp, r.input_ids[start + j])
+                                                for j, lp in enumerate(r.input_logprobs)]
+            meta["output_token_logprobs"] = [triple(lp, tok) for lp, tok in
+                                             zip(r.output_logprobs, r.output_ids)]
+            meta["output_token_logprobs_length"] = len(r.output_ids)
+            if item.top_logprobs_num > 0:
+                meta["input_top_logprobs"] = [
+                    None if row is None else [triple(lp, t) for lp, t in row]
+                    for row in (r.input_top or [])]
+                meta["output_top_logprobs"] = [[triple(lp, t) for lp, t in row]
+                                               for row in r.output_top]
+        meta["completion_tokens"] = len(r.output_ids)
+        if not queued_abort:
+            meta["reasoning_tokens"] = 0
+            meta["cached_tokens"] = 0
+            meta["dp_rank"] = 0
+        meta["e2e_latency"] = r.e2e_latency
+        if not queued_abort:
+            meta["response_sent_to_client_ts"] = time.time()
+        out: dict[str, Any] = {}
+        if eng.tokenizer is not None:
+            out["text"] = self._text(r)
+        out["output_ids"] = list(r.output_ids)
+        out["meta_info"] = meta
+        if call.return_prompt_token_ids:
+            out["prompt_token_ids"] = list(r.input_ids)
+        return out
+
+    def _text(self, r: EngineRequest) -> str:
+        s, ids = r.sampling, list(r.output_ids)
+        matched = (r.finish or {}).get("matched") if (r.finish or {}).get("type") == "stop" else None
+        if isinstance(matched, int) and not s.no_stop_trim and ids:
+            ids = ids[:-1]
+        text = self.engine.decode(ids, skip_special_tokens=s.skip_special_tokens) or ""
+        if isinstance(matched, str) and matched in text:
+            cut = text.index(matched)
+            text = text[: cut + len(matched)] if s.no_stop_trim else text[:cut]
+        return text
+
+    def _expand(self, call: proto.GenerateCall, notify) -> list[tuple[EngineRequest, proto.ItemSpec, int]]:
+        expanded = []
+        for item in call.items:
+            ids = item.input_ids if item.input_ids is not None else self.engine.encode(item.text)
+            if not ids:
+                raise ValueError("input_ids cannot be empty.")
+            n = item.sampling.n
+            for s in range(n):
+                rid = item.rid if n == 1 else uuid.uuid4().hex
+                req = EngineRequest(rid, ids, item.sampling, return_logprob=item.return_logprob,
+                                    logprob_start_len=item.logprob_start_len,
+                                    top_logprobs_num=item.top_logprobs_num)
+                expanded.append((req, item, len(ids)))
+        for index, (req, _, _) in enumerate(expanded):
+            req.on_event = notify(index, req)
+        return expanded
+
+    # ------------------------------------------------------------------ app
+    def _build_app(self):
+        app = FastAPI(title="megatron-gspo local rollout server")
+        eng = self.engine
+
+        def error_response(err: Exception):
+            if isinstance(err, proto.ParseError):
+                return _json(proto.parse_error_body(str(err)), 400)
+            if isinstance(err, proto.ContractError):
+                return _json(proto.contract_error_body(str(err)), 400)
+            return _json(proto.value_error_body(str(err)), 400)
+
+        @app.api_route("/generate", methods=["POST", "PUT"])
+        async def generate(request: Request):
+            try:
+                body = await _body(request, required=True)
+                call = proto.parse_generate(body)
+            except ValueError as err:
+                return error_response(err)
+            await self._loop_event().wait()  # pause_generation: new generates block
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue = asyncio.Queue()
+
+            def notify(index, req):
+                def on_event(kind: str) -> None:
+                    if kind == "finish" or call.stream:
+                        loop.call_soon_threadsafe(queue.put_nowait, (index, kind))
+                return on_event
+
+            try:
+                expanded = self._expand(call, notify)
+                eng.submit([r for r, _, _ in expanded])
+            except ValueError as err:
+                return error_response(err)
+            except RuntimeError as err:
+                return _json(proto.value_error_body(str(err)), 503)
+            if call.stream:
+                return StreamingResponse(self._stream(request, call, expanded, queue),
+                                         media_type="text/event-stream")
+            remaining = len(expanded)
+            while remaining:
+                try:
+                    await asyncio.wait_for(queue.get(), timeout=1.0)
+                    remaining -= 1
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():  # the client gave up: free the batch
+                        for r, _, _ in expanded:
+                            eng.abort(r.rid)
+                        return Response(status_code=499)
+            bodies = [self._response(r, plen, call, item) for r, item, plen in expanded]
+            return _json(bodies if call.is_batch else bodies[0])
+
+        @app.get("/health")
+        @app.get("/health_generate")
+        async def health():
+            if self.shutting_down or not eng.alive:
+                return Response(status_code=503)
+            running, waiting = eng.counts()
+            if self.paused or running or waiting:
+                return Response(status_code=200)
+            loop = asyncio.get_running_loop()
+            done = asyncio.Event()
+            req = EngineRequest(f"HEALTH_CHECK_{uuid.uuid4().hex}", [0],
+                                proto.parse_sampling({"max_new_tokens": 1, "temperature": 0.0}),
+                                on_event=lambda kind: kind == "finish" and loop.call_soon_threadsafe(done.set))
+            try:
+                eng.submit([req])
+                await asyncio.wait_for(done.wait(), HEALTH_TIMEOUT_S)
+            except (ValueError, RuntimeError, asyncio.TimeoutError):
+                eng.abort(req.rid)
+                return Response(status_code=503)
+            return Response(status_code=200)
+
+        @app.get("/ready")
+        async def ready():
+            return Response(status_code=200 if eng.alive and not self.shutting_down else 503)
+
+        def model_info():
+            return {
+                "model_path": str(eng.model_path), "served_model_name": str(eng.model_path),
+                "tokenizer_path": str(eng.model_path), "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": eng.weight_version,
+                "load_format": "auto", "reasoning_parser": None, "tool_call_parser": None,
+                "disaggregation_mode": "null", "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": getattr(eng.config, "model_type", None),
+                "architectures": getattr(eng.config, "architectures", None),
+            }
+
+        app.get("/model_info")(model_info)
+        app.get("/get_model_info")(model_info)
+
+        def server_info():
+            a = self.args
+            running, waiting = eng.counts()
+            return {
+                "model_path": str(eng.model_path), "tokenizer_path": str(eng.model_path),
+                "host": a.host, "port": a.port, "tp_size": 1, "dp_size": 1, "ep_size": 1,
+                "pp_size": 1, "attn_dp_size": 1, "random_seed": a.random_seed,
+                "skip_tokenizer_init": eng.tokenizer is None, "device": "cpu",
+                "dtype": a.dtype, "load_format": "auto", "context_length": eng.context_length,
+                "max_running_requests": eng.max_running_requests,
+                "max_prefill_tokens": eng.max_prefill_tokens,
+                "enable_memory_saver": False, "weight_version": eng.weight_version,
+                "max_total_num_tokens": eng.context_length * eng.max_running_requests,
+                "max_req_input_len": eng.context_length - 1,
+                "internal_states": [{"num_running_reqs": running, "num_waiting_reqs": waiting,
+                                     "last_gen_throughput": 0.0}],
+                "version": PROTOCOL_VERSION, "implementation": "megatron-gspo local rollout server",
+                "startup_time": self.startup_time, "frontend": "python",
+                "launch_command": " ".join(sys.argv), "kv_events": None,
+            }
+
+        app.get("/server_info")(server_info)
+        app.get("/get_server_info")(server_info)
+
+        def load_snapshot():
+            running, waiting = eng.counts()
+            total = eng.context_length * eng.max_running_requests
+            used = eng.num_used_tokens()
+            return {"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
+                    "num_used_tokens": used, "max_total_num_tokens": total,
+                    "token_usage": used / total if total else 0.0}
+
+        @app.get("/get_load")
+        async def get_load():
+            s = load_snapshot()
+            return [{"dp_rank": 0, "num_reqs": s["num_running_reqs"] + s["num_waiting_reqs"],
+                     "num_waiting_reqs": s["num_waiting_reqs"], "num_tokens": s["num_used_tokens"]}]
+
+        @app.get("/v1/loads")
+        async def loads():
+            return {"timestamp": time.time(), "version": PROTOCOL_VERSION, "accelerator": "cpu",
+                    "num_accelerators": 0, "loads": [load_snapshot()]}
+
+        @app.get("/metrics")
+        async def metrics():
+            running, waiting = eng.counts()
+            return PlainTextResponse(f"sglang:num_running_reqs {running}\n"
+                                     f"sglang:num_queue_reqs {waiting}\n")
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": str(eng.model_path), "object": "model",
+                                                "owned_by": "sglang", "root": str(eng.model_path)}]}
+
+        @app.api_route("/flush_cache", methods=["GET", "POST"])
+        async def flush_cache():
+            running, waiting = eng.counts()
+            if running or waiting:
+                return PlainTextResponse("Cache not flushed. There are running or waiting requests "
+                                         f"({running} running, {waiting} waiting).\n", 400)
+            return PlainTextResponse(FLUSH_OK)
+
+        @app.post("/abort_request")
+        async def abort_request(request: Request):
+            try:
+                body = await _body(request)
+            except ValueError as err:
+                return error_response(err)
+            rid = body.get("rid") or None
+            if body.get("abort_all"):
+                eng.abort(abort_all=True)
+            elif rid is not None:
+                eng.abort(str(rid))
+            return Response(status_code=200)
+
+        @app.post("/pause_generation")
+        async def pause_generation(request: Request):
+            try:
+                body = await _body(request)
+            except ValueError as err:
+                return error_response(err)
+            mode = body.get("mode") or "abort"
+            if mode not in ("abort", "retract", "in_place"):
+                return _json(proto.value_error_body(
+                    f"mode: {mode!r}, expected 'abort', 'retract' or 'in_place'"), 400)
+            self.paused = True
+            self._loop_event().clear()
+            if mode == "abort":
+                eng.abort(abort_all=True)
+                deadline = time.monotonic() + 60.0
+                while eng.counts() != (0, 0) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+            else:
+                eng.hold(True)
+            return {"message": "Generation paused successfully.", "status": "ok"}
+
+        @app.post("/continue_generation")
+        async def continue_generation():
+            eng.hold(False)
+            self.paused = False
+            self._loop_event().set()
+            return {"message": "Generation continued successfully.", "status": "ok"}
+
+        @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+        @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+        async def memory_occupation():
+            return _json(None)  # nothing to release on the CPU (SGLang without memory saver)
+
+        def failed(message: str, **extra):
+            return _json({"success": False, "message": message, **extra}, 400)
+
+        async def apply(tensors: dict, version: Optional[str]):
+            def load():
+                eng.load_weights(tensors)
+                if version is not None:
+                    eng.weight_version = str(version)
+            await asyncio.wrap_future(eng.call(load))
+
+        @app.post("/update_weights_from_disk")
+        async def update_weights_from_disk(request: Request):
+            try:
+                body = await _body(request, required=True)
+            except ValueError as err:
+                return error_response(err)
+            path, version = body.get("model_path"), body.get("weight_version")
+            if not isinstance(path, str) or not path:
+                return failed("model_path: required (a directory of safetensors files)",
+                              num_paused_requests=0)
+            if body.get("load_format") not in (None, "auto", "safetensors"):
+                return failed(f"load_format {body['load_format']!r} is not supported by the "
+                              "local server (auto / safetensors)", num_paused_requests=0)
+            if body.get("abort_all_requests"):
+                eng.abort(abort_all=True)
+            try:
+                tensors = await asyncio.to_thread(read_safetensors_dir, path)
+                await apply(tensors, version)
+            except (OSError, ValueError, RuntimeError) as err:
+                return failed(f"Failed to update weights: {err}. Rolling back to the previous "
+                              "weights.", num_paused_requests=0)
+            msg = "Succeeded to update model weights."
+            if version is not None:
+                msg += f" Weight version updated to {version}."
+            return {"success": True, "message": msg, "num_paused_requests": 0}
+
+        @app.post("/update_weights_from_tensor")
+        async def update_weights_from_tensor(request: Request):
+            try:
+                body = await _body(request, required=True)
+            except ValueError as err:
+                return error_response(err)
+            payloads = body.get("serialized_named_tensors")
+            if isinstance(payloads, str):
+                payloads = [payloads]
+            if not isinstance(payloads, list) or not payloads or not isinstance(payloads[0], str):
+                return failed("serialized_named_tensors: expected a list with one base64 "
+                              "safetensors string per TP rank")
+            if body.get("load_format") not in (None, "direct"):
+                return failed(f"load_format {body['load_format']!r}: the local server reads "
+                              "base64 safetensors payloads (load_format null or 'direct')")
+            if body.get("abort_all_requests"):
+                eng.abort(abort_all=True)
+            try:
+                tensors = await asyncio.to_thread(decode_named_tensors, payloads[0])  # TP rank 0
+                await apply(tensors, body.get("weight_version"))
+            except (ValueError, RuntimeError) as err:
+                return failed(f"Failed to update weights: {err}")
+            return {"success": True, "message": "Success"}
+
+        @app.post("/init_weights_update_group")
+        async def init_weights_update_group(request: Request):
+            try:
+                body = await _body(request, required=True)
+                addr, port = body["master_address"], int(body["master_port"])
+                rank, world = int(body.get("rank_offset", 1)), int(body["world_size"])
+            except (KeyError, TypeError, ValueError) as err:
+                return failed(f"Failed to initialize custom process group: bad request ({err})")
+            name = body.get("group_name") or "weight_update_group"
+            backend = body.get("backend") or "gloo"
+            if backend != "gloo":
+                return failed(f"backend {backend!r}: the local server runs on the CPU, use 'gloo'")
+            if name in self._groups:
+                return failed(f"Failed to initialize custom process group: {name!r} exists")
+            try:
+                group, store = await asyncio.to_thread(
+                    new_update_group, addr, port, rank, world, group_name=name, backend=backend,
+                    timeout_s=self.args.weight_update_timeout)
+            except Exception as err:  # noqa: BLE001 - reported in the body
+                return failed(f"Failed to initialize custom process group: {err}")
+            self._groups[name] = (group, store, rank)
+            return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+        @app.post("/update_weights_from_distributed")
+        async def update_weights_from_distributed(request: Request):
+            try:
+                body = await _body(request, required=True)
+                names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+                if not (len(names) == len(dtypes) == len(shapes)):
+                    raise ValueError("names, dtypes and shapes must have the same length")
+            except (KeyError, TypeError, ValueError) as err:
+                return failed(f"Failed to update parameter online: bad request ({err})")
+            name = body.get("group_name") or "weight_update_group"
+            if name not in self._groups:
+                return failed(f"Failed to update parameter online: no group {name!r}; call "
+                              "/init_weights_update_group first")
+            group = self._groups[name][0]
+            flattened = body.get("load_format") == "flattened_bucket"
+            if body.get("abort_all_requests"):
+                eng.abort(abort_all=True)
+
+            def receive() -> dict:
+                with self._group_lock:  # one collective at a time on a group
+                    metas = [(n, parse_dtype(d), tuple(int(x) for x in s))
+                             for n, d, s in zip(names, dtypes, shapes)]
+                    if flattened:
+                        sizes = [torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
+                                 for _, d, s in metas]
+                        buf = torch.empty(sum(sizes), dtype=torch.uint8)
+                        broadcast(group, buf, 0)
+                        out, off = {}, 0
+                        for (n, d, s), size in zip(metas, sizes):
+                            out[n] = buf[off:off + size].view(d).reshape(s)
+                            off += size
+                        return out
+                    out = {}
+                    for n, d, s in metas:
+                        t = torch.empty(s, dtype=d)
+                        broadcast(group, t, 0)
+                        out[n] = t
+                    return out
+
+            try:
+                tensors = await asyncio.to_thread(receive)
+                await apply(tensors, body.get("weight_version"))
+            except Exception as err:  # noqa: BLE001 - reported in the body
+                return failed(f"Failed to update parameter online: {err}")
+            return {"success": True, "message": "Succeeded to update parameter online."}
+
+        @app.post("/destroy_weights_update_group")
+        async def destroy_weights_update_group(request: Request):
+            try:
+                body = await _body(request)
+            except ValueError as err:
+                return error_response(err)
+            name = body.get("group_name") or "weight_update_group"
+            if self._groups.pop(name, None) is None:
+                return failed(f"no group {name!r}")
+            return {"success": True, "message": "Succeeded to destroy custom process group."}
+
+        @app.post("/update_weight_version")
+        async def update_weight_version(request: Request):
+            try:
+                body = await _body(request, required=True)
+            except ValueError as err:
+                return error_response(err)
+            version = body.get("new_version")
+            if version is None:
+                return failed("new_version: required")
+            if body.get("abort_all_requests", True):
+                eng.abort(abort_all=True)
+
+            def set_version():
+                eng.weight_version = str(version)
+            await asyncio.wrap_future(eng.call(set_version))
+            return {"success": True, "message": f"Weight version updated to {version}",
+                    "new_version": str(version)}
+
+        @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+        async def get_weights_by_name(request: Request):
+            try:
+                body = await _body(request, required=True)
+                name, limit = body["name"], int(body.get("truncate_size", 100))
+                tensor = await asyncio.wrap_future(eng.call(lambda: eng.weights.get(name)))
+            except Exception:  # noqa: BLE001 - SGLang's message
+                return _json(proto.value_error_body("Get parameter by name failed"), 400)
+            return _json(tensor.float().tolist()[:limit])
+
+        @app.api_route("/weights_checker", methods=["GET", "POST"])
+        async def weights_checker(request: Request):
+            try:
+                body = await _body(request)
+            except ValueError as err:
+                return error_response(err)
+            action = body.get("action", "checksum")
+            if action != "checksum":
+                return failed(f"action {action!r}: the local server implements 'checksum'")
+            digest = await asyncio.wrap_future(eng.call(eng.checksum))
+            return {"success": True, "message": digest, "checksum": digest,
+                    "per_engine_checksum": [digest]}
+
+        return app
+
+    async def _stream(self, request, call, expanded, queue):
+        """SSE, cumulative chunks (SGLang's default), ``data: [DONE]`` at the end."""
+        remaining = len(expanded)
+        try:
+            while remaining:
+                try:
+                    index, kind = await asyncio.wait_for(queue.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        for r, _, _ in expanded:
+                            self.engine.abort(r.rid)
+                        return
+                    continue
+                r, item, plen = expanded[index]
+                if kind == "finish":
+                    remaining -= 1
+                    chunk = self._response(r, plen, call, item)
+                else:
+                    if r.finished:
+                        continue  # the finish event carries the final chunk
+                    chunk = self._partial(r, plen, call, item)
+                if call.is_batch:
+                    chunk["index"] = index
+                yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            for r, _, _ in expanded:
+                if not r.finished:
+                    self.engine.abort(r.rid)
+
+    def _partial(self, r: EngineRequest, plen: int, call, item) -> dict:
+        n = len(r.output_ids)  # snapshot: the engine thread may append meanwhile
+        chunk: dict[str, Any] = {}
+        if self.engine.tokenizer is not None:
+            chunk["text"] = self.engine.decode(r.output_ids[:n]) or ""
+        chunk["output_ids"] = list(r.output_ids[:n])
+        meta: dict[str, Any] = {"id": r.rid, "finish_reason": None, "prompt_tokens": plen,
+                                "weight_version": self.engine.weight_version,
+                                "completion_tokens": n, "cached_tokens": 0}
+        if item.return_logprob:
+            meta["input_token_logprobs"] = []
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in
+                                             zip(r.output_logprobs[:n], r.output_ids[:n])]
+        chunk["meta_info"] = meta
+        return chunk
+
+
+def serve(args) -> int:
+    """Load the model, then serve until SIGINT / SIGTERM (uvicorn's handlers)."""
+    import uvicorn
+
+    torch.set_num_threads(max(1, args.cpu_threads))
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.random_seed is not None:
+        torch.manual_seed(args.random_seed)
+    t0 = time.time()
+    server = LocalRolloutServer(args)
+    server.engine.start()
+    log.info("loaded %s in %.1f s; serving on http://%s:%d", args.model_path, time.time() - t0,
+             args.host, args.port)
+    config = uvicorn.Config(server.app, host=args.host, port=args.port,
+                            log_level=args.log_level.lower(), access_log=False,
+                            timeout_graceful_shutdown=5)
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        server.shutting_down = True
+        server.engine.stop()
+    return 0

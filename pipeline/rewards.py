@@ -1,0 +1,353 @@
+"""Rewards: score each response of a rollout, and never let a failure pass as a number.
+
+    reward_fn = build_reward(cfg.reward, cfg.data)
+    result = compute_rewards(reward_fn, samples, on_error=cfg.reward.on_error)
+    result.rewards            # list[float], one per sample, all finite
+    result.failures           # list[RewardFailure]: the samples counted as 0 (on_error="zero")
+
+A reward function follows ``RewardFn``: ``fn(prompt, response_ids, response_text) -> float``.
+One that can score many samples at once (the HTTP service) also has
+``score_batch(samples) -> list[float | Exception]`` (an exception in place of each reward it
+could not get); ``compute_rewards`` uses it when present.
+
+Built-ins (``reward.kind``):
+- ``exact_match``: ``response_text.strip() == label.strip()``.
+- ``math``: the answer in the response is mathematically equal to the label, through the
+  math-verify package (``math_verify.parse`` / ``verify``): "0.5", "\\frac{1}{2}" and
+  "\\boxed{1/2}" all match the label "1/2".
+- ``addition``: the synthetic task's exact match of the answer up to the end token
+  (``AdditionTask.reward``).
+- ``function``: a user function, "package.module:function" or "path/to/file.py:function".
+- ``http``: a reward service (``HTTPReward``).
+
+An exception or a non-finite reward is an error naming the sample (prompt index, the prompt's
+origin, sample index); with ``on_error="zero"`` it is counted as 0 and returned in
+``failures`` so the loop can log it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import math
+import numbers
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Optional, Protocol, Sequence
+
+from pipeline.data import Prompt
+from pipeline.tasks import AdditionTask, Problem
+
+if TYPE_CHECKING:
+    from megatron_gspo.config import DataConfig, RewardConfig
+
+
+class RewardError(RuntimeError):
+    """A reward that could not be computed; the message names the sample or the service."""
+
+
+class RewardFn(Protocol):
+    def __call__(self, prompt: Prompt, response_ids: list[int], response_text: str) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RewardSample:
+    """One response to score."""
+
+    prompt: Prompt
+    sample_index: int
+    """Which of the prompt's G responses (0..G-1)."""
+    response_ids: list[int]
+    response_text: str
+
+
+@dataclass(frozen=True, slots=True)
+class RewardFailure:
+    prompt_index: int
+    sample_index: int
+    error: str
+
+
+@dataclass(slots=True)
+class RewardResult:
+    rewards: list[float]
+    failures: list[RewardFailure] = field(default_factory=list)
+
+    @property
+    def num_failures(self) -> int:
+        return len(self.failures)
+
+
+def _describe(sample: RewardSample) -> str:
+    return (f"prompt {sample.prompt.index} ({sample.prompt.origin}), "
+            f"sample {sample.sample_index}")
+
+
+def _as_finite(value: Any) -> float:
+    """The reward as a float; ValueError for a non-number or a non-finite one."""
+    if isinstance(value, (bool, numbers.Real)):
+        reward = float(value)
+    elif hasattr(value, "item") and math.prod(getattr(value, "shape", ())) == 1:
+        reward = float(value.item())  # a one-element numpy array or torch tensor
+    else:
+        raise ValueError(f"returned {type(value).__name__} {str(value)[:60]!r}, expected a number")
+    if not math.isfinite(reward):
+        raise ValueError(f"returned the non-finite reward {reward}")
+    return reward
+
+
+def compute_rewards(fn: RewardFn, samples: Sequence[RewardSample], *,
+                    on_error: Literal["raise", "zero"] = "raise") -> RewardResult:
+    """Score every sample. Failures raise ``RewardError`` or, with "zero", become 0 and are listed."""
+    if on_error not in ("raise", "zero"):
+        raise ValueError(f"on_error: expected 'raise' or 'zero', got {on_error!r}")
+    rewards: list[float] = [0.0] * len(samples)
+    failures: list[RewardFailure] = []
+
+    def fail(i: int, error: str, cause: Optional[BaseException] = None) -> None:
+        if on_error == "raise":
+            raise RewardError(f"reward of {_describe(samples[i])}: {error}") from cause
+        failures.append(RewardFailure(samples[i].prompt.index, samples[i].sample_index, error))
+
+    raw: list[Any] = [None] * len(samples)
+    score_batch = getattr(fn, "score_batch", None)
+    if score_batch is not None:
+        try:
+            raw = list(score_batch(samples))
+        except Exception as err:
+            raw = [err] * len(samples)
+        if len(raw) != len(samples):
+            raise RewardError(f"{type(fn).__name__}.score_batch returned {len(raw)} rewards for "
+                              f"{len(samples)} samples")
+    else:
+        for i, s in enumerate(samples):
+            try:
+                raw[i] = fn(s.prompt, s.response_ids, s.response_text)
+            except Exception as err:
+                raw[i] = err
+    for i, value in enumerate(raw):
+        if isinstance(value, Exception):
+            fail(i, str(value) if isinstance(value, RewardError)
+                 else f"{type(value).__name__}: {value}", value)
+            continue
+        try:
+            rewards[i] = _as_finite(value)
+        except ValueError as err:
+            fail(i, str(err))
+    return RewardResult(rewards=rewards, failures=failures)
+
+
+# ------------------------------------------------------------------------------------------------
+# Built-ins
+
+
+def _label(prompt: Prompt, kind: str) -> str:
+    if prompt.label is None:
+        raise RewardError(f"the {kind} reward needs a label, and prompt {prompt.index} "
+                          f"({prompt.origin}) has none (data.label_key)")
+    return prompt.label
+
+
+def exact_match(prompt: Prompt, response_ids: list[int], response_text: str) -> float:
+    """1.0 if the stripped response equals the stripped label."""
+    return 1.0 if response_text.strip() == _label(prompt, "exact_match").strip() else 0.0
+
+
+def addition(prompt: Prompt, response_ids: list[int], response_text: str) -> float:
+    """The synthetic task's reward: exact answer up to the end-of-answer token (byte-level ids)."""
+    problem = Problem(prompt=prompt.text, answer=_label(prompt, "addition"))
+    return AdditionTask.reward(problem, list(response_ids))
+
+
+@lru_cache(maxsize=65536)
+def _parse_gold(label: str, timeout: Optional[int]):
+    from math_verify import parse
+
+    gold = parse(label, parsing_timeout=timeout)
+    if not gold:  # a bare LaTeX expression without delimiters
+        gold = parse(f"${label}$", parsing_timeout=timeout)
+    return gold
+
+
+def math_equal(prompt: Prompt, response_ids: list[int], response_text: str) -> float:
+    """1.0 if math-verify finds the response's answer equal to the label.
+
+    math-verify bounds its work with ``signal.alarm``, which exists only in the main thread; in
+    another thread the bounds are off (``timeout None``).
+    """
+    try:
+        from math_verify import parse, verify
+    except ImportError as err:
+        raise RewardError("reward.kind 'math' needs the math-verify package "
+                          "(pip install math-verify)") from err
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    label = _label(prompt, "math")
+    gold = _parse_gold(label, timeout)
+    if not gold:
+        raise RewardError(f"math-verify cannot parse the label {label!r}")
+    answer = parse(response_text, parsing_timeout=timeout)
+    if not answer:
+        return 0.0
+    return 1.0 if verify(gold, answer, timeout_seconds=timeout) else 0.0
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "math": math_equal,
+    "addition": addition,
+}
+
+
+def load_function(spec: str) -> RewardFn:
+    """The callable named by "package.module:function" or "path/to/file.py:function"."""
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise RewardError(f"reward.function {spec!r}: expected \"module:function\"")
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        if not path.is_file():
+            raise RewardError(f"reward.function {spec!r}: file {path} not found")
+        module_spec = importlib.util.spec_from_file_location(f"_reward_{path.stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as err:
+            raise RewardError(f"reward.function {spec!r}: importing {path} failed: "
+                              f"{type(err).__name__}: {err}") from err
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name and module_name.startswith(err.name):
+                raise RewardError(f"reward.function {spec!r}: no module named {err.name!r} "
+                                  f"(is it on PYTHONPATH? sys.path[0] = {sys.path[0]!r})") from err
+            raise RewardError(f"reward.function {spec!r}: importing {module_name} failed: "
+                              f"{err}") from err
+        except Exception as err:
+            raise RewardError(f"reward.function {spec!r}: importing {module_name} failed: "
+                              f"{type(err).__name__}: {err}") from err
+    if not hasattr(module, attr):
+        public = sorted(n for n in vars(module) if not n.startswith("_"))
+        raise RewardError(f"reward.function {spec!r}: module {module_name} has no attribute "
+                          f"{attr!r} (it has: {', '.join(public[:20])})")
+    fn = getattr(module, attr)
+    if not callable(fn):
+        raise RewardError(f"reward.function {spec!r}: {attr} is a {type(fn).__name__}, "
+                          "not callable")
+    return fn
+
+
+# ------------------------------------------------------------------------------------------------
+# HTTP reward service
+
+
+class HTTPReward:
+    """A reward service: POST a JSON list of samples, answered by ``{"rewards": [...]}``.
+
+    Each request carries at most ``batch_size`` samples, as
+    ``[{"prompt", "response", "label", "prompt_index", "sample_index"}, ...]``; the answer must
+    hold exactly one reward per sample, in order. Connection errors, timeouts, 429 and 5xx
+    answers are retried ``max_retries`` times with exponential backoff; any other failure raises
+    ``RewardError`` naming the URL and what it answered.
+    """
+
+    def __init__(self, url: str, *, timeout_s: float = 30.0, max_retries: int = 2,
+                 batch_size: int = 64, backoff_s: float = 0.5):
+        self.url, self.timeout_s, self.max_retries = url, timeout_s, max_retries
+        self.batch_size, self.backoff_s = batch_size, backoff_s
+
+    def __call__(self, prompt: Prompt, response_ids: list[int], response_text: str) -> float:
+        return self.score_batch([RewardSample(prompt, 0, list(response_ids), response_text)])[0]
+
+    def score_batch(self, samples: Sequence[RewardSample]) -> list[Any]:
+        """One reward per sample; the samples of a failed request get its ``RewardError``."""
+        rewards: list[Any] = []
+        for start in range(0, len(samples), self.batch_size):
+            chunk = samples[start:start + self.batch_size]
+            try:
+                rewards.extend(self._post(chunk))
+            except RewardError as err:
+                rewards.extend([err] * len(chunk))
+        return rewards
+
+    def _post(self, samples: Sequence[RewardSample]) -> list[Any]:
+        body = json.dumps([{"prompt": s.prompt.text, "response": s.response_text,
+                            "label": s.prompt.label, "prompt_index": s.prompt.index,
+                            "sample_index": s.sample_index} for s in samples]).encode()
+        what = f"{self.url} (request of {len(samples)} samples)"
+        last_error = ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            request = urllib.request.Request(
+                self.url, data=body, method="POST", headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                    status, text = response.status, response.read().decode("utf-8", "replace")
+            except urllib.error.HTTPError as err:
+                text = err.read().decode("utf-8", "replace") if err.fp else ""
+                last_error = f"HTTP {err.code}: {text[:200]!r}"
+                if err.code == 429 or err.code >= 500:
+                    continue
+                break
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as err:
+                reason = getattr(err, "reason", err)
+                last_error = f"no answer ({type(reason).__name__}: {reason})"
+                continue
+            if status != 200:
+                last_error = f"HTTP {status}: {text[:200]!r}"
+                break
+            return self._parse(text, len(samples), what)
+        tries = f", after {attempt + 1} attempts" if attempt else ""
+        raise RewardError(f"reward service {what}{tries}: {last_error}")
+
+    def _parse(self, text: str, count: int, what: str) -> list[Any]:
+        try:
+            answer = json.loads(text)
+        except json.JSONDecodeError:
+            raise RewardError(f"reward service {what}: answered non-JSON "
+                              f"{text[:200]!r}") from None
+        rewards = answer.get("rewards") if isinstance(answer, dict) else None
+        if not isinstance(rewards, list):
+            raise RewardError(f"reward service {what}: expected "
+                              f"{{\"rewards\": [...]}}, got {text[:200]!r}")
+        if len(rewards) != count:
+            raise RewardError(f"reward service {what}: sent {count} samples, "
+                              f"got {len(rewards)} rewards")
+        return rewards
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def reward_kind(reward: "RewardConfig", data: "DataConfig") -> str:
+    """The configured kind, or the synthetic task's own reward when ``reward.kind`` is null."""
+    if reward.kind is not None:
+        return reward.kind
+    if data.task is None:
+        raise RewardError("reward.kind: required with data.train_path")
+    return data.task  # every synthetic task names its own built-in reward
+
+
+def build_reward(reward: "RewardConfig", data: "DataConfig") -> RewardFn:
+    """The reward function of a config's ``reward:`` (and ``data:``) sections."""
+    kind = reward_kind(reward, data)
+    if kind == "function":
+        return load_function(reward.function)
+    if kind == "http":
+        return HTTPReward(reward.url, timeout_s=reward.timeout_s, max_retries=reward.max_retries,
+                          batch_size=reward.batch_size)
+    if kind == "math":
+        try:
+            import math_verify  # noqa: F401  (fail at start-up, not at the first reward)
+        except ImportError as err:
+            raise RewardError("reward.kind 'math' needs the math-verify package "
+                              "(pip install math-verify)") from err
+    return BUILTIN_REWARDS[kind]

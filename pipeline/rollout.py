@@ -1,0 +1,501 @@
+"""Rollouts through SGLang's native HTTP API: the client the RL loop uses.
+
+Talks to the real ``sglang-router`` (``router_url``) or to a list of servers directly
+(``server_urls``): SGLang servers on GPUs, or ``megatron-gspo serve`` on CPUs - the same protocol
+(``../shared/docs/sglang_protocol.md``), the same code.
+
+    client = RolloutClient(router_url="http://127.0.0.1:30000")
+    groups = client.generate_groups(prompts, group_size=8, sampling=SamplingParams(max_new_tokens=64),
+                                    seed=step)                      # list (per prompt) of G results
+
+Each sample is ONE ``/generate`` request with ``input_ids``, ``return_logprob`` and its own
+``sampling_seed`` (what slime does; SGLang's ``n`` would give fresh rids and no per-sample seed).
+
+Failures. A server that refuses the connection, times out or dies mid-request: the request is sent
+again - to another server in direct mode, through the router again in router mode - after a best
+effort abort of the first attempt, under a new rid ``<rid>:retry<k>`` (so a server that still holds
+the first attempt never sees a duplicate rid). Every result slot is filled exactly once: nothing is
+lost or duplicated. 4xx answers are not retried (they would fail anywhere); 408/429/5xx are. Every
+wait is bounded (``health_timeout_s``, ``request_timeout_s`` per attempt, ``max_attempts``), and
+errors are :class:`RolloutError` naming the URL, the HTTP status and what the server last said,
+whichever of SGLang's three error-body shapes it used.
+
+Log-probs: ``output_logprobs`` are SGLang's ``output_token_logprobs``, i.e. log-probs of the
+temperature-scaled distribution ``log_softmax(logits / T)`` before top-k / top-p truncation
+(greedy: ``T = 1``). Compare them with the trainer's log-probs computed at the same temperature.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import random
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal, Optional
+
+RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
+FinishReason = Literal["stop", "length", "abort"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Bodies
+
+
+@dataclass(kw_only=True)
+class SamplingParams:
+    """The ``sampling_params`` object of a /generate request (SGLang's key names and meaning)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1: the whole vocabulary."""
+    max_new_tokens: int = 128
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra stop tokens; the model's EOS (config / generation_config) always stops."""
+    n: int = 1
+    no_stop_trim: bool = True
+    skip_special_tokens: bool = True
+    sampling_seed: Optional[int] = None
+
+    def to_json(self) -> dict:
+        """Exactly SGLang's keys; ``sampling_seed`` only when set."""
+        body = asdict(self)
+        body["stop_token_ids"] = list(self.stop_token_ids)
+        if self.sampling_seed is None:
+            del body["sampling_seed"]
+        return body
+
+
+@dataclass
+class RolloutResult:
+    """One sample. ``output_ids`` ends with the stop token when one matched (as in SGLang)."""
+
+    rid: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    """One per output id: SGLang's output_token_logprobs (temperature-scaled distribution)."""
+    finish_reason: FinishReason
+    matched_stop: Optional[int | str]
+    prompt_tokens: int
+    completion_tokens: int
+    weight_version: str
+    server_url: str
+
+
+class RolloutError(RuntimeError):
+    """A rollout server (or the router) failed: which URL, which HTTP status, what it said."""
+
+    def __init__(self, url: str, status: Optional[int], message: str):
+        self.url, self.status, self.message = url, status, message
+        shown = f"HTTP {status}" if status is not None else "no HTTP answer"
+        super().__init__(f"{url}: {shown}: {message}")
+
+
+def error_message(text: str) -> str:
+    """The message of an SGLang error body, whichever of its shapes (protocol doc §1.3)."""
+    try:
+        body = json.loads(text)
+    except (json.JSONDecodeError, TypeError):
+        return (text or "").strip()[:1000] or "(empty body)"
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, str):  # contract gate: {"error": "<message>"}
+            return err
+        if isinstance(err, dict) and "message" in err:  # ValueError / router: {"error": {...}}
+            return str(err["message"])
+        if "message" in body:  # pydantic {"object": "error", ...} and {"success": false, ...}
+            return str(body["message"])
+        if "detail" in body:
+            return str(body["detail"])
+    return text.strip()[:1000]
+
+
+def generate_payload(rid: str, input_ids: Sequence[int], sampling: SamplingParams) -> dict:
+    """The /generate body of one sample."""
+    return {"rid": rid, "input_ids": [int(t) for t in input_ids],
+            "sampling_params": sampling.to_json(), "return_logprob": True,
+            "logprob_start_len": -1, "stream": False}
+
+
+def parse_generate_response(body: Any, rid: str, prompt_ids: Sequence[int], url: str
+                            ) -> RolloutResult:
+    """One /generate response object -> :class:`RolloutResult` (RolloutError if malformed)."""
+    try:
+        if isinstance(body, list) and len(body) == 1:
+            body = body[0]
+        meta = body["meta_info"]
+        output_ids = [int(t) for t in body["output_ids"]]
+        finish = meta["finish_reason"] or {}
+        kind = finish.get("type")
+        if kind not in ("stop", "length", "abort"):
+            raise ValueError(f"finish_reason {finish!r}")
+        entries = meta.get("output_token_logprobs") or []
+        if len(entries) != len(output_ids):
+            raise ValueError(f"{len(entries)} output_token_logprobs for {len(output_ids)} output ids")
+        if any(int(e[1]) != t for e, t in zip(entries, output_ids)):
+            raise ValueError("output_token_logprobs token ids differ from output_ids")
+        logprobs = [float(e[0]) for e in entries]
+    except (KeyError, TypeError, ValueError, IndexError) as err:
+        raise RolloutError(url, 200, f"malformed /generate response for rid {rid}: {err}; "
+                                     f"body: {json.dumps(body)[:500]}") from None
+    return RolloutResult(
+        rid=rid, prompt_ids=list(prompt_ids), output_ids=output_ids, output_logprobs=logprobs,
+        finish_reason=kind, matched_stop=finish.get("matched"),
+        prompt_tokens=int(meta.get("prompt_tokens", len(prompt_ids))),
+        completion_tokens=int(meta.get("completion_tokens", len(output_ids))),
+        weight_version=str(meta.get("weight_version", "")), server_url=url)
+
+
+def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """A deterministic, well-mixed 63-bit sampling_seed for (seed, prompt, sample)."""
+    digest = hashlib.blake2b(f"{seed}/{prompt_index}/{sample_index}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") >> 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Synchronous control calls (weight sync, health) - plain urllib, no event loop
+
+
+def http_json(method: str, url: str, body: Any = None, *, timeout_s: float = 30.0
+              ) -> tuple[int, Any]:
+    """One HTTP call; returns (status, parsed JSON or text). Raises RolloutError without answer."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        status, raw = err.code, err.read()
+    except (urllib.error.URLError, OSError, TimeoutError) as err:
+        reason = getattr(err, "reason", err)
+        raise RolloutError(url, None, f"{type(reason).__name__}: {reason}") from None
+    text = raw.decode(errors="replace")
+    try:
+        return status, json.loads(text) if text.strip() else None
+    except json.JSONDecodeError:
+        return status, text
+
+
+def control(url: str, path: str, body: Any = None, *, method: str = "POST",
+            timeout_s: float = 60.0) -> Any:
+    """A control call that must answer 200 (and ``success`` true when it says so)."""
+    status, answer = http_json(method, url.rstrip("/") + path, body, timeout_s=timeout_s)
+    failed = isinstance(answer, dict) and answer.get("success") is False
+    if status != 200 or failed:
+        text = answer if isinstance(answer, str) else json.dumps(answer)
+        raise RolloutError(url.rstrip("/") + path, status, error_message(text))
+    return answer
+
+
+def flush_cache(url: str, *, timeout_s: float = 60.0, interval_s: float = 0.2) -> None:
+    """``/flush_cache`` answers 400 while requests run; poll until 200 (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status, answer = http_json("POST", url.rstrip("/") + "/flush_cache", timeout_s=timeout_s)
+        if status == 200:
+            return
+        if time.monotonic() > deadline:
+            raise RolloutError(url + "/flush_cache", status,
+                               f"still busy after {timeout_s:.0f} s: {error_message(str(answer))}")
+        time.sleep(interval_s)
+
+
+async def _probe(session, url: str, timeout_s: float) -> tuple[Optional[int], str]:
+    import aiohttp
+
+    try:
+        async with session.get(url.rstrip("/") + "/health_generate",
+                               timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            return resp.status, (await resp.text())[:500]
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
+        return None, f"{type(err).__name__}: {err}"
+
+
+async def wait_healthy_async(urls: Sequence[str], timeout_s: float, *, interval_s: float = 0.5,
+                             session=None) -> None:
+    """Poll ``/health_generate`` of every URL until each answers 200; RolloutError otherwise."""
+    import aiohttp
+
+    own = session is None
+    session = session or aiohttp.ClientSession()
+    try:
+        deadline = time.monotonic() + timeout_s
+        last: dict[str, tuple[Optional[int], str]] = {}
+        pending = list(urls)
+        while pending:
+            left = deadline - time.monotonic()
+            answers = await asyncio.gather(*(_probe(session, u, max(1.0, min(25.0, left)))
+                                             for u in pending))
+            for u, answer in zip(pending, answers):
+                last[u] = answer
+            pending = [u for u, (status, _) in zip(pending, answers) if status != 200]
+            if not pending:
+                return
+            if time.monotonic() + interval_s > deadline:
+                u = pending[0]
+                status, said = last[u]
+                raise RolloutError(u, status, f"not healthy after {timeout_s:.0f} s; last answer: "
+                                              f"{said or '(empty body)'}"
+                                   + (f" (also unhealthy: {', '.join(pending[1:])})"
+                                      if len(pending) > 1 else ""))
+            await asyncio.sleep(interval_s)
+    finally:
+        if own:
+            await session.close()
+
+
+def wait_healthy(urls: Sequence[str], timeout_s: float, *, interval_s: float = 0.5) -> None:
+    asyncio.run(wait_healthy_async(urls, timeout_s, interval_s=interval_s))
+
+
+def router_workers(router_url: str, *, timeout_s: float = 10.0) -> list[dict]:
+    """The router's workers (``GET /workers``, sglang-router >= 0.3)."""
+    status, answer = http_json("GET", router_url.rstrip("/") + "/workers", timeout_s=timeout_s)
+    if status != 200 or not isinstance(answer, dict):
+        raise RolloutError(router_url + "/workers", status, error_message(json.dumps(answer)))
+    return list(answer.get("workers", []))
+
+
+# ------------------------------------------------------------------------------------------------
+# The client
+
+
+class _Batch:
+    """State shared by the requests of one generate call."""
+
+    def __init__(self) -> None:
+        self.stopping = False  # over-sampling: enough groups, do not send more
+
+
+class RolloutClient:
+    """Asynchronous /generate client with bounded concurrency, retries and over-sampling."""
+
+    def __init__(self, router_url: Optional[str] = None, server_urls: Optional[Sequence[str]] = None,
+                 *, max_concurrency: int = 64, request_timeout_s: float = 600.0,
+                 health_timeout_s: float = 300.0, max_attempts: int = 5,
+                 retry_backoff_s: float = 0.5, connect_timeout_s: float = 10.0,
+                 server_cooldown_s: float = 5.0):
+        if not router_url and not server_urls:
+            raise ValueError("RolloutClient: give router_url or server_urls")
+        self.router_url = router_url.rstrip("/") if router_url else None
+        self.server_urls = [u.rstrip("/") for u in (server_urls or [])]
+        self.max_concurrency = max_concurrency
+        self.request_timeout_s = request_timeout_s
+        self.health_timeout_s = health_timeout_s
+        self.max_attempts = max_attempts
+        self.retry_backoff_s = retry_backoff_s
+        self.connect_timeout_s = connect_timeout_s
+        self.server_cooldown_s = server_cooldown_s
+        self._inflight: dict[str, int] = {u: 0 for u in self.server_urls}
+        self._down_until: dict[str, float] = {}
+        self._rr = 0
+
+    # --- targets
+    def _pick(self, avoid: str | None) -> str:
+        if self.router_url:
+            return self.router_url
+        now = time.monotonic()
+        up = [u for u in self.server_urls if self._down_until.get(u, 0.0) <= now]
+        if len(up) > 1 and avoid in up:
+            up.remove(avoid)
+        if not up:  # everything failed recently: try again the one that comes back first
+            up = [min(self.server_urls, key=lambda u: self._down_until.get(u, 0.0))]
+        self._rr += 1
+        return min(up, key=lambda u: (self._inflight.get(u, 0), (self.server_urls.index(u) - self._rr)
+                                      % len(self.server_urls)))
+
+    def worker_urls(self) -> list[str]:
+        """The servers behind this client (the router's workers in router mode)."""
+        if self.server_urls:
+            return list(self.server_urls)
+        return [w["url"].rstrip("/") for w in router_workers(self.router_url)]
+
+    # --- one sample
+    async def _one(self, session, sem: asyncio.Semaphore, batch: _Batch, rid: str,
+                   prompt: Sequence[int], sampling: SamplingParams) -> RolloutResult:
+        import aiohttp
+
+        async with sem:
+            last: Optional[RolloutError] = None
+            url: Optional[str] = None
+            for attempt in range(self.max_attempts):
+                if batch.stopping:
+                    return _not_sent(rid, prompt, url or self.router_url or "")
+                if attempt:
+                    await asyncio.sleep(min(8.0, self.retry_backoff_s * 2 ** (attempt - 1))
+                                        * (0.5 + random.random()))
+                url = self._pick(avoid=url)
+                send_rid = rid if attempt == 0 else f"{rid}:retry{attempt}"
+                payload = generate_payload(send_rid, prompt, sampling)
+                self._inflight[url] = self._inflight.get(url, 0) + 1
+                timeout = aiohttp.ClientTimeout(total=self.request_timeout_s,
+                                                sock_connect=self.connect_timeout_s)
+                try:
+                    async with session.post(url + "/generate", json=payload, timeout=timeout) as resp:
+                        status, text = resp.status, await resp.text()
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
+                    timed_out = isinstance(err, asyncio.TimeoutError)
+                    last = RolloutError(url, None, (f"no answer within {self.request_timeout_s:.0f} s"
+                                                    if timed_out else f"{type(err).__name__}: {err}"))
+                    if not self.router_url:
+                        self._down_until[url] = time.monotonic() + self.server_cooldown_s
+                    if timed_out:  # it may still be running there: free it (best effort)
+                        await self._abort_on(session, [url], rid=send_rid)
+                    continue
+                finally:
+                    self._inflight[url] -= 1
+                if status == 200:
+                    try:
+                        body = json.loads(text)
+                    except json.JSONDecodeError:
+                        raise RolloutError(url, 200, f"not JSON: {text[:300]}") from None
+                    result = parse_generate_response(body, rid, prompt, url)
+                    self._down_until.pop(url, None)
+                    return result
+                last = RolloutError(url, status, error_message(text))
+                if status not in RETRYABLE_STATUS:
+                    raise last
+                if not self.router_url and status >= 500:
+                    self._down_until[url] = time.monotonic() + self.server_cooldown_s
+            assert last is not None
+            raise RolloutError(last.url, last.status,
+                               f"gave up after {self.max_attempts} attempts; last: {last.message}")
+
+    async def _abort_on(self, session, urls: Sequence[str], *, rid: Optional[str] = None) -> None:
+        import aiohttp
+
+        body = {"rid": rid} if rid else {"abort_all": True}
+        timeout = aiohttp.ClientTimeout(total=10.0)
+
+        async def one(url: str) -> None:
+            try:
+                async with session.post(url + "/abort_request", json=body, timeout=timeout) as r:
+                    await r.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                pass  # a dead server has nothing left to abort
+
+        if self.router_url and urls == [self.router_url]:
+            try:
+                urls = await asyncio.to_thread(self.worker_urls)
+            except RolloutError:
+                return
+        await asyncio.gather(*(one(u) for u in urls))
+
+    async def abort_all(self, session=None) -> None:
+        """``/abort_request {"abort_all": true}`` on every server (the router does not proxy it)."""
+        import aiohttp
+
+        urls = await asyncio.to_thread(self.worker_urls)
+        if session is None:
+            async with aiohttp.ClientSession() as own:
+                await self._abort_on(own, urls)
+        else:
+            await self._abort_on(session, urls)
+
+    # --- batches
+    async def generate(self, requests: Sequence[tuple[str, Sequence[int], SamplingParams]]
+                       ) -> list[RolloutResult]:
+        """One result per (rid, input_ids, sampling), in input order."""
+        import aiohttp
+
+        rids = [r[0] for r in requests]
+        if len(set(rids)) != len(rids):
+            raise ValueError("generate: rids must be unique within a batch")
+        for _, _, s in requests:
+            if s.n != 1:
+                raise ValueError("generate: sampling.n must be 1 (use generate_groups for G samples)")
+        sem, batch = asyncio.Semaphore(self.max_concurrency), _Batch()
+        async with aiohttp.ClientSession() as session:
+            return list(await asyncio.gather(*(self._one(session, sem, batch, rid, p, s)
+                                               for rid, p, s in requests)))
+
+    def generate_sync(self, requests) -> list[RolloutResult]:
+        return asyncio.run(self.generate(requests))
+
+    async def generate_groups_async(self, prompts: Sequence[Sequence[int]], group_size: int,
+                                    sampling: SamplingParams, *, seed: Optional[int] = None,
+                                    min_complete_groups: Optional[int] = None,
+                                    rid_prefix: Optional[str] = None) -> list[list[RolloutResult]]:
+        """G single requests per prompt with distinct sampling seeds; whole groups only.
+
+        ``seed`` (pass a different one per step) makes every sample's ``sampling_seed``
+        ``sample_seed(seed, prompt_index, sample_index)``; without it the seeds are random. With
+        ``min_complete_groups`` the call stops as soon as that many groups are complete: it aborts
+        what is still running (``abort_request`` with ``abort_all`` on every server - everything
+        those servers run, so the caller must own them), and returns only the complete groups
+        (possibly more than asked for), in prompt order. Without it, every group is returned.
+        """
+        import aiohttp
+
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        if min_complete_groups is not None and not 1 <= min_complete_groups <= len(prompts):
+            raise ValueError(f"min_complete_groups must be in [1, {len(prompts)}], got "
+                             f"{min_complete_groups}")
+        base = seed if seed is not None else random.getrandbits(62)
+        prefix = rid_prefix or f"g{uuid.uuid4().hex[:12]}"
+        sem, batch = asyncio.Semaphore(self.max_concurrency), _Batch()
+        async with aiohttp.ClientSession() as session:
+            tasks: dict[asyncio.Task, tuple[int, int]] = {}
+            for p, prompt in enumerate(prompts):
+                for s in range(group_size):
+                    sp = replace(sampling, n=1, sampling_seed=sample_seed(base, p, s))
+                    task = asyncio.create_task(
+                        self._one(session, sem, batch, f"{prefix}-p{p}-s{s}", prompt, sp))
+                    tasks[task] = (p, s)
+            groups: list[list[Optional[RolloutResult]]] = [[None] * group_size for _ in prompts]
+            complete: set[int] = set()
+            pending = set(tasks)
+            last_abort = float("-inf")
+            try:
+                while pending:
+                    done, pending = await asyncio.wait(pending, timeout=1.0,
+                                                       return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        p, s = tasks[task]
+                        groups[p][s] = task.result()  # raises the request's RolloutError
+                        if all(r is not None and r.finish_reason != "abort" for r in groups[p]):
+                            complete.add(p)
+                    if (min_complete_groups is not None and pending
+                            and len(complete) >= min_complete_groups
+                            and time.monotonic() - last_abort >= 1.0):
+                        # Abort until everything has come back (a request in flight may reach its
+                        # server after an abort; the next abort, a second later, catches it).
+                        batch.stopping = True
+                        last_abort = time.monotonic()
+                        await self._abort_on(session, self.server_urls or [self.router_url])
+            except BaseException:
+                batch.stopping = True
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                await self._abort_on(session, self.server_urls or [self.router_url])
+                raise
+        if min_complete_groups is None:
+            return [list(g) for g in groups]
+        return [list(groups[p]) for p in sorted(complete)]
+
+    def generate_groups(self, prompts, group_size: int, sampling: SamplingParams, *,
+                        seed: Optional[int] = None, min_complete_groups: Optional[int] = None,
+                        rid_prefix: Optional[str] = None) -> list[list[RolloutResult]]:
+        return asyncio.run(self.generate_groups_async(
+            prompts, group_size, sampling, seed=seed, min_complete_groups=min_complete_groups,
+            rid_prefix=rid_prefix))
+
+    def wait_healthy(self, timeout_s: Optional[float] = None) -> None:
+        wait_healthy(self.worker_urls() if self.router_url is None else [self.router_url],
+                     self.health_timeout_s if timeout_s is None else timeout_s)
+
+
+def _not_sent(rid: str, prompt: Sequence[int], url: str) -> RolloutResult:
+    return RolloutResult(rid=rid, prompt_ids=list(prompt), output_ids=[], output_logprobs=[],
+                         finish_reason="abort", matched_stop=None, prompt_tokens=len(prompt),
+                         completion_tokens=0, weight_version="", server_url=url)
