@@ -6,12 +6,15 @@ Run on one machine (the ranks are started for you)::
     megatron-gspo sft --config launch/configs/tiny_cpu.yaml --set run.num_steps=10 --nproc 2
 
 or under torchrun / srun, one process per rank. Writes ``<run.output_dir>/metrics.jsonl`` and
-TensorBoard logs, prints one line per step, and ends with ``held-out loss: <first> -> <last>``.
+TensorBoard logs, prints one line per step, writes the trained policy as a Hugging Face directory
+``<run.output_dir>/hf`` (the ``run.init_from`` of a GSPO run), and ends with
+``held-out loss: <first> -> <last>``.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from launch import local
 from launch.common import add_config_args, load_from_args
@@ -53,6 +56,15 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
             result = run_sft(cfg, pg, logger=logger)
         finally:
             logger.close()
+        from megatron_gspo.hf_export import export_hf_dir
+        from pipeline.tasks import write_byte_tokenizer
+
+        hf_dir = Path(cfg.run.output_dir) / "hf"
+        export_hf_dir(result.gpt, cfg.model, pg, hf_dir)
+        if is_main:
+            if cfg.data.tokenizer_dir is None:
+                write_byte_tokenizer(hf_dir)
+            print(f"policy written to {hf_dir}")
         if is_main:
             print(f"train loss: {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
             print(f"held-out loss: {result.eval_losses[0]:.4f} -> {result.eval_losses[-1]:.4f}",

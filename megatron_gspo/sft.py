@@ -74,6 +74,7 @@ def global_loss(per_microbatch: list[dict], pg_collection, num_units: float) -> 
 class SFTResult:
     losses: list[float]
     eval_losses: list[float]
+    gpt: object = None
 
 
 def evaluate(state: TrainState, cfg: Config, task: AdditionTask) -> float:
@@ -125,4 +126,4 @@ def run_sft(cfg: Config, pg_collection, *, logger: MetricsLogger) -> SFTResult:
             logger.log(step, metrics, progress=progress)
         else:
             logger.log(step, metrics)
-    return SFTResult(losses=losses, eval_losses=eval_losses)
+    return SFTResult(losses=losses, eval_losses=eval_losses, gpt=gpt)

@@ -71,3 +71,31 @@ class AdditionTask:
     def max_length(self) -> int:
         """Prompt + answer + end token of the longest problem."""
         return 2 * self.digits + 2 + (self.digits + 1) + 1
+
+
+def _byte_token(b: int) -> str:
+    ch = chr(b)
+    return ch if ch.isprintable() and b < 128 or ch == "\n" else f"<0x{b:02X}>"
+
+
+def write_byte_tokenizer(directory) -> None:
+    """Save a tokenizer whose ids are bytes (id 10 "\\n" ends an answer), plus a
+    generation_config.json naming that end token, into a model directory.
+
+    The rollout servers and the sglang-router read the tokenizer from the model directory; this
+    one matches ``encode`` / ``decode`` above for ASCII text, so no hub download is ever needed.
+    """
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {_byte_token(b): b for b in range(256)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=_byte_token(PAD_ID)))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="\n", pad_token=_byte_token(PAD_ID))
+    directory = Path(directory)
+    fast.save_pretrained(str(directory))
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS_ID}))

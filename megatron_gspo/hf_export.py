@@ -1,0 +1,145 @@
+"""Full Hugging Face tensors from a live, sharded policy; and a complete HF directory from them.
+
+Every rank turns its local parameters into pieces of HF tensors (``hf_mapping``); the pieces of one
+bucket of HF names are gathered to global rank 0, which assembles full tensors. Memory on rank 0 is
+bounded by the bucket, not the model. Used to write the SFT result and the initial policy for the
+rollout servers (``export_hf_dir``) and by the weight sync.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.config import ModelConfig
+from megatron_gspo.hf_mapping import hf_param_names, hf_param_shapes
+
+
+def hf_config_dict(model: ModelConfig, *, dtype: str = "float32") -> dict:
+    """A transformers ``Qwen3MoeConfig`` config.json for ``model`` (both rope spellings)."""
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": model.vocab_size,
+        "hidden_size": model.hidden_size,
+        "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.num_query_groups,
+        "head_dim": model.head_dim,
+        "intermediate_size": model.moe_ffn_hidden_size,
+        "moe_intermediate_size": model.moe_ffn_hidden_size,
+        "num_experts": model.num_experts,
+        "num_experts_per_tok": model.moe_router_topk,
+        "norm_topk_prob": model.norm_topk_prob,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "hidden_act": "silu",
+        "rms_norm_eps": model.rms_norm_eps,
+        "rope_theta": model.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
+        "max_position_embeddings": model.max_position_embeddings,
+        "tie_word_embeddings": model.tie_word_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "router_aux_loss_coef": model.moe_aux_loss_coeff,
+        "output_router_logits": False,
+        "use_sliding_window": False,
+        "initializer_range": model.init_method_std,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+    }
+
+
+def _buckets(model: ModelConfig, bucket_bytes: int) -> list[list[str]]:
+    shapes = hf_param_shapes(model)
+    buckets, current, size = [], [], 0
+    for name in hf_param_names(model):
+        nbytes = 4 * int(torch.Size(shapes[name]).numel())
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def iter_full_hf_tensors(gpt, model: ModelConfig, pg_collection, *,
+                         bucket_bytes: int = 512 << 20) -> Iterator[dict[str, torch.Tensor]]:
+    """Collective over the world: yields {hf name: full tensor} buckets on rank 0 ({} elsewhere).
+
+    Replicated pieces (held by several ranks) are taken once; rank 0 checks that every element of
+    every tensor was provided.
+    """
+    from megatron_gspo.model import local_hf_pieces
+
+    shapes = hf_param_shapes(model)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = list(local_hf_pieces(gpt, model, pg_collection))
+    by_name: dict[str, list] = {}
+    for piece, tensor in local:
+        by_name.setdefault(piece.hf_name, []).append((piece.hf_index, tensor.detach().cpu()))
+    for names in _buckets(model, bucket_bytes):
+        mine = {n: by_name.get(n, []) for n in names}
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if rank != 0:
+            yield {}
+            continue
+        out = {}
+        for name in names:
+            dtype = next((t.dtype for part in gathered for t in (x[1] for x in part[name])),
+                         torch.float32)
+            full = torch.empty(shapes[name], dtype=dtype)
+            covered = torch.zeros(shapes[name], dtype=torch.bool)
+            for part in gathered:
+                for index, tensor in part[name]:
+                    full[index] = tensor
+                    covered[index] = True
+            if not bool(covered.all()):
+                raise RuntimeError(f"{name}: no rank holds part of this tensor (mapping error)")
+            out[name] = full
+        yield out
+
+
+def export_hf_dir(gpt, model: ModelConfig, pg_collection, out_dir: str | Path, *,
+                  tokenizer_dir: Optional[str | Path] = None,
+                  bucket_bytes: int = 512 << 20) -> Optional[Path]:
+    """Collective: write a transformers-loadable directory (safetensors shards + index +
+    config.json [+ tokenizer files]) on rank 0. Returns the directory on rank 0."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    rank = dist.get_rank()
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    weight_map, total = {}, 0
+    for i, bucket in enumerate(iter_full_hf_tensors(gpt, model, pg_collection,
+                                                    bucket_bytes=bucket_bytes)):
+        if rank != 0:
+            continue
+        shard = f"model-{i + 1:05d}.safetensors"
+        save_file({k: v.contiguous() for k, v in bucket.items()}, str(out_dir / shard),
+                  metadata={"format": "pt"})
+        for name, tensor in bucket.items():
+            weight_map[name] = shard
+            total += tensor.numel() * tensor.element_size()
+    if rank == 0:
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        dtype = "bfloat16" if model.params_dtype == "bfloat16" else "float32"
+        (out_dir / "config.json").write_text(json.dumps(hf_config_dict(model, dtype=dtype), indent=1))
+        if tokenizer_dir:
+            import shutil
+
+            for f in Path(tokenizer_dir).iterdir():
+                if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")) or \
+                        f.name == "generation_config.json":
+                    shutil.copy2(f, out_dir / f.name)
+    dist.barrier()
+    return out_dir if rank == 0 else None
