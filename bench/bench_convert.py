@@ -6,19 +6,20 @@
 For each size, a synthetic Qwen3-MoE checkpoint with Qwen3-30B-A3B's layer shapes (hidden 2048,
 32 heads / 4 KV groups of 128, 128 experts of 768, vocabulary 151936, untied, bf16) but fewer
 layers is written as Hugging Face safetensors shards (~1.25 GB per layer + 1.24 GB of embeddings).
-Then, in this order and each in a fresh process (``python -m launch.convert``):
+Then, repeated ``--repeats`` times (interleaved, median reported), each conversion in a fresh
+process (``python -m launch.convert``):
 
 1. ``cp -r`` of the HF directory (the same bytes), timed;
-2. ``convert hf-to-mcore`` (one writer thread), timed, its peak RSS from ``wait4``;
-3. ``convert mcore-to-hf`` back, timed, peak RSS; then ``cp -r`` of the Megatron directory;
-4. a spot check that the exported tensors equal the synthetic ones (embedding, an expert);
+2. ``convert hf-to-mcore --tp 4 --ep 8`` (one writer thread), timed, its peak RSS (VmHWM);
+3. ``cp -r`` of the Megatron directory, then ``convert mcore-to-hf`` of it, timed, peak RSS;
 
-and everything is deleted. Throughput ratio = cp seconds / conversion seconds for the same bytes
-(>= 0.5 is the target). Both include process start-up and the imports (about 2 s on the
-development machine): the "conversion only" ratio uses the time the converter itself reports.
-The source files are in the page cache when cp reads them (they were just written), and cp and
-the converter alike leave the written pages for the kernel to flush (``--no-fsync``); a fully
-synced conversion is timed too.
+then a spot check that exported tensors equal the synthetic ones, one more hf-to-mcore with
+fsync, and everything is deleted. Throughput ratio = cp seconds / conversion seconds for the same
+bytes (target >= 0.5). "process" times include interpreter start-up and imports (about 2-3 s
+here, independent of the model size); "convert only" is the time the converter reports. Every
+timed step starts after ``sync`` (no dirty pages left by the previous step); the source files are
+in the page cache for cp and the converter alike, and both leave the written pages for the kernel
+to flush (``--no-fsync``); the fsync'd conversion is shown separately.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ def du(path: Path) -> int:
 
 
 def timed_cp(src: Path, dst: Path) -> float:
+    os.sync()  # every timed step starts without dirty pages of the previous one
     start = time.perf_counter()
     subprocess.run(["cp", "-r", "--reflink=never", str(src), str(dst)], check=True)
     seconds = time.perf_counter() - start
@@ -105,19 +107,32 @@ def timed_cp(src: Path, dst: Path) -> float:
     return seconds
 
 
-def run_convert(args: list[str]) -> dict:
-    """Run ``python -m launch.convert ARGS``; wall seconds, peak RSS (GiB), reported seconds."""
+# Runs ``launch.convert`` and, at exit, prints the process's own peak RSS (VmHWM of its address
+# space; ru_maxrss from wait4 would include the forked parent's pages from before exec).
+_WRAPPER = ("import atexit, runpy, sys\n"
+            "def _peak():\n"
+            "    status = open('/proc/self/status').read()\n"
+            "    print('VmHWM_kB', status.split('VmHWM:')[1].split()[0], file=sys.stderr)\n"
+            "atexit.register(_peak)\n"
+            "sys.argv = ['launch.convert', *sys.argv[1:]]\n"
+            "runpy.run_module('launch.convert', run_name='__main__')\n")
+
+
+def run_convert(args: list[str], out_dir: Path) -> dict:
+    """Run ``python -m launch.convert ARGS`` in a fresh process: wall seconds (process start and
+    imports included), the seconds the converter reports, peak RSS in GiB."""
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.sync()
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "launch.convert", *args, "--no-progress"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    _, status, usage = os.wait4(proc.pid, 0)
+    proc = subprocess.run([sys.executable, "-c", _WRAPPER, *args, "--no-progress"], cwd=REPO,
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     wall = time.perf_counter() - start
-    out, err = proc.stdout.read(), proc.stderr.read()
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"convert {args} failed:\n{out}\n{err}")
-    reported = float(out.strip().split(" in ")[-1].split(" s")[0])
-    return {"wall_s": wall, "convert_s": reported, "peak_rss_gib": usage.ru_maxrss / 2**20}
+    if proc.returncode != 0:
+        raise RuntimeError(f"convert {args} failed:\n{proc.stdout}\n{proc.stderr}")
+    reported = float(proc.stdout.strip().split(" in ")[-1].split(" s")[0])
+    peak_kb = int(proc.stderr.split("VmHWM_kB")[-1].split()[0])
+    return {"wall_s": wall, "convert_s": reported, "peak_rss_gib": peak_kb / 2**20}
 
 
 def spot_check(src: Path, exported: Path, num_layers: int) -> None:
@@ -131,27 +146,36 @@ def spot_check(src: Path, exported: Path, num_layers: int) -> None:
                 raise AssertionError(f"{name}: exported tensor differs from the source")
 
 
-def bench_size(workdir: Path, num_layers: int) -> dict:
+def _median_run(results: list[dict]) -> dict:
+    """The run with the median conversion time (keeps wall, converter time and RSS together)."""
+    return sorted(results, key=lambda r: r["convert_s"])[len(results) // 2]
+
+
+def bench_size(workdir: Path, num_layers: int, repeats: int) -> dict:
     src, mcore, export = workdir / "hf", workdir / "mcore", workdir / "export"
     for path in (src, mcore, export):
         if path.exists():
             shutil.rmtree(path)
+    to_mcore_args = ["hf-to-mcore", "--hf", str(src), "--out", str(mcore), "--tp", "4", "--ep", "8"]
+    to_hf_args = ["mcore-to-hf", "--mcore", str(mcore), "--out", str(export)]
     try:
         payload = write_synthetic(src, num_layers)
         disk = du(src)
-        cp_hf = timed_cp(src, workdir / "hf_copy")
-        to_mcore = run_convert(["hf-to-mcore", "--hf", str(src), "--out", str(mcore), "--tp", "4",
-                                "--ep", "8", "--no-fsync"])
-        cp_mcore = timed_cp(mcore, workdir / "mcore_copy")
-        to_hf = run_convert(["mcore-to-hf", "--mcore", str(mcore), "--out", str(export),
-                             "--no-fsync"])
+        cp_hf, cp_mcore, to_mcore, to_hf = [], [], [], []
+        for _ in range(repeats):  # interleaved, so both sides see the same machine load
+            cp_hf.append(timed_cp(src, workdir / "hf_copy"))
+            to_mcore.append(run_convert(to_mcore_args + ["--no-fsync"], mcore))
+            cp_mcore.append(timed_cp(mcore, workdir / "mcore_copy"))
+            to_hf.append(run_convert(to_hf_args + ["--no-fsync"], export))
         spot_check(src, export, num_layers)
-        shutil.rmtree(mcore)
-        synced = run_convert(["hf-to-mcore", "--hf", str(src), "--out", str(mcore), "--tp", "4",
-                              "--ep", "8"])
+        synced = run_convert(to_mcore_args, mcore)
         return {"layers": num_layers, "hf_bytes": disk, "payload_bytes": payload,
-                "cp_hf_s": cp_hf, "cp_mcore_s": cp_mcore, "hf_to_mcore": to_mcore,
-                "mcore_to_hf": to_hf, "hf_to_mcore_fsync": synced}
+                "load_average_1min": os.getloadavg()[0], "cpus": os.cpu_count(),
+                "mcore_bytes": du(mcore), "cp_hf_s": sorted(cp_hf)[repeats // 2],
+                "cp_mcore_s": sorted(cp_mcore)[repeats // 2], "hf_to_mcore": _median_run(to_mcore),
+                "mcore_to_hf": _median_run(to_hf), "hf_to_mcore_fsync": synced,
+                "all_runs": {"cp_hf_s": cp_hf, "cp_mcore_s": cp_mcore, "hf_to_mcore": to_mcore,
+                             "mcore_to_hf": to_hf}}
     finally:
         for path in (src, mcore, export):
             if path.exists():
@@ -180,11 +204,13 @@ def main() -> None:
     parser.add_argument("--layers", default="3,6",
                         help="comma-separated layer counts, one synthetic model each (default 3,6)")
     parser.add_argument("--workdir", default="/tmp/bench_convert", type=Path)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed runs of each step per size; the median is reported (default 3)")
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     rows = []
     for layers in (int(x) for x in args.layers.split(",")):
-        rows.append(bench_size(args.workdir, layers))
+        rows.append(bench_size(args.workdir, layers, args.repeats))
         print(json.dumps(rows[-1]), flush=True)
     shutil.rmtree(args.workdir, ignore_errors=True)
     print(report(rows))

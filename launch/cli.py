@@ -1,5 +1,8 @@
 """``megatron-gspo``: the single command-line entry point.
 
+    megatron-gspo demo                                            SFT then GSPO of a tiny MoE, plots
+    megatron-gspo train   --config FILE.yaml [--set a.b=v ...] [--resume]
+                                                                  GSPO on Megatron + rollout servers
     megatron-gspo sft     --config FILE.yaml [--set a.b=v ...]   cold-start SFT on Megatron
     megatron-gspo config  --config FILE.yaml [--set ...] [--world-size N]
                                                                   validate and print a configuration
@@ -19,7 +22,7 @@ from typing import Optional
 from megatron_gspo.config import ConfigError
 
 # Sub-command modules; each has add_parser(subparsers) and sets ``func(args, argv) -> int``.
-COMMANDS = ["launch.sft", "launch.show_config", "launch.plot", "launch.serve", "launch.slurm"]
+COMMANDS = ["launch.demo", "launch.train", "launch.sft", "launch.show_config", "launch.plot", "launch.serve", "launch.slurm"]
 OPTIONAL_COMMANDS = ["launch.convert"]
 
 

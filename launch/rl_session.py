@@ -51,6 +51,7 @@ def run_training(cfg: Config, *, resume: bool) -> int:
     parallel.init_distributed()
     cluster = None
     logger = None
+    syncer = None
     try:
         pg = parallel.initialize(cfg.parallel, seed=cfg.run.seed)
         is_main = dist.get_rank() == 0
@@ -111,15 +112,17 @@ def run_training(cfg: Config, *, resume: bool) -> int:
         dist.broadcast_object_list(box, src=0)
         server_urls = box[0]
 
-        from megatron_gspo.weight_sync import sync_weights
+        from megatron_gspo.weight_sync import WeightSyncer
 
-        sync_dir = cfg.rollout.weight_sync_dir or str(run_dir / "weights")
+        syncer = WeightSyncer(trainer.gpt, cfg.model, pg, server_urls,
+                              transport=cfg.rollout.weight_sync,
+                              bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20,
+                              shared_dir=cfg.rollout.weight_sync_dir or str(run_dir / "weights"))
 
         def sync(version: str) -> dict:
-            return sync_weights(trainer.gpt, cfg.model, pg, server_urls,
-                                transport=cfg.rollout.weight_sync, weight_version=version,
-                                bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20,
-                                shared_dir=sync_dir) or {}
+            stats = syncer.sync(version)
+            return {"seconds": stats.seconds_total, "gbytes_per_s": stats.gbytes_per_s,
+                    "bytes": stats.bytes}
 
         trainer.sync_weights = sync
         ctx = loop.LoopContext(cfg=cfg, run_dir=str(run_dir), reward_fn=(
@@ -137,6 +140,8 @@ def run_training(cfg: Config, *, resume: bool) -> int:
                       f"step {history[-1][0]} {history[-1][1]:.3f}", flush=True)
         return loop.PREEMPTED_EXIT_CODE if result["status"] == "preempted" else 0
     finally:
+        if syncer is not None:
+            syncer.close()
         if cluster is not None:
             cluster.stop()
         if logger is not None:

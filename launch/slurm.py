@@ -7,9 +7,10 @@ in one job.
         --model-path /models/Qwen3-30B-A3B --container-image /images/megatron-gspo.sqsh \\
         --container-mounts /lustre:/lustre
 
-    # CPU machines: local rollout servers (`megatron-gspo serve`) and gloo training ranks
+    # CPU machines: local rollout servers (`megatron-gspo serve`) and gloo training ranks,
+    # starting from the SFT policy (megatron-gspo sft writes runs/sft/hf)
     megatron-gspo launch slurm --config launch/configs/tiny_cpu.yaml --nodes 2 --rollout-nodes 1 \\
-        --model-path runs/tiny_cpu/hf
+        --set run.init_from=runs/sft/hf
 
     # print the batch script, submit nothing
     megatron-gspo launch slurm --config X.yaml ... --dry-run
@@ -53,11 +54,9 @@ from launch.common import add_config_args, load_from_args
 from megatron_gspo.config import Config, ConfigError, dump_config, load_config
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "slurm"
-PREEMPTED_MARKER = "PREEMPTED"
-"""Created by the trainer (rank 0) in run.output_dir once its checkpoint on SIGTERM/SIGUSR1 is
-saved; the batch script then requeues the job (see slurm/lib.sh)."""
 PREEMPTED_EXIT_STATUS = 75
-"""EX_TEMPFAIL: a trainer exit status the batch script treats like the marker."""
+"""The trainer's exit status after it checkpointed on SIGTERM / SIGUSR1 (EX_TEMPFAIL, "requeue
+me"; ``pipeline.loop.PREEMPTED_EXIT_CODE``): the batch script requeues the job on it."""
 
 
 @dataclass(frozen=True)
@@ -91,11 +90,6 @@ class JobLayout:
                 f"{where} ({span}{tp}); router on the first rollout node")
 
 
-def server_tp_size(cfg: Config) -> int:
-    """Tensor-parallel size of one rollout server (SGLang ``--tp-size``): ``rollout.tp_size``."""
-    return int(getattr(cfg.rollout, "tp_size", 1) or 1)
-
-
 def plan_layout(cfg: Config, args: argparse.Namespace) -> JobLayout:
     """Check the command line against the config; errors name the option or field to change."""
     gpus = args.gpus_per_node
@@ -123,7 +117,7 @@ def plan_layout(cfg: Config, args: argparse.Namespace) -> JobLayout:
     from megatron_gspo.parallel import derive_layout
     derive_layout(cfg.parallel, args.nodes * tasks_per_node)  # raises naming every factor
 
-    tp = server_tp_size(cfg)
+    tp = cfg.rollout.tp_size
     if server == "sglang":
         if tp <= gpus:
             if gpus % tp:
@@ -214,7 +208,7 @@ def _container_options(args: argparse.Namespace, run_dir: Path, workdir: Path) -
         return ""
     mounts = [m for m in (args.container_mounts or "").split(",") if m]
     sources = [m.split(":")[0] for m in mounts]
-    for needed in (run_dir, workdir):  # the job writes the run dir and works in the submit dir
+    for needed in (workdir, run_dir):  # the job works in the submit dir and writes the run dir
         if not any(str(needed) == s or str(needed).startswith(s.rstrip("/") + "/") for s in sources):
             mounts.append(f"{needed}:{needed}")
             sources.append(str(needed))
@@ -244,12 +238,14 @@ def build_script(cfg: Config, args: argparse.Namespace, layout: JobLayout, run_d
                  config_copy: Path, workdir: Path) -> str:
     gpus = layout.gpus_per_node
     python = "python" if args.container_image else sys.executable
-    model_path = args.model_path
+    model_path = args.model_path or cfg.run.init_from
     if model_path is None:
-        raise ConfigError("--model-path: required: the Hugging Face model directory the rollout "
-                          "servers load (its architecture must match the config's model section)")
-    if not args.container_image and "://" not in model_path:
-        model_path = str(Path(model_path).expanduser().resolve())
+        raise ConfigError("--model-path: required when run.init_from is not set: the Hugging Face "
+                          "directory the rollout servers start from (the trainer sends them its "
+                          "weights before the first rollout; the architecture must match the "
+                          "config's model section)")
+    if (workdir / Path(model_path).expanduser()).exists():  # a local path, not a hub id
+        model_path = str((workdir / Path(model_path).expanduser()).resolve())
     q = shlex.quote
     common = f"--nodes={layout.rollout_nodes} --ntasks-per-node={layout.server_tasks_per_node} --distribution=block"
     values = {
@@ -301,7 +297,8 @@ def add_parser(subparsers) -> None:
                    help="rollout server: sglang (python -m sglang.launch_server, GPUs) or local "
                         "(megatron-gspo serve, CPU) (default: sglang with GPUs, else local)")
     p.add_argument("--model-path", default=None, metavar="DIR",
-                   help="Hugging Face model directory (or hub id) the rollout servers load")
+                   help="Hugging Face directory (or hub id) the rollout servers start from "
+                        "(default: run.init_from)")
     p.add_argument("--partition", default=None, help="Slurm partition (every component)")
     p.add_argument("--account", default=None, help="Slurm account (every component)")
     p.add_argument("--time", default=None, metavar="T",

@@ -160,6 +160,11 @@ class GSPOConfig:
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
     """Where log pi_old comes from: recomputed by Megatron, or the rollout engine's (with the
     sequence-level mismatch weight)."""
+    mismatch_correction: bool = True
+    """Weight each sequence by the truncated importance weight
+    min(exp(mean_t(log pi_old_trainer - log pi_rollout)), mismatch_cap) (detached): corrects for
+    the rollout engine sampling from a slightly different distribution than the trainer computes.
+    Needs old_logprobs: recompute (with rollout log-probs as pi_old the weight is 1)."""
     mismatch_cap: float = 2.0
     """Cap of the sequence-level rollout/trainer truncated importance weight."""
     updates_per_rollout: int = 1
@@ -175,6 +180,9 @@ class GSPOConfig:
                  f"gspo.group_size: must be >= 2 for group-relative advantages, got {self.group_size}")
         _require(self.kl_coef >= 0, f"gspo.kl_coef: must be >= 0, got {self.kl_coef}")
         _require(self.mismatch_cap >= 1, f"gspo.mismatch_cap: must be >= 1, got {self.mismatch_cap}")
+        _require(not (self.mismatch_correction and self.old_logprobs == "rollout"),
+                 "gspo.mismatch_correction: needs gspo.old_logprobs: recompute (with the rollout's "
+                 "log-probs as pi_old the weight is always 1); set it to false")
         _require(self.updates_per_rollout >= 1,
                  f"gspo.updates_per_rollout: must be >= 1, got {self.updates_per_rollout}")
 
@@ -193,6 +201,9 @@ class RolloutConfig:
     """embedded: the run starts local rollout servers and the router; external: use router_url."""
     router_url: Optional[str] = None
     num_servers: int = 2
+    tp_size: int = 1
+    """Tensor-parallel size of one SGLang server (its --tp-size); a server larger than a node spans
+    tp_size / GPUs-per-node nodes. The Slurm launcher derives the server count from it."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -214,6 +225,7 @@ class RolloutConfig:
         _require(self.mode != "external" or bool(self.router_url),
                  "rollout.router_url: required when rollout.mode is 'external'")
         _require(self.num_servers >= 1, f"rollout.num_servers: must be >= 1, got {self.num_servers}")
+        _require(self.tp_size >= 1, f"rollout.tp_size: must be >= 1, got {self.tp_size}")
         _require(self.temperature > 0, f"rollout.temperature: must be > 0, got {self.temperature}")
         _require(0 < self.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {self.top_p}")
         _require(self.top_k == -1 or self.top_k >= 1, f"rollout.top_k: must be -1 or >= 1, got {self.top_k}")

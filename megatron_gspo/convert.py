@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import json
 import math
+import queue
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -111,13 +113,34 @@ def _is_rows_only(index: tuple, shape: tuple) -> bool:
 # HF -> Megatron
 
 
-def _produce_chunk(chunk: Chunk, pieces: list[Piece], dtype: torch.dtype, hf: HFCheckpoint
-                   ) -> torch.Tensor:
+class _BufferPool:
+    """One reusable output buffer per (shape, dtype) and thread.
+
+    DCP writes each chunk before it asks the same writer thread for the next one
+    (``write_checkpoint`` disables read-ahead), so a buffer is free again when its shape comes
+    round; reuse saves the page faults and zeroing of a fresh allocation per chunk.
+    """
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def get(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        buffers = self._local.__dict__.setdefault("buffers", {})
+        buffer = buffers.get((shape, dtype))
+        if buffer is None:
+            buffer = buffers[(shape, dtype)] = torch.empty(shape, dtype=dtype)
+        return buffer
+
+
+def _produce_chunk(chunk: Chunk, pieces: list[Piece], dtype: torch.dtype, hf: HFCheckpoint,
+                   pool: _BufferPool) -> torch.Tensor:
     """Build one stored chunk from the HF tensors (zeros where no HF row maps: vocab padding)."""
     shape = chunk.local_shape
     covered = sum(math.prod(_span(s, n)[1] - _span(s, n)[0] for s, n in zip(p.local_index, shape))
                   * math.prod(shape[len(p.local_index):]) for p in pieces)
-    out = torch.empty(shape, dtype=dtype) if covered == math.prod(shape) else torch.zeros(shape, dtype=dtype)
+    out = pool.get(tuple(chunk.sizes), dtype).view(shape)
+    if covered != math.prod(shape):
+        out.zero_()
     for piece in pieces:
         info = hf.info(piece.hf_name)
         rows = slice(*_span(piece.hf_index[0], info.shape[0])) if info.shape else None
@@ -126,7 +149,7 @@ def _produce_chunk(chunk: Chunk, pieces: list[Piece], dtype: torch.dtype, hf: HF
             hf.read_into(piece.hf_name, dest, rows)  # straight from the file into place
         else:
             dest.copy_(hf.read(piece.hf_name, rows)[(slice(None), *piece.hf_index[1:])])
-    return out.reshape(chunk.sizes)
+    return out.view(chunk.sizes)
 
 
 def _prepare_out_dir(out_dir: Path, overwrite: bool, marker: str) -> Path:
@@ -198,9 +221,10 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tensor: int = 1, pip
             for chunk in iter_chunks(entry, model, vocab_block_rows=rows):
                 ordered.append((_write_order(chunk, entry_index, model.num_layers), chunk, entry_dtype))
         ordered.sort(key=lambda item: item[0])
-        writes = []
+        writes, pool = [], _BufferPool()
         for _, chunk, entry_dtype in ordered:
-            produce = partial(_produce_chunk, chunk, _chunk_pieces(chunk, model, layout), entry_dtype, hf)
+            produce = partial(_produce_chunk, chunk, _chunk_pieces(chunk, model, layout), entry_dtype,
+                              hf, pool)
             for key in (chunk.entry.key, *chunk.entry.aliases):
                 writes.append(TensorWrite(key, chunk.entry.global_shape(model), entry_dtype,
                                           chunk.offsets, chunk.sizes, produce))
@@ -298,11 +322,10 @@ def _units(model: ModelConfig, entries: list[Entry], block_rows: dict[str, int])
     return units
 
 
-def _hf_blocks(unit: list[Chunk], model: ModelConfig, layout: RankLayout, order: dict[str, int]
-               ) -> list[tuple[str, tuple[int, int], list[tuple[int, Piece]]]]:
+def _hf_blocks(unit: list[Chunk], model: ModelConfig, layout: RankLayout, order: dict[str, int],
+               shapes: dict[str, tuple]) -> list[tuple[str, tuple[int, int], list[tuple[int, Piece]]]]:
     """For each HF tensor a unit produces (in canonical order): its row range and the pieces,
     each tagged with the index of the chunk it comes from."""
-    shapes = hf_param_shapes(model)
     by_name: dict[str, list[tuple[int, Piece]]] = {}
     for i, chunk in enumerate(unit):
         for piece in _chunk_pieces(chunk, model, layout):
@@ -355,7 +378,7 @@ def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, hf_config: Option
     order = {name: i for i, name in enumerate(hf_param_names(model))}
     shapes = hf_param_shapes(model)
     units = _units(model, entries, block_rows)
-    plans = [_hf_blocks(unit, model, layout, order) for unit in units]
+    plans = [_hf_blocks(unit, model, layout, order, shapes) for unit in units]
     planned, seen = [], set()
     for unit, blocks in zip(units, plans):
         for name, _, tagged in blocks:
@@ -367,11 +390,14 @@ def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, hf_config: Option
 
     out_dir = _prepare_out_dir(Path(out_dir), overwrite, marker=INDEX_FILE)
     output = _ShardedOutput(out_dir, planned, max_bytes, sync_files)
+
+    def read_unit(unit: list[Chunk]) -> list[torch.Tensor]:
+        local = ckpt.read([(present[c.entry.key], c.offsets, c.sizes) for c in unit])
+        return [t.view(c.local_shape) for t, c in zip(local, unit)]
+
     with tqdm(total=output.total_size, unit="B", unit_scale=True, unit_divisor=1024,
-              desc="mcore-to-hf", disable=not progress, mininterval=0.5) as bar:
-        for unit, blocks in zip(units, plans):
-            local = ckpt.read([(present[c.entry.key], c.offsets, c.sizes) for c in unit])
-            local = [t.reshape(c.local_shape) for t, c in zip(local, unit)]
+              desc="mcore-to-hf", disable=not progress, mininterval=0.5) as bar, ckpt:
+        for unit, blocks, local in zip(units, plans, _prefetched(read_unit, units)):
             for name, (r0, r1), tagged in blocks:
                 block_shape = (r1 - r0, *shapes[name][1:])
                 dtype_out = out_dtype[unit[tagged[0][0]].entry.key]
@@ -389,6 +415,42 @@ def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, hf_config: Option
         exported["torch_dtype"] = dtype_name
     (out_dir / "config.json").write_text(json.dumps(exported, indent=2) + "\n")
     return ConversionResult(out_dir, len(planned), output.total_size, time.perf_counter() - start_time)
+
+
+def _prefetched(read, units: list, depth: int = 2):
+    """``read(unit)`` for every unit, in order, computed by a background thread up to ``depth``
+    units ahead: reading the next unit overlaps with writing this one (both release the GIL)."""
+    results: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(entry) -> bool:
+        while not stop.is_set():  # the consumer may have stopped early (an error while writing)
+            try:
+                results.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def worker() -> None:
+        try:
+            for unit in units:
+                if not put((True, read(unit))):
+                    return
+        except BaseException as err:  # noqa: BLE001 - re-raised in the consumer
+            put((False, err))
+
+    thread = threading.Thread(target=worker, name="mcore-to-hf-reader", daemon=True)
+    thread.start()
+    try:
+        for _ in units:
+            ok, item = results.get()
+            if not ok:
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _assemble(name: str, block_shape: tuple, row0: int, tagged: list[tuple[int, Piece]],

@@ -320,12 +320,24 @@ def write_checkpoint(out_dir: str | os.PathLike, tensors: Sequence[TensorWrite],
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # per_thread_copy_ahead=0: DCP resolves (produces) each chunk only after the previous one of
+    # the same writer thread is written, also on a CUDA machine (where it would otherwise resolve
+    # chunks ahead); producers may therefore reuse one output buffer per thread.
     writer = dcp.FileSystemWriter(out_dir, single_file_per_rank=True, thread_count=thread_count,
-                                  sync_files=sync_files)
+                                  sync_files=sync_files, per_thread_copy_ahead=0)
     planner = _StreamingSavePlanner(tensors, objects, on_written)
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+    # torch.save computes a CRC32 of every record, which halves its write speed, and torch.load
+    # never verifies it (a corrupted record loads silently either way): skip it while we write.
+    from torch.utils.serialization import config as serialization_config
+
+    compute_crc32 = serialization_config.save.compute_crc32
+    serialization_config.save.compute_crc32 = False
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+    finally:
+        serialization_config.save.compute_crc32 = compute_crc32
     torch.save({}, out_dir / "common.pt")
     (out_dir / "metadata.json").write_text(json.dumps(METADATA_JSON))
 
@@ -420,6 +432,7 @@ class McoreCheckpoint:
         self.tensors = {k: md for k, md in self.metadata.state_dict_metadata.items()
                         if isinstance(md, TensorStorageMetadata)}
         self._chunks_by_lead: dict[str, dict[tuple, list]] = {}
+        self._fds: dict[str, int] = {}
 
     def _check_files(self) -> None:
         needed: dict[str, int] = {}
@@ -469,24 +482,112 @@ class McoreCheckpoint:
         chunks = index.get(tuple(offsets[:2]), []) + index.get(None, [])
         return dataclasses.replace(md, chunks=chunks)
 
+    def _handle(self, relative_path: str) -> int:
+        fd = self._fds.get(relative_path)
+        if fd is None:
+            fd = self._fds.setdefault(relative_path, os.open(self.directory / relative_path, os.O_RDONLY))
+        return fd
+
+    def _load_stored(self, index) -> torch.Tensor:
+        """One stored chunk (a torch.save'd tensor inside a data file), read with positioned reads."""
+        info = self.metadata.storage_data[index]
+        return torch.load(_FileSlice(self._handle(info.relative_path), info.offset, info.length),
+                          map_location="cpu", weights_only=True)
+
     def read(self, requests: Sequence[tuple[str, tuple, tuple]]) -> list[torch.Tensor]:
-        """Read regions ``(key, offsets, shape)`` of stored global tensors into new tensors."""
+        """Read regions ``(key, offsets, shape)`` of stored global tensors into new tensors.
+
+        A region that is exactly one stored chunk (the common case: we read by the chunks we
+        write) is returned as loaded, without a copy; otherwise the overlaps of the stored chunks
+        are copied into place (DCP's resharding arithmetic, ``create_read_items_for_chunk_list``).
+        """
+        from torch.distributed._shard._utils import narrow_tensor_by_index
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
         outs = []
         for key, offsets, shape in requests:
             if key not in self.tensors:
                 raise CheckpointError(f"{self.directory}: no tensor {key}")
-            outs.append(torch.empty(shape, dtype=self.dtype(key)))
-        planner = _RegionLoadPlanner([(k, o, out) for (k, o, _), out in zip(requests, outs)],
-                                     self._storage_for)
+            shape = torch.Size(shape)
+            md = self._storage_for(key, offsets)
+            items = create_read_items_for_chunk_list(
+                key, md, [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=shape)])
+            if sum(torch.Size(item.lengths).numel() for item in items) != shape.numel():
+                raise CheckpointError(f"{self.directory}: {key} region at {tuple(offsets)} of shape "
+                                      f"{tuple(shape)} is not fully stored")
+            if any(self.metadata.storage_data[i.storage_index].transform_descriptors for i in items):
+                outs.append(self._read_with_dcp(key, offsets, shape))
+                continue
+            if len(items) == 1 and tuple(md.chunks[items[0].storage_index.index].sizes) == tuple(shape):
+                stored = self._load_stored(items[0].storage_index)
+                if stored.shape == shape and stored.dtype == self.dtype(key):
+                    outs.append(stored)
+                    continue
+            out = torch.empty(shape, dtype=self.dtype(key))
+            for item in items:
+                stored = self._load_stored(item.storage_index)
+                narrow_tensor_by_index(out, item.dest_offsets, item.lengths).copy_(
+                    narrow_tensor_by_index(stored, item.storage_offsets, item.lengths))
+            outs.append(out)
+        return outs
+
+    def _read_with_dcp(self, key: str, offsets: tuple, shape: torch.Size) -> torch.Tensor:
+        """The general path through DCP's reader (stored chunks with storage transforms)."""
+        out = torch.empty(shape, dtype=self.dtype(key))
+        planner = _RegionLoadPlanner([(key, offsets, out)], self._storage_for)
         planner.set_up_planner({}, self.metadata, True)
         plan = self.reader.prepare_local_plan(planner.create_local_plan())
         plan = self.reader.prepare_global_plan([plan])[0]
-        for (key, offsets, shape), covered in zip(requests, planner.covered):
-            if covered != torch.Size(shape).numel():
-                raise CheckpointError(f"{self.directory}: {key} region at {offsets} of shape "
-                                      f"{tuple(shape)} is not fully stored")
         self.reader.read_data(plan, planner).wait()
-        return outs
+        return out
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> "McoreCheckpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _FileSlice(io.RawIOBase):
+    """A read-only, seekable view of bytes [offset, offset + length) of an open file descriptor,
+    read with ``os.preadv`` (no shared file position, so views of one file can be used from
+    several threads)."""
+
+    def __init__(self, fd: int, offset: int, length: int):
+        super().__init__()
+        self._fd, self._offset, self._length, self._pos = fd, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._length}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")
+        size = max(0, min(len(view), self._length - self._pos))
+        done = 0
+        while done < size:
+            n = os.preadv(self._fd, [view[done:size]], self._offset + self._pos + done)
+            if n == 0:
+                raise CheckpointError("checkpoint data file is shorter than its metadata says")
+            done += n
+        self._pos += done
+        return done
 
 
 # ----------------------------------------------------------------------------------------------

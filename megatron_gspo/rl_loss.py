@@ -45,7 +45,7 @@ def make_gspo_loss_fn(model: ModelConfig, gspo_cfg: GSPOConfig, pg_collection, *
     def loss_fn(logits: torch.Tensor, batch: dict):
         log_probs, entropy = token_log_probs(logits, batch["labels"], model, pg_collection,
                                              temperature=temperature, with_entropy=need_entropy)
-        use_rollout = gspo_cfg.old_logprobs == "rollout" or "rollout_log_probs" in batch
+        use_rollout = gspo_cfg.mismatch_correction
         loss_sum, metrics = gspo.gspo_loss(
             log_probs,
             batch["old_log_probs"],

@@ -29,7 +29,6 @@ Shape legend: B running rows, T cached positions, V vocabulary, H_kv KV heads, d
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import inspect
 import json
 import logging
@@ -40,7 +39,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -114,7 +113,7 @@ class WeightTable:
     _FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
     def __init__(self, model: torch.nn.Module):
-        self.entries: dict[str, tuple[torch.nn.Parameter, tuple]] = {}
+        self.entries: dict[str, tuple[torch.nn.Parameter, tuple, bool]] = {}  # param, index, transposed
         modules = dict(model.named_modules())
         for name, param in model.named_parameters():
             fused = self._FUSED.match(name)
@@ -230,6 +229,7 @@ class LocalEngine:
         self._stopping = False
         self._error: Optional[BaseException] = None
         self.last_step_time = time.time()
+        self.num_finished = 0  # requests finished (any reason) since start
         # Batch state (engine thread only).
         self._cache_kv: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None  # [B,H_kv,T,d]
         self._mask: Optional[torch.Tensor] = None  # [B, T] 1 = real token
@@ -408,6 +408,7 @@ class LocalEngine:
         r.e2e_latency = time.time() - r.created
         with self._cv:
             self._inflight.pop(r.rid, None)
+            self.num_finished += 1
         if r.on_event is not None:
             r.on_event("finish")
 
@@ -622,9 +623,3 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
         tensors.update(load_file(str(path / f)))
     return tensors
 
-
-def iter_named(tensors: dict[str, torch.Tensor]) -> Iterable[tuple[str, torch.Tensor]]:
-    return ((n, tensors[n]) for n in sorted(tensors))
-
-
-_ = hashlib  # used by weight_transport; keep the import light here

@@ -277,6 +277,7 @@ class LocalRolloutServer:
                 "max_total_num_tokens": eng.context_length * eng.max_running_requests,
                 "max_req_input_len": eng.context_length - 1,
                 "internal_states": [{"num_running_reqs": running, "num_waiting_reqs": waiting,
+                                     "num_finished_reqs": eng.num_finished,
                                      "last_gen_throughput": 0.0}],
                 "version": PROTOCOL_VERSION, "implementation": "megatron-gspo local rollout server",
                 "startup_time": self.startup_time, "frontend": "python",

@@ -343,7 +343,7 @@ class RolloutClient:
                         status, text = resp.status, await resp.text()
                 except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
                     timed_out = isinstance(err, asyncio.TimeoutError)
-                    last = RolloutError(url, None, (f"no answer within {self.request_timeout_s:.0f} s"
+                    last = RolloutError(url, None, (f"no answer within {self.request_timeout_s:g} s"
                                                     if timed_out else f"{type(err).__name__}: {err}"))
                     if not self.router_url:
                         self._down_until[url] = time.monotonic() + self.server_cooldown_s

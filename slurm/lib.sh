@@ -173,9 +173,9 @@ stop_step() {  # stop_step NAME PID: TERM the srun of a step, KILL it after 30 s
 # The template defines start_servers / start_router / start_training (each starts one srun step in
 # the background and sets SERVERS_PID / ROUTER_PID / TRAIN_PID) and the variables listed above.
 #
-# The trainer's preemption contract: on SIGTERM or SIGUSR1 it saves a checkpoint, rank 0 then
-# creates $MGSPO_RUN_DIR/PREEMPTED, and every rank exits 0 (exit status 75, EX_TEMPFAIL, is
-# accepted as the same answer). Exit 0 without that file means the run is complete.
+# The trainer's contract (launch/train.py): on SIGTERM or SIGUSR1 every rank finishes its step,
+# saves a checkpoint and exits 75 (EX_TEMPFAIL, "requeue me"); 0 means the run is complete; any
+# other status is a failure. `--resume` continues from the newest checkpoint in the run dir.
 finish() {  # finish STATUS MESSAGE: stop the servers and exit
     stop_step "rollout servers" "${SERVERS_PID:-}"
     stop_step "router" "${ROUTER_PID:-}"
@@ -219,7 +219,6 @@ run_job() {
         requeue_self
     fi
 
-    rm -f "$MGSPO_RUN_DIR/PREEMPTED"
     log "starting training (logs $LOG_DIR/train-rank*.log)"
     start_training
     wait_pid "$TRAIN_PID"; rc=$?
@@ -231,7 +230,9 @@ run_job() {
     if [ "$GOT_TERM" = 1 ]; then
         finish 143 "megatron-gspo job: stopped by SIGTERM (Slurm requeues the job if it is being requeued or preempted)"
     fi
-    if [ -e "$MGSPO_RUN_DIR/PREEMPTED" ] || [ "$rc" = 75 ] || { [ "$GOT_USR1" = 1 ] && [ "$rc" -gt 128 ]; }; then
+    # 75: checkpointed on our SIGUSR1 (or on a signal sent to the step directly); > 128: a rank
+    # was killed by the signal before its handler was installed, the last checkpoint is resumed
+    if [ "$rc" = 75 ] || { [ "$GOT_USR1" = 1 ] && [ "$rc" -gt 128 ]; }; then
         requeue_self
     fi
     if [ "$rc" != 0 ]; then

@@ -4,8 +4,8 @@ Used by the launcher's own mechanics test (signals, requeue, ranks, router disco
 runs in seconds. Every rank: joins a gloo group through MASTER_ADDR/MASTER_PORT and
 SLURM_PROCID/SLURM_NTASKS, reads the router's GET /workers; rank 0 appends one metrics record per
 step to <run.output_dir>/metrics.jsonl and "checkpoints" the step to <run.output_dir>/checkpoints/
-step. On SIGTERM/SIGUSR1 the ranks stop at the next step boundary, rank 0 writes PREEMPTED, and
-every rank exits 0 (the contract in slurm/lib.sh). ``--resume`` continues after the saved step.
+step. On SIGTERM/SIGUSR1 the ranks stop at the next step boundary and exit 75 (the contract in
+slurm/lib.sh). ``--resume`` continues after the saved step.
 """
 
 from __future__ import annotations
@@ -64,11 +64,9 @@ def main() -> int:
         flag = torch.tensor([float(bool(stop))])
         dist.all_reduce(flag)  # every rank stops after the same step
         if flag.item() and step < cfg.run.num_steps:
-            if rank == 0:
-                (out / "PREEMPTED").write_text(str(step))
             print(f"rank {rank}: signal {stop}; checkpointed step {step}, exiting", flush=True)
             dist.destroy_process_group()
-            return 0
+            return 75
     dist.destroy_process_group()
     print(f"rank {rank}: done", flush=True)
     return 0

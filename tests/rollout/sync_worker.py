@@ -1,0 +1,141 @@
+"""Spawned training ranks of the weight-sync and log-prob tests (importable for spawn).
+
+``run`` builds the real Megatron policy (EP2 on two gloo ranks), then
+
+1. loads the Hugging Face weights the local servers started from (``load_hf_weights``), asks a
+   server for samples with log-probs (T = 1 and T = 0.7 with top-p 0.9) and recomputes the
+   log-probs of the sampled tokens with Megatron (``token_log_probs`` at the same temperature);
+2. for each transport: draws new weights (``init_weights`` with a new seed), calls
+   ``sync_weights`` on both ranks, and checks on the servers: every local HF piece is bit-equal to
+   what ``/get_weights_by_name`` returns, ``weight_version`` advanced, and the servers' greedy
+   outputs are Megatron's greedy outputs under the new weights.
+
+Returns, on rank 0, a report the test asserts on.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo import model as policy
+from megatron_gspo import parallel
+from megatron_gspo.config import ParallelConfig
+from megatron_gspo.weight_sync import sync_weights
+from pipeline.rollout import RolloutClient, SamplingParams, control, http_json
+from tests.distributed.convert_worker import forward_last_stage
+
+PROMPTS = [[5, 6, 7, 8], [30, 31], [100, 7, 200, 9, 40, 41], [3]]
+GREEDY_TOKENS = 8
+
+
+def _megatron_logits(gpt, tokens: list[int]) -> torch.Tensor:
+    batch = {"tokens": torch.tensor([tokens]),
+             "position_ids": torch.arange(len(tokens))[None]}
+    return forward_last_stage(gpt, batch)  # [1, L, V_padded] (tp = pp = 1)
+
+
+def _megatron_greedy(gpt, model_cfg, prompt: list[int], steps: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(steps):
+        logits = _megatron_logits(gpt, tokens)[0, -1, : model_cfg.vocab_size]
+        tokens.append(int(torch.argmax(logits)))
+    return tokens[len(prompt):]
+
+
+def _server_weights_match(url: str, pieces) -> list[str]:
+    """Names of local HF pieces whose server-side values differ (bit for bit)."""
+    cache: dict[str, torch.Tensor] = {}
+    bad = []
+    for piece, local in pieces:
+        if piece.hf_name not in cache:
+            status, values = http_json("POST", url + "/get_weights_by_name",
+                                       {"name": piece.hf_name, "truncate_size": 1 << 30})
+            assert status == 200, (url, piece.hf_name, values)
+            cache[piece.hf_name] = torch.tensor(values, dtype=torch.float32)
+        if not torch.equal(cache[piece.hf_name][piece.hf_index], local.float()):
+            bad.append(piece.hf_name)
+    return bad
+
+
+def run(rank: int, world_size: int, hf_dir: str, server_urls: list[str], transports: list[str],
+        shared_dir: str, bucket_bytes: int):
+    from safetensors.torch import load_file
+
+    par = ParallelConfig(expert=world_size)
+    pg = parallel.initialize(par)
+    model_cfg = policy.model_config_from_hf(hf_dir)
+    gpt = policy.build_model(model_cfg, par, pg).eval()
+    report: dict = {"logprobs": [], "syncs": []}
+
+    # 1. log-probs of the server's samples, recomputed by Megatron on the same HF weights
+    hf = load_file(f"{hf_dir}/model.safetensors")
+    policy.load_hf_weights(gpt, model_cfg, pg, hf.__getitem__)
+    samples = [None]
+    if rank == 0:
+        client = RolloutClient(server_urls=server_urls[:1], request_timeout_s=120)
+        requests = []
+        for t, (temperature, top_p) in enumerate([(1.0, 1.0), (0.7, 0.9)]):
+            for p, prompt in enumerate(PROMPTS):
+                sp = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=12,
+                                    sampling_seed=1000 * t + p)
+                requests.append((f"lp-{t}-{p}", prompt, sp))
+        samples[0] = [(r.prompt_ids, r.output_ids, r.output_logprobs, sp.temperature)
+                      for r, (_, _, sp) in zip(client.generate_sync(requests), requests)]
+    dist.broadcast_object_list(samples, src=0)
+    for prompt, output, server_lp, temperature in samples[0]:
+        tokens = prompt + output
+        logits = _megatron_logits(gpt, tokens)
+        target = torch.tensor([tokens[1:]])
+        lp, _ = policy.token_log_probs(logits[:, :-1], target, model_cfg, pg,
+                                       temperature=temperature)
+        ours = lp[0, len(prompt) - 1:].double()
+        report["logprobs"].append({"temperature": temperature, "n": len(output),
+                                   "max_abs_diff": (ours - torch.tensor(server_lp, dtype=torch.float64)
+                                                    ).abs().max().item()})
+
+    # 2. weight sync by each transport
+    for k, transport in enumerate(transports):
+        version = f"step{k + 1}"
+        policy.init_weights(gpt, model_cfg, pg, seed=101 + k)
+        # init_weights' N(0, 0.02) weights make near-uniform logits; scale the matrices so the
+        # greedy tokens are decisive (the same on every rank: init is layout-independent).
+        with torch.no_grad():
+            for name, p in gpt.named_parameters():
+                if p.dim() > 1:
+                    p.mul_(8.0)
+        before = None
+        if rank == 0:
+            before = [control(u, "/generate", {"input_ids": PROMPTS[0], "sampling_params": {
+                "max_new_tokens": GREEDY_TOKENS, "temperature": 0}})["output_ids"] for u in server_urls]
+        t0 = time.perf_counter()
+        stats = sync_weights(gpt, model_cfg, pg, server_urls, transport=transport,
+                             weight_version=version, bucket_bytes=bucket_bytes,
+                             shared_dir=shared_dir)
+        seconds = time.perf_counter() - t0
+        pieces = list(policy.local_hf_pieces(gpt, model_cfg, pg))
+        mismatched = {u: _server_weights_match(u, pieces) for u in server_urls}
+        expected = [_megatron_greedy(gpt, model_cfg, p, GREEDY_TOKENS) for p in PROMPTS]
+        if rank == 0:
+            after, versions = [], []
+            for u in server_urls:
+                outs = control(u, "/generate", {"input_ids": PROMPTS, "sampling_params": {
+                    "max_new_tokens": GREEDY_TOKENS, "temperature": 0, "ignore_eos": True}})
+                after.append([o["output_ids"] for o in outs])
+                versions.append((http_json("GET", u + "/model_info")[1]["weight_version"],
+                                 {o["meta_info"]["weight_version"] for o in outs}))
+            report["syncs"].append({
+                "transport": transport, "version": version, "stats": stats, "seconds": seconds,
+                "mismatched_rank0": mismatched, "before": before, "after": after,
+                "expected": expected, "versions": versions})
+        else:
+            report["mismatched_rank1"] = report.get("mismatched_rank1", {})
+            report["mismatched_rank1"][transport] = mismatched
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, mismatched)
+        if rank == 0:
+            report["syncs"][-1]["mismatched"] = gathered
+    parallel.destroy_model_parallel()
+    return report if rank == 0 else None

@@ -1,0 +1,249 @@
+"""``megatron-gspo launch slurm --dry-run``: the batch script for a GPU cluster, checked as text and
+run end to end against fake srun / scontrol / curl (no Slurm, no GPU needed).
+
+Layout under test: 4 rollout nodes + 8 training nodes, 8 GPUs each, rollout.tp_size 4
+(2 SGLang servers per rollout node), pyxis container flags.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch.cli import main
+from tests.slurm.local_slurm import ROOT
+
+FAKEBIN = Path(__file__).resolve().parent / "fakebin"
+QWEN = "launch/configs/qwen3_30b_a3b.yaml"
+GPU_OPTIONS = ["--nodes", "8", "--rollout-nodes", "4", "--gpus-per-node", "8",
+               "--partition", "gpu", "--time", "04:00:00", "--account", "rl",
+               "--model-path", "/lustre/models/Qwen3-30B-A3B",
+               "--container-image", "/lustre/images/megatron-gspo.sqsh",
+               "--container-mounts", "/lustre:/lustre"]
+
+
+def dry_run(capsys, run_dir: Path, *options: str, config: str = QWEN, sets=()) -> str:
+    argv = ["launch", "slurm", "--config", config, "--set", f"run.output_dir={run_dir}",
+            *[a for s in sets for a in ("--set", s)], *options, "--dry-run"]
+    assert main(argv) == 0
+    return capsys.readouterr().out
+
+
+def sbatch_components(script: str) -> list[list[str]]:
+    """The #SBATCH options of each het-job component, in order."""
+    components: list[list[str]] = [[]]
+    for line in script.splitlines():
+        if line.startswith("#SBATCH"):
+            option = line.split(None, 1)[1]
+            if option == "hetjob":
+                components.append([])
+            else:
+                components[-1].append(option)
+    return components
+
+
+def srun_lines(script: str) -> list[list[str]]:
+    """Every srun command of the script, continuation lines joined, as shell words."""
+    joined = re.sub(r"\\\n\s*", " ", script)
+    return [shlex.split(line.strip().rstrip("&"), posix=True)
+            for line in joined.splitlines() if line.strip().startswith("srun ")]
+
+
+def option(words: list[str], name: str) -> str:
+    values = [w.split("=", 1)[1] for w in words if w.startswith(f"--{name}=")]
+    assert len(values) == 1, (name, words)
+    return values[0]
+
+
+def test_gpu_cluster_script(capsys, tmp_path):
+    run_dir = tmp_path / "run"
+    script = dry_run(capsys, run_dir, *GPU_OPTIONS, sets=["rollout.tp_size=4"])
+    assert not run_dir.exists(), "--dry-run must not write anything"
+    assert script.startswith("#!/bin/bash\n")
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+    # resources: the rollout component (2 servers of 4 GPUs per node) then the training one
+    rollout, train = sbatch_components(script)
+    for component in (rollout, train):
+        assert {"--partition=gpu", "--time=04:00:00", "--account=rl", "--gpus-per-node=8",
+                "--exclusive"} <= set(component)
+    assert {"--nodes=4", "--ntasks-per-node=2", "--requeue", "--signal=B:USR1@300",
+            "--open-mode=append", f"--output={run_dir}/logs/slurm-%j.out",
+            f"--chdir={ROOT}"} <= set(rollout)
+    assert {"--nodes=8", "--ntasks-per-node=8"} <= set(train)
+    assert "NUM_SERVERS=8 " in script
+
+    servers, router, trainer = srun_lines(script)
+    # servers: component 0, 2 tasks per node, SGLang with --tp-size from rollout.tp_size
+    assert servers[:2] == ["srun", "--het-group=0"]
+    assert {"--nodes=4", "--ntasks-per-node=2", "--distribution=block"} <= set(servers)
+    body = servers[-1]
+    assert servers[-3:-1] == ["bash", "-c"]
+    assert "-m sglang.launch_server" in body and "--tp-size 4" in body
+    assert "--base-gpu-id $((SLURM_LOCALID * 4))" in body and "--host 0.0.0.0" in body
+    assert "--port $((MGSPO_SERVER_PORT0 + 2 * i))" in body and "i=$SLURM_PROCID" in body
+    # router: one task on the rollout component's first node
+    assert router[:2] == ["srun", "--het-group=0"]
+    assert {"--nodes=1", "--ntasks=1", "--nodelist=$ROUTER_HOST", "--overlap"} <= set(router)
+    assert "sglang_router.launch_router" in router
+    assert "ROLLOUT_NODELIST=$SLURM_JOB_NODELIST_HET_GROUP_0\n" in script
+    assert 'ROUTER_HOST=$(scontrol show hostnames "$ROLLOUT_NODELIST" | head -n 1)\n' in script
+    # training: component 1, one task per GPU, MASTER_ADDR = its first node
+    assert trainer[:2] == ["srun", "--het-group=1"]
+    assert {"--nodes=8", "--ntasks-per-node=8", "--kill-on-bad-exit=1"} <= set(trainer)
+    assert option(trainer, "export") == "ALL,MASTER_ADDR=$MASTER_ADDR,MASTER_PORT=$MASTER_PORT"
+    assert "TRAIN_NODELIST=$SLURM_JOB_NODELIST_HET_GROUP_1\n" in script
+    assert 'MASTER_ADDR=$(scontrol show hostnames "$TRAIN_NODELIST" | head -n 1)\n' in script
+    tail = trainer[trainer.index("-m"):]
+    assert tail == ["-m", "launch.cli", "train", "--config", "$MGSPO_CONFIG", "--resume",
+                    "--set", "rollout.mode=external", "--set", "rollout.router_url=$ROUTER_URL"]
+    # containers: every step, with the run dir and the working directory mounted
+    for words in (servers, router, trainer):
+        assert option(words, "container-image") == "/lustre/images/megatron-gspo.sqsh"
+        mounts = option(words, "container-mounts").split(",")
+        assert mounts[0] == "/lustre:/lustre" and f"{ROOT}:{ROOT}" in mounts
+        assert option(words, "container-workdir") == str(ROOT)
+    # environment only: no hyperparameter of the config appears in the script
+    assert f"export MGSPO_CONFIG={run_dir}/slurm/config.yaml" in script
+    assert re.findall(r"--set (\S+)", script) == ["rollout.mode=external",
+                                                  'rollout.router_url="$ROUTER_URL"']
+    for key in ("eps_low", "eps_high", "lr", "global_batch_size", "num_steps", "group_size"):
+        assert not re.search(rf"\b{key}\b", script), key
+
+
+def test_server_spanning_nodes_and_colocated_layouts(capsys, tmp_path):
+    # tp 16 on 8-GPU nodes: each server spans 2 nodes (--nnodes / --node-rank / --dist-init-addr)
+    script = dry_run(capsys, tmp_path / "a", *GPU_OPTIONS, sets=["rollout.tp_size=16"])
+    servers = srun_lines(script)[0]
+    assert {"--nodes=4", "--ntasks-per-node=1"} <= set(servers)
+    assert "NUM_SERVERS=2 " in script and "NODES_PER_SERVER=2 " in script
+    body = servers[-1]
+    assert "i=$((SLURM_PROCID / 2))" in body and "--nnodes 2 --node-rank $((SLURM_PROCID % 2))" in body
+    assert "--dist-init-addr ${hosts[$((i * 2))]}:$((MGSPO_SERVER_PORT0 + 2 * i + 1))" in body
+
+    # colocated: one component; servers, router and trainers overlap on the same nodes
+    script = dry_run(capsys, tmp_path / "b", "--nodes", "2", "--rollout-nodes", "0",
+                     "--gpus-per-node", "8", "--model-path", "/m", sets=["rollout.tp_size=2"])
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    (component,) = sbatch_components(script)
+    assert {"--nodes=2", "--ntasks-per-node=8", "--gpus-per-node=8"} <= set(component)
+    servers, router, trainer = srun_lines(script)
+    assert not any(w.startswith("--het-group") for w in servers + router + trainer)
+    assert {"--ntasks-per-node=4", "--overlap"} <= set(servers) and "--enable-memory-saver" in servers[-1]
+    assert {"--ntasks-per-node=8", "--overlap"} <= set(trainer)
+    assert "ROLLOUT_NODELIST=$SLURM_JOB_NODELIST\n" in script
+
+
+@pytest.mark.parametrize("options, sets, message", [
+    (["--gpus-per-node", "8", "--nodes", "2"], ["rollout.tp_size=3"],
+     "rollout.tp_size: 3 does not divide --gpus-per-node 8"),
+    (["--gpus-per-node", "8", "--nodes", "2", "--rollout-nodes", "3"], ["rollout.tp_size=16"],
+     "--rollout-nodes: 3 is not a multiple of the 2 nodes one server spans"),
+    (["--server", "sglang"], [], "--server sglang: SGLang servers need GPUs"),
+    (["--gpus-per-node", "8", "--nodes", "1"], [], "WORLD_SIZE 8 is not divisible by"),
+    ([], ["rollout.tp_size=2"], "rollout.tp_size: 2 needs SGLang servers on GPUs"),
+    (["--rollout-nodes", "3"], [], "rollout.num_servers: 2 local servers do not spread evenly"),
+    (["--container-mounts", "/a:/a"], [], "--container-mounts: only with --container-image"),
+])
+def test_bad_layouts_exit_2_naming_the_option(capsys, tmp_path, options, sets, message):
+    config = QWEN if "--gpus-per-node" in options else "launch/configs/tiny_cpu.yaml"
+    argv = ["launch", "slurm", "--config", config, "--set", f"run.output_dir={tmp_path}",
+            "--model-path", "/m", *[a for s in sets for a in ("--set", s)], *options, "--dry-run"]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_model_path_defaults_to_init_from(capsys, tmp_path):
+    argv = ["launch", "slurm", "--config", "launch/configs/tiny_cpu.yaml", "--dry-run",
+            "--set", f"run.output_dir={tmp_path}"]
+    assert main(argv) == 2
+    assert "--model-path: required when run.init_from is not set" in capsys.readouterr().err
+    (tmp_path / "hf").mkdir()
+    script = dry_run(capsys, tmp_path / "run", config="launch/configs/tiny_cpu.yaml",
+                     sets=[f"run.init_from={tmp_path / 'hf'}"])
+    assert f"export MGSPO_MODEL_PATH={tmp_path / 'hf'}" in script
+    assert "-m launch.cli serve" in srun_lines(script)[0][-1]   # CPU: the local server
+
+
+def _run_with_fakes(script: str, tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, list]:
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    log = tmp_path / "fake.log"
+    full_env = dict(os.environ, PATH=f"{FAKEBIN}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+                    FAKE_SLURM_LOG=str(log), SLURM_JOB_ID="4242",
+                    SLURM_JOB_NODELIST_HET_GROUP_0="gpu-[001-004]",
+                    SLURM_JOB_NODELIST_HET_GROUP_1="gpu-[101-104,201-204]", **env)
+    full_env.pop("SLURM_RESTART_COUNT", None)
+    proc = subprocess.run(["bash", str(path)], env=full_env, capture_output=True, text=True,
+                          timeout=120)
+    calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return proc, calls
+
+
+def test_gpu_script_runs_the_job_against_fake_slurm(capsys, tmp_path):
+    """The rendered script end to end with fake srun/scontrol/curl: the addresses it computes."""
+    run_dir = tmp_path / "run"
+    script = dry_run(capsys, run_dir, *GPU_OPTIONS, sets=["rollout.tp_size=4"])
+    proc, calls = _run_with_fakes(script, tmp_path, FAKE_NUM_SERVERS="8")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "megatron-gspo job: training complete" in proc.stdout
+    sruns = [c for c in calls if c["tool"] == "srun"]
+    assert [s["options"].get("het-group") for s in sruns] == ["0", "0", "1"]
+    servers, router, trainer = sruns
+    port0 = 20000 + (4242 % 120) * 100
+    assert router["options"]["nodelist"] == "gpu-001"
+    assert router["command"][-5:] == ["--port", str(port0), "--prometheus-host", "0.0.0.0",
+                                      "--prometheus-port", str(port0 + 2)][-5:]
+    assert trainer["options"]["export"] == f"ALL,MASTER_ADDR=gpu-101,MASTER_PORT={port0 + 1}"
+    assert trainer["command"][-1] == f"rollout.router_url=http://gpu-001:{port0}"
+    assert servers["env"]["MGSPO_ROLLOUT_HOSTS"].split() == ["gpu-001", "gpu-002", "gpu-003", "gpu-004"]
+    assert servers["env"]["MGSPO_SERVER_PORT0"] == str(port0 + 10)
+    # every server registered with the router, at the host of its task (2 per node)
+    registered = [json.loads(c["body"])["url"] for c in calls if c["tool"] == "curl"]
+    assert registered == [f"http://gpu-00{1 + i // 2}:{port0 + 10 + 2 * i}" for i in range(8)]
+    logs = run_dir / "logs" / "4242-0"
+    assert sorted(p.name for p in logs.iterdir()) == sorted(
+        ["router.log"] + [f"server-task{t}.log" for t in range(8)] + [f"train-rank{r}.log" for r in range(64)])
+
+
+def test_unhealthy_server_fails_the_job_naming_it(capsys, tmp_path):
+    run_dir = tmp_path / "run"
+    script = dry_run(capsys, run_dir, *GPU_OPTIONS, "--health-timeout-s", "3",
+                     sets=["rollout.tp_size=4"])
+    port5 = 20000 + (4242 % 120) * 100 + 10 + 2 * 5
+    proc, calls = _run_with_fakes(script, tmp_path, FAKE_NUM_SERVERS="8",
+                                  FAKE_UNHEALTHY_PORTS=str(port5))
+    assert proc.returncode == 1
+    out = proc.stdout
+    assert f"ERROR: server 5 (task 5 on gpu-003) (http://gpu-003:{port5}) not healthy after 3s" in out
+    assert "| fake task 5: starting bash -c" in out        # the end of that server's log
+    assert "FAILED: the rollout servers or the router did not come up" in out
+    assert not any(c["tool"] == "srun" and c["options"].get("het-group") == "1" for c in calls)
+
+
+@pytest.mark.parametrize("status, requeued, final", [
+    ("75", True, "megatron-gspo job: requeued"),
+    ("3", False, "megatron-gspo job: FAILED: training exited with status 3"),
+])
+def test_trainer_exit_status_decides_requeue(capsys, tmp_path, status, requeued, final):
+    script = dry_run(capsys, tmp_path / "run", *GPU_OPTIONS, sets=["rollout.tp_size=4"])
+    proc, calls = _run_with_fakes(script, tmp_path, FAKE_NUM_SERVERS="8", FAKE_TRAIN_STATUS=status)
+    assert final in proc.stdout
+    assert proc.returncode == (0 if requeued else int(status))
+    requeues = [c["args"] for c in calls if c["tool"] == "scontrol"]
+    assert requeues == ([["requeue", "4242"]] if requeued else [])
+
+
+def test_preempted_exit_status_matches_the_trainer():
+    from launch.slurm import PREEMPTED_EXIT_STATUS
+    from pipeline.loop import PREEMPTED_EXIT_CODE
+
+    assert PREEMPTED_EXIT_STATUS == PREEMPTED_EXIT_CODE == 75
+    assert '[ "$rc" = 75 ]' in (ROOT / "slurm" / "lib.sh").read_text()
