@@ -63,6 +63,7 @@ def run_training(cfg: Config, *, resume: bool) -> int:
             layout = parallel.derive_layout(cfg.parallel, dist.get_world_size())
             print(f"layout: {layout.describe()}", flush=True)
         stop = loop.StopFlag().install()
+        _write_pid_file(run_dir)
         trainer = RLTrainer(cfg, pg, init_hf_dir=cfg.run.init_from)
         start_step, run_state = 0, {}
         if latest is not None:
@@ -131,6 +132,10 @@ def run_training(cfg: Config, *, resume: bool) -> int:
             **(ctx_parts or dict(sampler=None, eval_prompts=[], client=None, decode=None,
                                  stop_token_ids=[])))
         result = loop.run(ctx, trainer, start_step=start_step)
+        if result["status"] == "finished":
+            final = _export_policy(trainer, cfg, run_dir / "hf")
+            if is_main:
+                print(f"final policy written to {final}", flush=True)
         if is_main:
             history = result["history"]["eval/reward_mean"]
             if result["status"] == "preempted":
@@ -147,6 +152,26 @@ def run_training(cfg: Config, *, resume: bool) -> int:
         if logger is not None:
             logger.close()
         parallel.destroy()
+
+
+def _write_pid_file(run_dir: Path) -> None:
+    """<run_dir>/pids/rank<R>.pid: which process is which training rank (for operators, tests)."""
+    pid_dir = run_dir / "pids"
+    pid_dir.mkdir(parents=True, exist_ok=True)
+    (pid_dir / f"rank{dist.get_rank()}.pid").write_text(str(os.getpid()))
+
+
+def _export_policy(trainer, cfg: Config, out: Path):
+    """Collective: the policy as a Hugging Face directory, with the tokenizer files."""
+    from megatron_gspo.hf_export import export_hf_dir
+
+    tokenizer_dir = cfg.data.tokenizer_dir or cfg.run.init_from
+    path = export_hf_dir(trainer.gpt, cfg.model, trainer.pg, out, tokenizer_dir=tokenizer_dir)
+    if dist.get_rank() == 0 and tokenizer_dir is None and cfg.data.task is not None:
+        from pipeline.tasks import write_byte_tokenizer
+
+        write_byte_tokenizer(out)
+    return path
 
 
 def _needs_export(cfg: Config) -> bool:

@@ -149,6 +149,12 @@ def plan_layout(cfg: Config, args: argparse.Namespace) -> JobLayout:
                      num_servers=num_servers)
 
 
+ROUTER_COMMAND = ('exec "${MGSPO_SGLANG_PYTHON:-$MGSPO_PYTHON}" -m sglang_router.launch_router '
+                  "--host 0.0.0.0 --port $ROUTER_PORT "
+                  "--prometheus-host 0.0.0.0 --prometheus-port $((ROUTER_PORT + 2))")
+"""The router's ``bash -c`` body (sglang-router's own CLI; servers register through POST /workers)."""
+
+
 def server_command(layout: JobLayout, seed: int, colocated: bool) -> str:
     """The body of ``bash -c`` that every server task runs; $-variables expand in the task.
 
@@ -161,7 +167,7 @@ def server_command(layout: JobLayout, seed: int, colocated: bool) -> str:
     port = "--port $((MGSPO_SERVER_PORT0 + 2 * i))"
     seed_arg = f"--random-seed $(({seed} + i))"
     if layout.server == "sglang":
-        cmd = ['exec "$MGSPO_SGLANG_PYTHON" -m sglang.launch_server --model-path "$MGSPO_MODEL_PATH"',
+        cmd = ['exec "${MGSPO_SGLANG_PYTHON:-$MGSPO_PYTHON}" -m sglang.launch_server --model-path "$MGSPO_MODEL_PATH"',
                f"--tp-size {layout.server_tp}", "--host 0.0.0.0", port, seed_arg]
         if k > 1:
             lines.append("hosts=($MGSPO_ROLLOUT_HOSTS)")
@@ -264,6 +270,7 @@ def build_script(cfg: Config, args: argparse.Namespace, layout: JobLayout, run_d
         "container_options": _container_options(args, run_dir, workdir),
         "server_srun_options": common + " --overlap",
         "server_command": q(server_command(layout, cfg.run.seed, layout.colocated)),
+        "router_command": q(ROUTER_COMMAND),
         "train_srun_options": (f"--nodes={layout.train_nodes} "
                                f"--ntasks-per-node={layout.train_tasks_per_node} --distribution=block"),
         "lib": (TEMPLATE_DIR / "lib.sh").read_text().rstrip("\n"),

@@ -12,7 +12,8 @@ or, to keep the plan (and the NCCL/gloo group of the distributed transport) acro
         syncer.sync(weight_version=str(step))
     syncer.close()
 
-What happens:
+What happens (steps 1 and 2 are :class:`HFGather`, usable alone through
+:func:`iter_full_hf_tensors`, e.g. to export the live policy):
 
 1. **Plan** (once): every rank lists its weights as HF pieces with the one mapping
    (``model.local_hf_pieces`` -> ``hf_mapping.pieces_for``, the same code as conversion) and
@@ -163,6 +164,87 @@ def _build_plan(pieces, model_cfg: ModelConfig, dtype: torch.dtype, bucket_bytes
     return _Plan(names, shapes, dtype, keys_by_rank, send_by_rank, buckets)
 
 
+class HFGather:
+    """Full HF tensors of the live, sharded policy on global rank 0, bucket by bucket.
+
+    Collective over the default group (every rank calls the same methods in the same order).
+    The plan - which rank sends which region, the buckets - is made on the first
+    :meth:`local_pieces` call and kept (the layout does not change during a run). Each region is
+    sent once (by its lowest holding rank), as one flat buffer per rank and bucket, point to point
+    (gloo and NCCL): rank 0 holds one bucket at a time, the other ranks nothing extra.
+
+        gather = HFGather(model_cfg, bucket_bytes=256 << 20)
+        for tensors in gather.iter_buckets(gpt, pg):   # {hf name: full tensor} on rank 0, {} elsewhere
+            ...
+    """
+
+    def __init__(self, model_cfg: ModelConfig, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 dtype: Optional[torch.dtype] = None):
+        self.model_cfg = model_cfg
+        self.bucket_bytes = bucket_bytes
+        self.dtype = dtype
+        self.plan: Optional[_Plan] = None
+
+    def local_pieces(self, gpt, pg_collection) -> list:
+        """This rank's (Piece, tensor) list; makes the plan the first time (collective)."""
+        pieces = _local_pieces(gpt, self.model_cfg, pg_collection)
+        if self.plan is None:
+            dtype = self.dtype or (pieces[0][1].dtype if pieces else torch.float32)
+            self.plan = _build_plan(pieces, self.model_cfg, dtype, self.bucket_bytes)
+        return pieces
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.plan.buckets)
+
+    def iter_buckets(self, gpt, pg_collection):
+        pieces = self.local_pieces(gpt, pg_collection)
+        for b in range(self.num_buckets):
+            yield self.gather(b, pieces)
+
+    def gather(self, b: int, pieces) -> dict[str, torch.Tensor]:
+        """Full HF tensors of bucket ``b`` on global rank 0 (CPU); {} on the other ranks."""
+        plan, rank, world = self.plan, dist.get_rank(), dist.get_world_size()
+        bucket = plan.buckets[b]
+        in_bucket = set(bucket)
+        mine = [i for i in plan.send_by_rank[rank] if plan.keys_by_rank[rank][i][0] in in_bucket]
+        if rank != 0:
+            if mine:
+                flat = torch.cat([pieces[i][1].reshape(-1).to(plan.dtype) for i in mine])
+                dist.send(flat.contiguous(), dst=0)
+            return {}
+        device = pieces[0][1].device if pieces else torch.device("cpu")
+        full = {plan.names[i]: torch.empty(plan.shapes[plan.names[i]], dtype=plan.dtype)
+                for i in bucket}
+        for i in mine:  # rank 0's own pieces
+            name_i, region = plan.keys_by_rank[0][i]
+            full[plan.names[name_i]][_slices(region)] = pieces[i][1].to("cpu", plan.dtype)
+        for r in range(1, world):
+            theirs = [i for i in plan.send_by_rank[r] if plan.keys_by_rank[r][i][0] in in_bucket]
+            if not theirs:
+                continue
+            regions = [plan.keys_by_rank[r][i] for i in theirs]
+            buf = torch.empty(sum(_numel(reg) for _, reg in regions), dtype=plan.dtype,
+                              device=device)
+            dist.recv(buf, src=r)
+            buf = buf.cpu()
+            off = 0
+            for name_i, region in regions:
+                n = _numel(region)
+                shape = tuple(b - a for a, b in region)
+                full[plan.names[name_i]][_slices(region)] = buf[off:off + n].view(shape)
+                off += n
+        return full
+
+
+def iter_full_hf_tensors(gpt, model_cfg: ModelConfig, pg_collection, *,
+                         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                         dtype: Optional[torch.dtype] = None):
+    """Collective: yields {hf name: full tensor} buckets on rank 0 ({} elsewhere)."""
+    yield from HFGather(model_cfg, bucket_bytes=bucket_bytes, dtype=dtype).iter_buckets(
+        gpt, pg_collection)
+
+
 class WeightSyncer:
     """Pushes the policy's weights to rollout servers; see the module docstring."""
 
@@ -193,7 +275,7 @@ class WeightSyncer:
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.flattened_bucket = flattened_bucket
         self.keep_versions = keep_versions
-        self._plan: Optional[_Plan] = None
+        self._gather = HFGather(model_cfg, bucket_bytes=bucket_bytes, dtype=dtype)
         self._group = None
         self._store = None
         self._written: list[Path] = []
@@ -203,11 +285,8 @@ class WeightSyncer:
     def sync(self, weight_version: str) -> SyncStats:
         t_start = time.perf_counter()
         rank = dist.get_rank()
-        pieces = _local_pieces(self.gpt, self.model_cfg, self.pg)
-        if self._plan is None:
-            dtype = self.dtype or (pieces[0][1].dtype if pieces else torch.float32)
-            self._plan = _build_plan(pieces, self.model_cfg, dtype, self.bucket_bytes)
-        plan = self._plan
+        pieces = self._gather.local_pieces(self.gpt, self.pg)
+        plan = self._gather.plan
         stats = SyncStats(weight_version=str(weight_version), transport=self.transport,
                           num_tensors=len(plan.names), num_buckets=len(plan.buckets))
         error: Optional[str] = None
@@ -216,10 +295,9 @@ class WeightSyncer:
                 self._begin(stats)
         except Exception as err:  # noqa: BLE001 - shared with the other ranks below
             error = f"{type(err).__name__}: {err}"
-        device = pieces[0][1].device if pieces else torch.device("cpu")
-        for b, bucket in enumerate(plan.buckets):
+        for b in range(len(plan.buckets)):
             t0 = time.perf_counter()
-            tensors = self._gather(bucket, pieces, device)
+            tensors = self._gather.gather(b, pieces)
             stats.seconds_gather += time.perf_counter() - t0
             if rank == 0 and error is None:
                 t0 = time.perf_counter()
@@ -253,39 +331,6 @@ class WeightSyncer:
                     pass
         self._group = self._store = None
         self._pool.shutdown(wait=True)
-
-    # ------------------------------------------------------------------ gather
-    def _gather(self, bucket: list[int], pieces, device) -> dict[str, torch.Tensor]:
-        """Full HF tensors of ``bucket`` on global rank 0 (CPU); {} on the other ranks."""
-        plan, rank, world = self._plan, dist.get_rank(), dist.get_world_size()
-        in_bucket = set(bucket)
-        mine = [i for i in plan.send_by_rank[rank] if plan.keys_by_rank[rank][i][0] in in_bucket]
-        if rank != 0:
-            if mine:
-                flat = torch.cat([pieces[i][1].reshape(-1).to(plan.dtype) for i in mine])
-                dist.send(flat.contiguous(), dst=0)
-            return {}
-        full = {plan.names[i]: torch.empty(plan.shapes[plan.names[i]], dtype=plan.dtype)
-                for i in bucket}
-        for i in mine:  # rank 0's own pieces
-            name_i, region = plan.keys_by_rank[0][i]
-            full[plan.names[name_i]][_slices(region)] = pieces[i][1].to("cpu", plan.dtype)
-        for r in range(1, world):
-            theirs = [i for i in plan.send_by_rank[r] if plan.keys_by_rank[r][i][0] in in_bucket]
-            if not theirs:
-                continue
-            regions = [plan.keys_by_rank[r][i] for i in theirs]
-            buf = torch.empty(sum(_numel(reg) for _, reg in regions), dtype=plan.dtype,
-                              device=device)
-            dist.recv(buf, src=r)
-            buf = buf.cpu()
-            off = 0
-            for name_i, region in regions:
-                n = _numel(region)
-                shape = tuple(b - a for a, b in region)
-                full[plan.names[name_i]][_slices(region)] = buf[off:off + n].view(shape)
-                off += n
-        return full
 
     # ------------------------------------------------------------------ send (rank 0)
     def _each_server(self, fn) -> list:
@@ -324,7 +369,7 @@ class WeightSyncer:
             out = self._version_dir(version, tmp=True)
             out.mkdir(parents=True, exist_ok=True)
             save_file({n: t.contiguous() for n, t in tensors.items()},
-                      str(out / f"model-{b + 1:05d}-of-{len(self._plan.buckets):05d}.safetensors"))
+                      str(out / f"model-{b + 1:05d}-of-{len(self._gather.plan.buckets):05d}.safetensors"))
         elif self.transport == "tensor":
             payload = encode_named_tensors(tensors.items())
             body = {"serialized_named_tensors": [payload], "load_format": None,
@@ -360,9 +405,9 @@ class WeightSyncer:
 
             tmp, final = self._version_dir(version, tmp=True), self._version_dir(version)
             weight_map = {}
-            for b, bucket in enumerate(self._plan.buckets):
-                fname = f"model-{b + 1:05d}-of-{len(self._plan.buckets):05d}.safetensors"
-                weight_map.update({self._plan.names[i]: fname for i in bucket})
+            for b, bucket in enumerate(self._gather.plan.buckets):
+                fname = f"model-{b + 1:05d}-of-{len(self._gather.plan.buckets):05d}.safetensors"
+                weight_map.update({self._gather.plan.names[i]: fname for i in bucket})
             (tmp / "model.safetensors.index.json").write_text(json.dumps(
                 {"metadata": {"total_size": stats.bytes}, "weight_map": weight_map}, indent=1))
             if final.exists():

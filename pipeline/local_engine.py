@@ -18,10 +18,10 @@ Sampling (SGLang semantics, ``sglang.srt.layers.sampler.Sampler.forward`` in 0.5
   ``log_softmax(logits / T)`` over the full vocabulary, *before* top-k / top-p / min-p truncation
   (SGLang's default; greedy requests get ``log_softmax(logits)``). ``input_token_logprobs`` are
   raw (``T = 1``) log-probs, as in SGLang's logits processor;
-* the token is drawn from the truncated distribution by an exponential race
-  (``argmax p_i / q_i``, ``q_i ~ Exp(1)``, equivalent to multinomial sampling) with noise from a
-  per-request ``torch.Generator``: seeded by ``sampling_seed`` when given, else from the server's
-  ``--random-seed`` stream. A request's draws therefore do not depend on what else is in the batch.
+* the token is drawn from the truncated distribution by inverse-CDF sampling with one uniform per
+  step from a per-request ``torch.Generator``: seeded by ``sampling_seed`` when given, else from
+  the server's ``--random-seed`` stream. A request's random numbers therefore do not depend on
+  what else is in the batch (its tokens do only through fp32 rounding of the logits).
 
 Shape legend: B running rows, T cached positions, V vocabulary, H_kv KV heads, d head dim.
 """
@@ -231,7 +231,7 @@ class LocalEngine:
         self.last_step_time = time.time()
         self.num_finished = 0  # requests finished (any reason) since start
         # Batch state (engine thread only).
-        self._cache_kv: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None  # [B,H_kv,T,d]
+        self._cache = None  # transformers DynamicCache of the running rows: [B, H_kv, T, d]
         self._mask: Optional[torch.Tensor] = None  # [B, T] 1 = real token
         self._next_pos: Optional[torch.Tensor] = None  # [B] position of the next input token
         self._last: Optional[torch.Tensor] = None  # [B] sampled token not yet fed
@@ -413,16 +413,26 @@ class LocalEngine:
             r.on_event("finish")
 
     # --- model calls
-    def _forward(self, ids, mask, pos, kv, *, all_logits: bool):
+    def _forward(self, ids, mask, pos, cache, *, all_logits: bool):
+        """One forward pass; ``cache`` (a DynamicCache, None for a prefill) grows in place."""
         from transformers import DynamicCache
 
-        cache = DynamicCache() if kv is None else DynamicCache(ddp_cache_data=kv)
+        cache = DynamicCache() if cache is None else cache
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                          use_cache=True, logits_to_keep=0 if all_logits else 1,
                          **{self._cache_kw: cache})
         new_cache = getattr(out, "cache", None) or getattr(out, "past_key_values")
-        new_kv = [(layer.keys, layer.values) for layer in new_cache.layers]
-        return out.logits.float(), new_kv
+        return out.logits.float(), new_cache
+
+    @staticmethod
+    def _kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(layer.keys, layer.values) for layer in cache.layers]
+
+    @staticmethod
+    def _cache_from(kv):
+        from transformers import DynamicCache
+
+        return DynamicCache(ddp_cache_data=kv)
 
     def _prefill(self, reqs: list[EngineRequest]) -> None:
         for r in reqs:
@@ -436,7 +446,7 @@ class LocalEngine:
             mask[i, width - lengths[i]:] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         want_input = any(r.return_logprob and r.logprob_start_len >= 0 for r in reqs)
-        logits, kv = self._forward(ids, mask, pos, None, all_logits=want_input)
+        logits, cache = self._forward(ids, mask, pos, None, all_logits=want_input)
         if want_input:
             self._input_logprobs(reqs, logits, lengths, width)
         last = logits[:, -1]
@@ -455,7 +465,7 @@ class LocalEngine:
         if not still:
             return
         rows = torch.tensor([i for i, _ in still])
-        new_kv = [(k[rows], v[rows]) for k, v in kv]
+        new_kv = [(k[rows], v[rows]) for k, v in self._kv(cache)]
         self._merge([reqs[i] for i, _ in still], new_kv, mask[rows],
                     torch.tensor([lengths[i] for i, _ in still]),
                     torch.tensor([t for _, t in still]))
@@ -484,7 +494,7 @@ class LocalEngine:
 
     def _merge(self, reqs, kv, mask, next_pos, last) -> None:
         if not self._running:
-            self._running, self._cache_kv, self._mask = list(reqs), kv, mask
+            self._running, self._cache, self._mask = list(reqs), self._cache_from(kv), mask
             self._next_pos, self._last = next_pos, last
             return
         width = max(self._mask.shape[1], mask.shape[1])
@@ -497,8 +507,9 @@ class LocalEngine:
             shape[dim] = missing
             return torch.cat([t.new_zeros(shape), t], dim=dim)
 
-        self._cache_kv = [(torch.cat([pad(k0, 2), pad(k1, 2)]), torch.cat([pad(v0, 2), pad(v1, 2)]))
-                          for (k0, v0), (k1, v1) in zip(self._cache_kv, kv)]
+        self._cache = self._cache_from(
+            [(torch.cat([pad(k0, 2), pad(k1, 2)]), torch.cat([pad(v0, 2), pad(v1, 2)]))
+             for (k0, v0), (k1, v1) in zip(self._kv(self._cache), kv)])
         self._mask = torch.cat([pad(self._mask, 1), pad(mask, 1)])
         self._next_pos = torch.cat([self._next_pos, next_pos])
         self._last = torch.cat([self._last, last])
@@ -507,7 +518,7 @@ class LocalEngine:
     def _drop_rows(self, rows: set[int]) -> None:
         keep = [i for i in range(len(self._running)) if i not in rows]
         if not keep:
-            self._running, self._cache_kv, self._mask = [], None, None
+            self._running, self._cache, self._mask = [], None, None
             self._next_pos = self._last = None
             return
         idx = torch.tensor(keep)
@@ -516,15 +527,16 @@ class LocalEngine:
         first = int((mask.sum(0) > 0).nonzero()[0])
         self._running = [self._running[i] for i in keep]
         self._mask = mask[:, first:]
-        self._cache_kv = [(k[idx, :, first:], v[idx, :, first:]) for k, v in self._cache_kv]
+        self._cache = self._cache_from([(k[idx, :, first:], v[idx, :, first:])
+                                        for k, v in self._kv(self._cache)])
         self._next_pos, self._last = self._next_pos[idx], self._last[idx]
 
     def _decode_step(self) -> None:
         batch = len(self._running)
         mask = torch.cat([self._mask, torch.ones(batch, 1, dtype=self._mask.dtype)], dim=1)
-        logits, kv = self._forward(self._last[:, None], mask, self._next_pos[:, None],
-                                   self._cache_kv, all_logits=False)
-        self._cache_kv, self._mask = kv, mask
+        logits, self._cache = self._forward(self._last[:, None], mask, self._next_pos[:, None],
+                                            self._cache, all_logits=False)
+        self._mask = mask
         self._next_pos = self._next_pos + 1
         tokens = self._sample_and_record(self._running, logits[:, -1])
         self._last = torch.tensor(tokens)
@@ -538,20 +550,30 @@ class LocalEngine:
         logits = logits[:, : self.vocab_size]
         temps = torch.tensor([[r.sampling.temperature] for r in reqs], dtype=logits.dtype)
         logprobs = torch.log_softmax(logits / temps, dim=-1)  # [B, V], what SGLang returns
-        tokens = []
-        for i, r in enumerate(reqs):
-            s = r.sampling
-            if s.is_greedy:
-                tok = int(torch.argmax(logits[i]))
-            else:
-                probs = logprobs[i].exp()
-                probs = _truncate(probs, s.top_k, s.top_p, s.min_p)
-                noise = torch.empty_like(probs).exponential_(generator=r.generator)
-                tok = int(torch.argmax(probs / noise))
-            tokens.append(tok)
+        chosen = torch.empty(len(reqs), dtype=torch.long)
+        greedy = [i for i, r in enumerate(reqs) if r.sampling.is_greedy]
+        sampled = [i for i, r in enumerate(reqs) if not r.sampling.is_greedy]
+        if greedy:
+            chosen[greedy] = torch.argmax(logits[greedy], dim=-1)
+        if sampled:
+            # Inverse-CDF sampling from the truncated distribution: one uniform per row from the
+            # request's own generator (float64 CDF; side="right" never picks a zero-mass token).
+            probs = logprobs[sampled].double().exp()
+            for j, i in enumerate(sampled):
+                s = reqs[i].sampling
+                if (0 < s.top_k < probs.shape[1]) or s.top_p < 1.0 or s.min_p > 0.0:
+                    probs[j] = _truncate(probs[j], s.top_k, s.top_p, s.min_p)
+            cdf = probs.cumsum(dim=-1)
+            u = torch.cat([torch.rand(1, generator=reqs[i].generator, dtype=torch.float64)
+                           for i in sampled])
+            picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+            chosen[sampled] = picks.clamp_(max=cdf.shape[1] - 1)
+        tokens = chosen.tolist()
+        token_logprobs = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
+        for i, (r, tok) in enumerate(zip(reqs, tokens)):
             r.output_ids.append(tok)
             if r.return_logprob:
-                r.output_logprobs.append(float(logprobs[i, tok]))
+                r.output_logprobs.append(token_logprobs[i])
                 if r.top_logprobs_num > 0:
                     top = torch.topk(logprobs[i], min(r.top_logprobs_num, logprobs.shape[1]))
                     r.output_top.append(list(zip(top.values.tolist(), top.indices.tolist())))

@@ -13,9 +13,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_sft_demo_two_ranks_loss_falls(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "launch.cli", "sft", "--config", "launch/configs/tiny_cpu.yaml",
+        [sys.executable, "-m", "launch.cli", "sft", "--config", "launch/configs/tiny_cpu_sft.yaml",
          "--set", "run.num_steps=25", "--set", f"run.output_dir={run_dir}",
-         "--set", "run.eval_interval=0"],
+         "--set", "run.eval_interval=0", "--set", "run.log_interval=5"],
         cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "starting 2 local ranks" in proc.stdout
@@ -29,3 +29,4 @@ def test_sft_demo_two_ranks_loss_falls(tmp_path):
     assert any(p.name.startswith("events.out.tfevents") for p in (run_dir / "tb").iterdir())
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("held-out loss: ")
+    assert (run_dir / "hf" / "config.json").is_file() and (run_dir / "hf" / "tokenizer.json").is_file()

@@ -71,12 +71,13 @@ class InProcessServer:
     """``megatron-gspo serve`` in this process: uvicorn in a thread (fast to start)."""
 
     def __init__(self, model_path: Path, **overrides):
+        import argparse
+
         import uvicorn
 
         from launch.serve import add_arguments
         from pipeline.local_server import LocalRolloutServer
         from pipeline.servers import free_port
-        import argparse
 
         parser = argparse.ArgumentParser()
         add_arguments(parser)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pipeline.rollout import (RolloutClient, RolloutError, SamplingParams, error_message,
-                              generate_payload, http_json, wait_healthy)
+                              generate_payload, http_json, sample_seed, wait_healthy)
 from pipeline.weight_transport import encode_named_tensors, weights_checksum
 from tests.rollout.conftest import InProcessServer
 
@@ -58,7 +58,14 @@ def test_client_bodies_follow_sglangs_schema(api_types):
     assert request.sampling_params.no_stop_trim is True
     api_types.SamplingParams.from_json_value(SamplingParams().to_json())
     assert "sampling_seed" not in SamplingParams().to_json()
+    assert set(sp.to_json()) == {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids",
+                                 "n", "no_stop_trim", "skip_special_tokens", "sampling_seed"}
     assert set(sp.to_json()) <= set(api_types.SamplingParams.__struct_fields__)
+    seeds = {sample_seed(s, p, j) for s in (0, 2 ** 40) for p in range(3) for j in range(4)}
+    assert len(seeds) == 24 and all(0 <= x < 2 ** 63 for x in seeds)
+    for x in seeds:  # an i64 for SGLang's contract
+        api_types.GenerateRequest.from_json_value(
+            generate_payload("r", [1], SamplingParams(sampling_seed=x)))
 
 
 def test_single_batch_and_n_follow_the_schema_ids_and_order(local_server, api_types):

@@ -40,7 +40,11 @@ def local_slurm():
     # munged needs o+x on every directory above its socket, so not under pytest's 0700 tmp dirs
     directory = Path(tempfile.mkdtemp(prefix="megatron-gspo-slurm-", dir="/tmp"))
     directory.chmod(0o755)
+    # 8 CPUs per virtual node: test_slurm_jobs.py runs three het jobs side by side (each takes 2
+    # CPUs of the rollout node and 1 of each training node); cred_expire 5 s (the minimum) makes
+    # a requeued job start again sooner
     env = dict(os.environ, LOCAL_SLURM_DIR=str(directory), LOCAL_SLURM_NODES=str(NUM_NODES),
+               LOCAL_SLURM_CPUS="8", LOCAL_SLURM_CRED_EXPIRE="5",
                LOCAL_SLURM_PORT=str(free_port_block(NUM_NODES + 1)),
                LOCAL_SLURM_PREFIX=f"gs{os.getpid()}n",  # names of our own in /etc/hosts
                LOCAL_SLURM_PURGE="1")

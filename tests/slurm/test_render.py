@@ -92,12 +92,12 @@ def test_gpu_cluster_script(capsys, tmp_path):
     # router: one task on the rollout component's first node
     assert router[:2] == ["srun", "--het-group=0"]
     assert {"--nodes=1", "--ntasks=1", "--nodelist=$ROUTER_HOST", "--overlap"} <= set(router)
-    assert "sglang_router.launch_router" in router
+    assert router[-3:-1] == ["bash", "-c"] and "-m sglang_router.launch_router" in router[-1]
     assert "ROLLOUT_NODELIST=$SLURM_JOB_NODELIST_HET_GROUP_0\n" in script
     assert 'ROUTER_HOST=$(scontrol show hostnames "$ROLLOUT_NODELIST" | head -n 1)\n' in script
     # training: component 1, one task per GPU, MASTER_ADDR = its first node
     assert trainer[:2] == ["srun", "--het-group=1"]
-    assert {"--nodes=8", "--ntasks-per-node=8", "--kill-on-bad-exit=1"} <= set(trainer)
+    assert {"--nodes=8", "--ntasks-per-node=8", "--kill-on-bad-exit=0", "--wait=$TRAIN_WAIT_S"} <= set(trainer)
     assert option(trainer, "export") == "ALL,MASTER_ADDR=$MASTER_ADDR,MASTER_PORT=$MASTER_PORT"
     assert "TRAIN_NODELIST=$SLURM_JOB_NODELIST_HET_GROUP_1\n" in script
     assert 'MASTER_ADDR=$(scontrol show hostnames "$TRAIN_NODELIST" | head -n 1)\n' in script
@@ -194,13 +194,16 @@ def test_gpu_script_runs_the_job_against_fake_slurm(capsys, tmp_path):
     proc, calls = _run_with_fakes(script, tmp_path, FAKE_NUM_SERVERS="8")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "megatron-gspo job: training complete" in proc.stdout
-    sruns = [c for c in calls if c["tool"] == "srun"]
-    assert [s["options"].get("het-group") for s in sruns] == ["0", "0", "1"]
-    servers, router, trainer = sruns
+    sruns = [c for c in calls if c["tool"] == "srun"]   # servers and router start concurrently
+    (servers,) = [s for s in sruns if "sglang.launch_server" in s["command"][-1]]
+    (router,) = [s for s in sruns if "sglang_router.launch_router" in s["command"][-1]]
+    (trainer,) = [s for s in sruns if "train" in s["command"]]
+    assert [s["options"]["het-group"] for s in (servers, router, trainer)] == ["0", "0", "1"]
+    assert sruns[-1] is trainer                           # training starts after both
     port0 = 20000 + (4242 % 120) * 100
     assert router["options"]["nodelist"] == "gpu-001"
-    assert router["command"][-5:] == ["--port", str(port0), "--prometheus-host", "0.0.0.0",
-                                      "--prometheus-port", str(port0 + 2)][-5:]
+    assert router["env"]["ROUTER_PORT"] == str(port0)
+    assert "--port $ROUTER_PORT" in router["command"][-1]
     assert trainer["options"]["export"] == f"ALL,MASTER_ADDR=gpu-101,MASTER_PORT={port0 + 1}"
     assert trainer["command"][-1] == f"rollout.router_url=http://gpu-001:{port0}"
     assert servers["env"]["MGSPO_ROLLOUT_HOSTS"].split() == ["gpu-001", "gpu-002", "gpu-003", "gpu-004"]
