@@ -9,8 +9,6 @@ The loop itself is ``pipeline.loop.run``.
 from __future__ import annotations
 
 import os
-import sys
-from functools import partial
 from pathlib import Path
 
 import torch.distributed as dist
@@ -90,8 +88,10 @@ def run_training(cfg: Config, *, resume: bool) -> int:
                 from pipeline.servers import LocalRolloutCluster
 
                 model_path = cfg.run.init_from or _export_initial_weights(trainer, run_dir)
+                server_args = ["--max-running-requests", "1"] if cfg.rollout.deterministic else []
                 cluster = LocalRolloutCluster(model_path, cfg.rollout.num_servers,
-                                              log_dir=run_dir / "logs", random_seed=cfg.run.seed)
+                                              log_dir=run_dir / "logs", random_seed=cfg.run.seed,
+                                              server_args=server_args)
                 cluster.start()
                 client = RolloutClient(router_url=cluster.router_url,
                                        max_concurrency=cfg.rollout.max_concurrency,
@@ -180,8 +180,6 @@ def _needs_export(cfg: Config) -> bool:
 
 def _export_initial_weights(trainer, run_dir: Path) -> str:
     """Write the trainer's initial weights as a Hugging Face directory (collective)."""
-    from megatron_gspo.weight_sync import export_hf_dir
-
     out = run_dir / "init_hf"
-    export_hf_dir(trainer.gpt, trainer.cfg.model, trainer.pg, out)
+    _export_policy(trainer, trainer.cfg, out)
     return str(out)

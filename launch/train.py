@@ -16,9 +16,6 @@ status 75 ("requeue me"); a finished run exits 0.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-from pathlib import Path
 
 from launch import local
 from launch.common import add_config_args, load_from_args

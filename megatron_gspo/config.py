@@ -208,6 +208,10 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     max_new_tokens: int = 32
+    deterministic: bool = False
+    """Batch-invariant rollouts: each local server decodes one request at a time, so a sample
+    depends only on its prompt, seed and the weights (slower; what an exact resume comparison
+    needs). SGLang's counterpart is --enable-deterministic-inference."""
     eval_samples_per_prompt: int = 4
     """n: samples per held-out prompt; pass@1 is averaged over them."""
     weight_sync: Literal["disk", "tensor", "distributed"] = "disk"

@@ -1,22 +1,20 @@
-"""Full Hugging Face tensors from a live, sharded policy; and a complete HF directory from them.
+"""A complete Hugging Face directory from the live, sharded policy.
 
-Every rank turns its local parameters into pieces of HF tensors (``hf_mapping``); the pieces of one
-bucket of HF names are gathered to global rank 0, which assembles full tensors. Memory on rank 0 is
-bounded by the bucket, not the model. Used to write the SFT result and the initial policy for the
-rollout servers (``export_hf_dir``) and by the weight sync.
+The full tensors come from the weight sync's gather (``weight_sync.iter_full_hf_tensors``: every
+region sent once to global rank 0, bucket by bucket, through the one HF mapping), so memory on rank
+0 is bounded by a bucket, not the model. Used to write the SFT result, the initial policy of the
+rollout servers and the final policy of a GSPO run.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 from megatron_gspo.config import ModelConfig
-from megatron_gspo.hf_mapping import hf_param_names, hf_param_shapes
 
 
 def hf_config_dict(model: ModelConfig, *, dtype: str = "float32") -> dict:
@@ -54,59 +52,6 @@ def hf_config_dict(model: ModelConfig, *, dtype: str = "float32") -> dict:
     }
 
 
-def _buckets(model: ModelConfig, bucket_bytes: int) -> list[list[str]]:
-    shapes = hf_param_shapes(model)
-    buckets, current, size = [], [], 0
-    for name in hf_param_names(model):
-        nbytes = 4 * int(torch.Size(shapes[name]).numel())
-        if current and size + nbytes > bucket_bytes:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(name)
-        size += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
-
-
-def iter_full_hf_tensors(gpt, model: ModelConfig, pg_collection, *,
-                         bucket_bytes: int = 512 << 20) -> Iterator[dict[str, torch.Tensor]]:
-    """Collective over the world: yields {hf name: full tensor} buckets on rank 0 ({} elsewhere).
-
-    Replicated pieces (held by several ranks) are taken once; rank 0 checks that every element of
-    every tensor was provided.
-    """
-    from megatron_gspo.model import local_hf_pieces
-
-    shapes = hf_param_shapes(model)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local = list(local_hf_pieces(gpt, model, pg_collection))
-    by_name: dict[str, list] = {}
-    for piece, tensor in local:
-        by_name.setdefault(piece.hf_name, []).append((piece.hf_index, tensor.detach().cpu()))
-    for names in _buckets(model, bucket_bytes):
-        mine = {n: by_name.get(n, []) for n in names}
-        gathered = [None] * world if rank == 0 else None
-        dist.gather_object(mine, gathered, dst=0)
-        if rank != 0:
-            yield {}
-            continue
-        out = {}
-        for name in names:
-            dtype = next((t.dtype for part in gathered for t in (x[1] for x in part[name])),
-                         torch.float32)
-            full = torch.empty(shapes[name], dtype=dtype)
-            covered = torch.zeros(shapes[name], dtype=torch.bool)
-            for part in gathered:
-                for index, tensor in part[name]:
-                    full[index] = tensor
-                    covered[index] = True
-            if not bool(covered.all()):
-                raise RuntimeError(f"{name}: no rank holds part of this tensor (mapping error)")
-            out[name] = full
-        yield out
-
-
 def export_hf_dir(gpt, model: ModelConfig, pg_collection, out_dir: str | Path, *,
                   tokenizer_dir: Optional[str | Path] = None,
                   bucket_bytes: int = 512 << 20) -> Optional[Path]:
@@ -119,6 +64,8 @@ def export_hf_dir(gpt, model: ModelConfig, pg_collection, out_dir: str | Path, *
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
     weight_map, total = {}, 0
+    from megatron_gspo.weight_sync import iter_full_hf_tensors
+
     for i, bucket in enumerate(iter_full_hf_tensors(gpt, model, pg_collection,
                                                     bucket_bytes=bucket_bytes)):
         if rank != 0:

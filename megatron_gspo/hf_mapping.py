@@ -125,7 +125,7 @@ def pieces_for(local_name: str, local_shape: tuple[int, ...], model: ModelConfig
 
     Raises KeyError for a name that is not part of a Qwen3-MoE policy.
     """
-    H, V, d = model.hidden_size, model.vocab_size, model.head_dim
+    V, d = model.vocab_size, model.head_dim
     if local_name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         hf = "model.embed_tokens.weight" if (
             local_name.startswith("embedding") or model.tie_word_embeddings) else "lm_head.weight"

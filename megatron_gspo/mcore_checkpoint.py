@@ -46,6 +46,7 @@ import io
 import json
 import os
 import shutil
+import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -433,6 +434,7 @@ class McoreCheckpoint:
                         if isinstance(md, TensorStorageMetadata)}
         self._chunks_by_lead: dict[str, dict[tuple, list]] = {}
         self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
 
     def _check_files(self) -> None:
         needed: dict[str, int] = {}
@@ -485,7 +487,10 @@ class McoreCheckpoint:
     def _handle(self, relative_path: str) -> int:
         fd = self._fds.get(relative_path)
         if fd is None:
-            fd = self._fds.setdefault(relative_path, os.open(self.directory / relative_path, os.O_RDONLY))
+            with self._lock:  # the export's reader thread and the caller may both ask
+                fd = self._fds.get(relative_path)
+                if fd is None:
+                    fd = self._fds[relative_path] = os.open(self.directory / relative_path, os.O_RDONLY)
         return fd
 
     def _load_stored(self, index) -> torch.Tensor:

@@ -27,6 +27,7 @@ import math
 import os
 import re
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
@@ -178,6 +179,7 @@ class HFCheckpoint:
                 f"{self.directory}: no {SINGLE_FILE} and no {INDEX_FILE} (is this a Hugging Face "
                 "safetensors checkpoint?)")
         self._handles: dict[Path, object] = {}
+        self._lock = threading.Lock()
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: info.shape for name, info in self.tensors.items()}
@@ -190,8 +192,11 @@ class HFCheckpoint:
 
     def _handle(self, path: Path):
         handle = self._handles.get(path)
-        if handle is None:  # a race between threads opens the file twice: harmless
-            handle = self._handles.setdefault(path, open(path, "rb", buffering=0))
+        if handle is None:
+            with self._lock:  # writer threads may ask for the same file at once
+                handle = self._handles.get(path)
+                if handle is None:
+                    handle = self._handles[path] = open(path, "rb", buffering=0)
         return handle
 
     def read_into(self, name: str, out: torch.Tensor, rows: Optional[slice] = None) -> torch.Tensor:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SFT_STEPS = 400
+SFT_STEPS = 450  # as launch/configs/tiny_cpu_sft.yaml: about 18% held-out exact match
 
 
 def megatron_gspo(*args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
