@@ -182,20 +182,35 @@ def bench_size(workdir: Path, num_layers: int, repeats: int) -> dict:
                 shutil.rmtree(path)
 
 
+def _pair_ratios(cp_runs: list[float], conv_runs: list[dict], key: str) -> list[float]:
+    """cp / conversion per repetition: each pair ran back to back, under the same load."""
+    return sorted(c / r[key] for c, r in zip(cp_runs, conv_runs))
+
+
 def report(rows: list[dict]) -> str:
-    lines = ["| model (layers) | HF size | direction | cp | convert (process) | ratio | "
-             "convert only | ratio | peak RSS |",
+    lines = ["| model (layers) | HF size | direction | cp (median) | convert, process (median) | "
+             "ratio, process | convert only (median) | ratio, convert only | peak RSS |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         size = f"{r['hf_bytes'] / 1e9:.2f} GB"
-        for label, key, cp in (("hf-to-mcore", "hf_to_mcore", r["cp_hf_s"]),
-                               ("hf-to-mcore, fsync", "hf_to_mcore_fsync", r["cp_hf_s"]),
-                               ("mcore-to-hf", "mcore_to_hf", r["cp_mcore_s"])):
-            m = r[key]
-            lines.append(f"| {r['layers']} | {size} | {label} | {cp:.2f} s | {m['wall_s']:.2f} s | "
-                         f"{cp / m['wall_s']:.2f} | {m['convert_s']:.2f} s | {cp / m['convert_s']:.2f} | "
-                         f"{m['peak_rss_gib']:.2f} GiB |")
-    return "\n".join(lines)
+        runs = r["all_runs"]
+        for label, key, cp_key in (("hf-to-mcore", "hf_to_mcore", "cp_hf_s"),
+                                   ("mcore-to-hf", "mcore_to_hf", "cp_mcore_s")):
+            conv = runs[key]
+            walls = sorted(x["wall_s"] for x in conv)
+            only = sorted(x["convert_s"] for x in conv)
+            cps = sorted(runs[cp_key])
+            mid = len(cps) // 2
+            pw, po = _pair_ratios(runs[cp_key], conv, "wall_s"), _pair_ratios(runs[cp_key], conv, "convert_s")
+            rss = max(x["peak_rss_gib"] for x in conv)
+            lines.append(f"| {r['layers']} | {size} | {label} | {cps[mid]:.2f} s | {walls[mid]:.2f} s | "
+                         f"{pw[mid]:.2f} ({pw[0]:.2f}-{pw[-1]:.2f}) | {only[mid]:.2f} s | "
+                         f"{po[mid]:.2f} ({po[0]:.2f}-{po[-1]:.2f}) | {rss:.2f} GiB |")
+        m = r["hf_to_mcore_fsync"]
+        lines.append(f"| {r['layers']} | {size} | hf-to-mcore with fsync (once) | - | {m['wall_s']:.2f} s | - | "
+                     f"{m['convert_s']:.2f} s | - | {m['peak_rss_gib']:.2f} GiB |")
+    return "\n".join(lines) + ("\n\nratio = cp seconds / conversion seconds of the same "
+                                "repetition (run back to back); median (min-max) over repetitions.")
 
 
 def main() -> None:
@@ -204,8 +219,8 @@ def main() -> None:
     parser.add_argument("--layers", default="3,6",
                         help="comma-separated layer counts, one synthetic model each (default 3,6)")
     parser.add_argument("--workdir", default="/tmp/bench_convert", type=Path)
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="timed runs of each step per size; the median is reported (default 3)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed runs of each step per size; medians are reported (default 5)")
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -83,10 +83,33 @@ def _sharded_state(model_chunks: list, optimizer, *, is_loading: bool) -> dict:
     return state
 
 
+_writer_manager = None
+
+
+def _writer_results_queue_dies_with_us() -> None:
+    """Megatron's checkpoint writer keeps a multiprocessing Manager (``filesystem_async.
+    _get_write_results_queue``) alive for the life of the process. A rank killed with SIGKILL would
+    leave it running; we create that queue ourselves, from a Manager that dies with this process."""
+    global _writer_manager
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from pipeline.lifetime import die_with_parent
+
+    if filesystem_async._results_queue is None:
+        _writer_manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        _writer_manager.start(initializer=die_with_parent)
+        filesystem_async._results_queue = _writer_manager.Queue()
+
+
 def save_checkpoint(run_dir: str | Path, step: int, model_chunks: list, optimizer,
                     run_state: dict[str, Any]) -> Path:
     """Collective: every rank calls it. Returns the checkpoint directory."""
     from megatron.core import dist_checkpointing
+
+    _writer_results_queue_dies_with_us()
 
     root = checkpoint_root(run_dir)
     name = f"step_{step:06d}"

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from pipeline.lifetime import die_with_parent
 from pipeline.rollout import RolloutError, http_json, router_workers, wait_healthy
 
 ROUTER_DEFAULT_ARGS = (
@@ -138,8 +139,10 @@ class LocalRolloutCluster:
         with open(log_path, "ab") as log:
             log.write(f"$ {' '.join(cmd)}\n".encode())
             log.flush()
+            # die_with_parent: a SIGKILLed owner (e.g. a training rank) leaves no server behind
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+                                    stdin=subprocess.DEVNULL, start_new_session=True, env=env,
+                                    preexec_fn=die_with_parent)
         self._procs[name] = proc
         self._logs[name] = log_path
         return proc

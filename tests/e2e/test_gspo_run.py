@@ -66,19 +66,22 @@ def test_kill9_of_a_training_rank_then_resume_is_exact(sft_policy, tmp_path):
     megatron_gspo(*_args(reference, sft_policy, *settings), timeout=900)
 
     run_dir = tmp_path / "killed"
+    log_path = tmp_path / "killed.log"
+    log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "launch.cli", *_args(run_dir, sft_policy,
                                                                         *settings)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
     latest = run_dir / "checkpoints" / "latest"
     deadline = time.monotonic() + 600
     while not (latest.is_file() and latest.read_text().strip() == "step_000002"):
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert proc.poll() is None, log_path.read_text()[-3000:]
         assert time.monotonic() < deadline, "no checkpoint at step 2"
         time.sleep(0.2)
     victim = int((run_dir / "pids" / "rank1.pid").read_text())
     os.kill(victim, signal.SIGKILL)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode != 0, out[-2000:]
+    proc.wait(timeout=300)
+    log.close()
+    assert proc.returncode != 0, log_path.read_text()[-2000:]
     steps_before = [r["step"] for r in read_metrics(run_dir)]
     assert not (run_dir / "hf").exists()
 

@@ -29,7 +29,7 @@ import pytest
 from tests.slurm.local_slurm import LocalSlurm, launch, raw_steps
 
 pytestmark = pytest.mark.slow
-COMPLETE_STEPS = 10       # the uninterrupted run
+COMPLETE_STEPS = 24       # the uninterrupted run (~1.5 s per step)
 REQUEUE_STEPS = 9         # the requeued run: SIGTERM after step >= 2, SIGUSR1 >= 2 steps later
 JOB_TIMEOUT_S = 300
 
@@ -134,7 +134,7 @@ def test_gspo_job_completes_with_rising_reward(local_slurm, jobs):
     assert raw_steps(job.run_dir) == list(range(1, COMPLETE_STEPS + 1))
     rewards = [json.loads(line)["train/reward_mean"]
                for line in (job.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3, rewards
+    assert sum(rewards[-6:]) / 6 > sum(rewards[:6]) / 6 + 0.05, rewards
     # the job's config is the one file with hyperparameters; its run dir is absolute
     assert f"output_dir: {job.run_dir}" in (job.run_dir / "slurm" / "config.yaml").read_text()
 
