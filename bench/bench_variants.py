@@ -4,7 +4,7 @@ Same task (2-digit addition), same SFT start, same budget (steps, batch, group s
 variant; 3 seeds each; k = 1 and k = 4 mini-batch updates per rollout. Reports the final held-out
 reward, the largest drop of the training reward (a collapse measure), and the clip fractions.
 
-    python bench/bench_variants.py --out runs/bench_variants [--steps 30] [--seeds 3]
+    python bench/bench_variants.py --out runs/bench_variants [--steps 25] [--seeds 3] [--batch 128]
 
 Writes ``<out>/results.json``, ``<out>/variants.png`` and prints a markdown table (copied into
 docs/performance.md). Sequence-clip variants use the paper's range (3e-4 / 4e-4), token-clip
@@ -52,10 +52,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/bench_variants")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--ks", default="1,4")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--batch", type=int, default=128, help="sequences per rollout step")
     args = parser.parse_args()
     out = Path(args.out)
     sft = out / "sft"
@@ -76,6 +77,7 @@ def main() -> int:
                      "--set", f"run.seed={1000 + seed}", "--set", f"gspo.variant={variant}",
                      "--set", f"gspo.updates_per_rollout={k}", "--set", f"run.num_steps={args.steps}",
                      "--set", f"run.eval_interval={args.steps}", "--set", "run.save_interval=0",
+                     "--set", f"run.global_batch_size={args.batch}",
                      "--set", "run.log_interval=1000"])
                 results[key] = {**summarize(run_dir), "seconds": time.monotonic() - start}
                 results_path.write_text(json.dumps(results, indent=1))

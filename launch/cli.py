@@ -26,6 +26,10 @@ COMMANDS = ["launch.demo", "launch.train", "launch.sft", "launch.show_config", "
 OPTIONAL_COMMANDS = ["launch.convert"]
 
 
+# Errors about the user's input (files, rows, rewards, checkpoints): reported in one line.
+_INPUT_ERRORS = {"DataError", "RewardError", "CheckpointError", "HFConfigError", "WeightSyncError"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     import importlib
 
@@ -54,6 +58,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as err:
         print(f"megatron-gspo {args.command}: configuration error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:
+        if type(err).__name__ in _INPUT_ERRORS:  # bad input: the message names the file / field
+            print(f"megatron-gspo {args.command}: {type(err).__name__}: {err}", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":

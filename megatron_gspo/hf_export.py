@@ -86,7 +86,7 @@ def export_hf_dir(gpt, model: ModelConfig, pg_collection, out_dir: str | Path, *
 
             for f in Path(tokenizer_dir).iterdir():
                 if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")) or \
-                        f.name == "generation_config.json":
+                        f.name in ("generation_config.json", "chat_template.jinja"):
                     shutil.copy2(f, out_dir / f.name)
     dist.barrier()
     return out_dir if rank == 0 else None

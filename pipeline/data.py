@@ -74,6 +74,10 @@ class PromptEncoder(Protocol):
 
     def encode(self, prompt: str | Messages) -> list[int]: ...
 
+    def encode_text(self, text: str) -> list[int]:
+        """Plain text (a response), no template and no special tokens."""
+        ...
+
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
@@ -86,6 +90,9 @@ class ByteEncoder:
         if not isinstance(prompt, str):
             raise DataError("chat messages need a chat template: set data.tokenizer_dir")
         return byte_encode(prompt)
+
+    def encode_text(self, text: str) -> list[int]:
+        return byte_encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
         return byte_decode(list(ids))
@@ -123,6 +130,9 @@ class HFEncoder:
         # transformers 5 returns a BatchEncoding (return_dict defaults to True), 4.x a list.
         ids = out["input_ids"] if hasattr(out, "keys") else out
         return [int(i) for i in ids]
+
+    def encode_text(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)

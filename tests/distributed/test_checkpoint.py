@@ -23,7 +23,7 @@ from tests.distributed.spawn import run_on_ranks
 
 def _step(state, cfg, pg, step):
     task = AdditionTask(digits=2, seed=0)
-    batch = sft_batch(task.problems(step * 8, 8), 16)
+    batch = sft_batch([(p.prompt_ids, p.answer_ids) for p in task.problems(step * 8, 8)], 16)
     mbs = split_for_rank(batch, pg.dp.rank(), pg.dp.size(), 2)
     units = global_unit_count(sum(float(mb["loss_mask"].sum()) for mb in mbs), pg)
     train_step(state, mbs, nll_loss_fn(cfg.model, pg), num_units_global=units)

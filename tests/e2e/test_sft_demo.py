@@ -30,3 +30,38 @@ def test_sft_demo_two_ranks_loss_falls(tmp_path):
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("held-out loss: ")
     assert (run_dir / "hf" / "config.json").is_file() and (run_dir / "hf" / "tokenizer.json").is_file()
+
+
+def test_sft_from_a_jsonl_file_and_a_malformed_row(tmp_path):
+    import random
+
+    rng = random.Random(0)
+    rows = []
+    for _ in range(200):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        rows.append(json.dumps({"question": {"text": f"{a}*{b}="}, "response": str(a * b)}))
+    train = tmp_path / "train.jsonl"
+    train.write_text("\n".join(rows) + "\n")
+    common = ["--set", "data.task=null", "--set", f"data.train_path={train}",
+              "--set", "data.prompt_key=question.text", "--set", "data.label_key=response",
+              "--set", "parallel.expert=1", "--set", "run.num_steps=15", "--set", "run.eval_interval=0",
+              "--set", "run.log_interval=5", "--set", "reward.kind=exact_match", "--nproc", "1"]
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "launch.cli", "sft", "--config",
+                           "launch/configs/tiny_cpu_sft.yaml", "--set", f"run.output_dir={run_dir}",
+                           *common], cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    train_losses = [json.loads(line)["train/loss"] for line in
+                    (run_dir / "metrics.jsonl").read_text().splitlines()
+                    if "train/loss" in line]
+    assert len(train_losses) == 15 and train_losses[-1] < 0.7 * train_losses[0]
+    # a malformed row stops the run with its file and line
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(rows[:3] + ['{"question": {"text": "1*1="}}'] + rows[3:10]) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "launch.cli", "sft", "--config",
+                           "launch/configs/tiny_cpu_sft.yaml", "--set", f"run.output_dir={tmp_path / 'bad'}",
+                           *[c if c != f"data.train_path={train}" else f"data.train_path={bad}"
+                             for c in common]],
+                          cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode != 0
+    assert f"{bad}:4" in proc.stderr and "response" in proc.stderr

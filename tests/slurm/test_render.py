@@ -216,6 +216,22 @@ def test_gpu_script_runs_the_job_against_fake_slurm(capsys, tmp_path):
         ["router.log"] + [f"server-task{t}.log" for t in range(8)] + [f"train-rank{r}.log" for r in range(64)])
 
 
+def test_colocated_script_runs_the_job_against_fake_slurm(capsys, tmp_path):
+    script = dry_run(capsys, tmp_path / "run", "--nodes", "2", "--rollout-nodes", "0",
+                     "--gpus-per-node", "8", "--model-path", "/m", sets=["rollout.tp_size=2"])
+    proc, calls = _run_with_fakes(script, tmp_path, FAKE_NUM_SERVERS="8",
+                                  SLURM_JOB_NODELIST="gpu-[007-008]")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sruns = [c for c in calls if c["tool"] == "srun"]
+    (trainer,) = [s for s in sruns if "train" in s["command"]]
+    assert all("het-group" not in s["options"] and "overlap" in s["options"] for s in sruns)
+    port0 = 20000 + (4242 % 120) * 100
+    assert trainer["options"]["export"] == f"ALL,MASTER_ADDR=gpu-007,MASTER_PORT={port0 + 1}"
+    assert trainer["command"][-1] == f"rollout.router_url=http://gpu-007:{port0}"
+    registered = [json.loads(c["body"])["url"] for c in calls if c["tool"] == "curl"]
+    assert registered == [f"http://gpu-00{7 + i // 4}:{port0 + 10 + 2 * i}" for i in range(8)]
+
+
 def test_unhealthy_server_fails_the_job_naming_it(capsys, tmp_path):
     run_dir = tmp_path / "run"
     script = dry_run(capsys, run_dir, *GPU_OPTIONS, "--health-timeout-s", "3",
