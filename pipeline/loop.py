@@ -200,48 +200,112 @@ def _broadcast(obj):
     return box[0]
 
 
+def _on_main(ctx: LoopContext, fn, *args):
+    """Run ``fn`` on rank 0 and broadcast ("ok", result) or ("error", message) to every rank, so
+    that a failure there (a rollout server gone) reaches all ranks instead of hanging them."""
+    outcome = None
+    if dist.get_rank() == 0:
+        try:
+            outcome = ("ok", fn(*args))
+        except Exception as err:  # noqa: BLE001 - re-raised on every rank below (or preempted)
+            outcome = ("error", f"{type(err).__name__}: {err}")
+    return _broadcast(outcome)
+
+
+class Preempted(Exception):
+    """Stop requested (SIGTERM / SIGUSR1) and a consistent checkpoint was written."""
+
+
 def run(ctx: LoopContext, trainer: Trainer, *, start_step: int) -> dict:
-    """Run steps start_step+1 .. run.num_steps. Returns the last metrics (rank 0) and status."""
+    """Run steps start_step+1 .. run.num_steps; returns {"status", "history"}.
+
+    Preemption. Slurm's requeue and preemption send SIGTERM to every task at once, so the
+    rollout servers may already be gone when the trainer notices. The loop therefore saves the
+    last CONSISTENT state without needing the servers and returns status "preempted":
+    * a signal (or a failed rollout while signalled) before step k's optimizer update: the
+      checkpoint of step k-1, with the data position from before step k drew its prompts;
+    * a failed weight sync or evaluation after step k's update while signalled: step k is logged
+      and checkpointed without the sync (a resumed run syncs the servers first anyway).
+    A failure without a signal is an error on every rank.
+    """
     cfg = ctx.cfg
     is_main = dist.get_rank() == 0
     history: dict[str, list] = {"eval/reward_mean": []}
-    trainer.sync_weights(version=str(start_step))  # the servers serve exactly this policy
-    if cfg.run.eval_interval and start_step == 0:
-        ev = evaluate(ctx, 0) if is_main else None
-        if is_main:
-            history["eval/reward_mean"].append((0, ev["eval/reward_mean"]))
-            ctx.logger.log(0, ev, progress=f"step 0/{cfg.run.num_steps}  held-out reward "
-                                           f"{ev['eval/reward_mean']:.3f}  pass@1 "
-                                           f"{ev['eval/pass_at_1']:.3f}")
-    status = "finished"
-    for step in range(start_step + 1, cfg.run.num_steps + 1):
-        t0 = time.monotonic()
-        batch, rollout_metrics = rollout_phase(ctx, step) if is_main else (None, None)
-        batch, rollout_metrics = _broadcast((batch, rollout_metrics))
-        train_metrics = trainer.train_rollout(batch, step)
-        sync = trainer.sync_weights(version=str(step))
-        metrics = {f"train/{k}": v for k, v in {**rollout_metrics, **train_metrics}.items()}
-        metrics.update({f"sync/{k}": v for k, v in (sync or {}).items()})
-        metrics["train/step_s"] = time.monotonic() - t0
-        progress = (f"step {step}/{cfg.run.num_steps}  reward {rollout_metrics['reward_mean']:.3f}"
-                    f"  clip {train_metrics.get('clip_frac', 0.0):.3f}"
-                    f"  len {rollout_metrics['response_length_mean']:.1f}"
-                    f"  {metrics['train/step_s']:.1f}s/step")
-        if cfg.run.eval_interval and (step % cfg.run.eval_interval == 0 or step == cfg.run.num_steps):
-            ev = evaluate(ctx, step) if is_main else None
+    sampler_state = lambda: ctx.sampler.state_dict() if is_main else None  # noqa: E731
+
+    def checkpoint(step: int, sampler: Optional[dict]) -> None:
+        trainer.save(ctx.run_dir, step, _broadcast({"sampler": sampler} if is_main else None))
+
+    def checked(outcome, step_done: int, sampler: Optional[dict]):
+        if outcome[0] == "ok":
+            return outcome[1]
+        if ctx.stop.any_rank():
+            checkpoint(step_done, sampler)
+            raise Preempted(outcome[1])
+        raise RuntimeError(f"step {step_done + 1}: {outcome[1]}")
+
+    try:
+        try:
+            trainer.sync_weights(version=str(start_step))  # the servers serve exactly this policy
+        except Exception:  # noqa: BLE001 - raised on every rank
+            if ctx.stop.any_rank():
+                raise Preempted("signal before the first step") from None
+            raise
+        if cfg.run.eval_interval and start_step == 0:
+            ev = checked(_on_main(ctx, evaluate, ctx, 0), start_step, sampler_state())
             if is_main:
-                metrics.update(ev)
-                history["eval/reward_mean"].append((step, ev["eval/reward_mean"]))
-                progress += f"  held-out reward {ev['eval/reward_mean']:.3f}"
+                history["eval/reward_mean"].append((0, ev["eval/reward_mean"]))
+                ctx.logger.log(0, ev, progress=f"step 0/{cfg.run.num_steps}  held-out reward "
+                                               f"{ev['eval/reward_mean']:.3f}  pass@1 "
+                                               f"{ev['eval/pass_at_1']:.3f}")
+        for step in range(start_step + 1, cfg.run.num_steps + 1):
+            t0 = time.monotonic()
+            before = sampler_state()  # the data position a checkpoint of step - 1 must hold
+            if ctx.stop.any_rank():
+                if step > start_step + 1:
+                    checkpoint(step - 1, before)
+                raise Preempted("signal between steps")
+            batch, rollout_metrics = checked(_on_main(ctx, rollout_phase, ctx, step), step - 1,
+                                             before)
+            train_metrics = trainer.train_rollout(batch, step)
+            metrics = {f"train/{k}": v for k, v in {**rollout_metrics, **train_metrics}.items()}
+            progress = (f"step {step}/{cfg.run.num_steps}  reward "
+                        f"{rollout_metrics['reward_mean']:.3f}"
+                        f"  clip {train_metrics.get('clip_frac', 0.0):.3f}"
+                        f"  len {rollout_metrics['response_length_mean']:.1f}")
+            interrupted = None
+            try:
+                sync = trainer.sync_weights(version=str(step))
+                metrics.update({f"sync/{k}": v for k, v in (sync or {}).items()})
+            except Exception as err:  # noqa: BLE001 - the sync raises the same error on all ranks
+                if not ctx.stop.any_rank():
+                    raise
+                interrupted = f"weight sync: {err}"
+            if interrupted is None and cfg.run.eval_interval and (
+                    step % cfg.run.eval_interval == 0 or step == cfg.run.num_steps):
+                outcome = _on_main(ctx, evaluate, ctx, step)
+                if outcome[0] == "ok":
+                    if is_main:
+                        metrics.update(outcome[1])
+                        history["eval/reward_mean"].append((step, outcome[1]["eval/reward_mean"]))
+                        progress += f"  held-out reward {outcome[1]['eval/reward_mean']:.3f}"
+                elif ctx.stop.any_rank():
+                    interrupted = f"evaluation: {outcome[1]}"
+                else:
+                    raise RuntimeError(f"step {step}: evaluation: {outcome[1]}")
+            metrics["train/step_s"] = time.monotonic() - t0
+            progress += f"  {metrics['train/step_s']:.1f}s/step"
+            if is_main:
+                ctx.logger.log(step, metrics, progress=progress if step % cfg.run.log_interval == 0
+                               or step == cfg.run.num_steps else None)
+            stop_now = interrupted is not None or ctx.stop.any_rank()
+            due = cfg.run.save_interval and step % cfg.run.save_interval == 0
+            if due or stop_now or step == cfg.run.num_steps:
+                checkpoint(step, sampler_state())
+            if stop_now and step < cfg.run.num_steps:
+                raise Preempted(interrupted or "signal")
+    except Preempted as why:
         if is_main:
-            ctx.logger.log(step, metrics, progress=progress if step % cfg.run.log_interval == 0
-                           or step == cfg.run.num_steps else None)
-        stop_now = ctx.stop.any_rank()
-        due = cfg.run.save_interval and step % cfg.run.save_interval == 0
-        if due or stop_now or step == cfg.run.num_steps:
-            run_state = _broadcast({"sampler": ctx.sampler.state_dict()} if is_main else None)
-            trainer.save(ctx.run_dir, step, run_state)
-        if stop_now and step < cfg.run.num_steps:
-            status = "preempted"
-            break
-    return {"status": status, "history": history}
+            print(f"stopping on signal ({why}); checkpoint saved", flush=True)
+        return {"status": "preempted", "history": history}
+    return {"status": "finished", "history": history}

@@ -13,15 +13,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SFT_STEPS = 400
 
 
 @pytest.fixture(scope="session")
 def sft_policy(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("sft")
+    # the config's own number of steps (the demo's SFT policy)
     args = ["sft", "--config", "launch/configs/tiny_cpu_sft.yaml", "--set", f"run.output_dir={out}",
-            "--set", f"run.num_steps={SFT_STEPS}", "--set", "run.eval_interval=0",
-            "--set", "run.log_interval=100"]
+            "--set", "run.eval_interval=0", "--set", "run.log_interval=100"]
     proc = subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (f"megatron-gspo {' '.join(args)} exited {proc.returncode}\n"

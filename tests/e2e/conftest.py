@@ -1,4 +1,4 @@
-"""Shared e2e fixture: one cold-start SFT policy (Hugging Face directory) for the GSPO tests."""
+"""Helpers of the e2e tests (the shared ``sft_policy`` fixture is in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
-SFT_STEPS = 450  # as launch/configs/tiny_cpu_sft.yaml: about 18% held-out exact match
 
 
 def megatron_gspo(*args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
@@ -19,13 +16,3 @@ def megatron_gspo(*args: str, timeout: float = 600, check: bool = True) -> subpr
         raise AssertionError(f"megatron-gspo {' '.join(args)} exited {proc.returncode}\n"
                              f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
-
-
-@pytest.fixture(scope="session")
-def sft_policy(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("sft")
-    megatron_gspo("sft", "--config", "launch/configs/tiny_cpu_sft.yaml",
-                  "--set", f"run.output_dir={out}", "--set", f"run.num_steps={SFT_STEPS}",
-                  "--set", "run.eval_interval=0", "--set", "run.log_interval=100")
-    assert (out / "hf" / "config.json").is_file() and (out / "hf" / "tokenizer.json").is_file()
-    return out / "hf"

@@ -20,8 +20,46 @@ def run_py(code: str) -> str:
     return proc.stdout
 
 
-def test_cuda_device_arguments_go_to_the_cpu():
-    out = run_py("""
+# Snippets that need the accommodations applied share ONE fresh interpreter (importing Megatron
+# costs seconds); each runs in its own namespace and its stdout is returned by name.
+_RUNNER = """
+import contextlib, io, json, sys, textwrap, traceback
+snippets = json.loads(sys.stdin.read())
+out = {}
+for name, code in snippets.items():
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            exec(compile(textwrap.dedent(code), name, "exec"), {"__name__": name})
+        out[name] = {"ok": True, "stdout": buf.getvalue()}
+    except BaseException:
+        out[name] = {"ok": False, "stdout": buf.getvalue(), "error": traceback.format_exc()}
+print("@@RESULTS@@" + json.dumps(out))
+"""
+_APPLIED: dict[str, str] = {}
+_results: dict = {}
+
+
+def applied(name: str, _unused: str = "") -> str:
+    """stdout of ``code`` run with the accommodations applied (all snippets in one process)."""
+    if not _results:
+        import json
+
+        proc = subprocess.run([sys.executable, "-c", _RUNNER], input=json.dumps(_APPLIED),
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        _results.update(json.loads(proc.stdout.split("@@RESULTS@@", 1)[1]))
+    result = _results[name]
+    assert result["ok"], result.get("error")
+    return result["stdout"]
+
+
+def register(name: str, code: str) -> str:
+    _APPLIED[name] = code
+    return name
+
+
+_CUDA_DEVICE = register("cuda_device", """
         import torch
         from megatron_gspo import cpu_compat
         assert cpu_compat.apply()
@@ -33,11 +71,14 @@ def test_cuda_device_arguments_go_to_the_cpu():
         f = torch.empty(2, device=0)
         print([t.device.type for t in (a, b, c, d, e, f)])
     """)
+
+
+def test_cuda_device_arguments_go_to_the_cpu():
+    out = applied(_CUDA_DEVICE, "")
     assert out.strip() == str(["cpu"] * 6)
 
 
-def test_cuda_streams_events_and_synchronize_are_noops():
-    out = run_py("""
+_STREAMS = register("streams", """
         import torch
         from megatron_gspo import cpu_compat
         cpu_compat.apply()
@@ -49,15 +90,16 @@ def test_cuda_streams_events_and_synchronize_are_noops():
         torch.cuda.synchronize()
         print(float(x.sum()))
     """)
+
+
+def test_cuda_streams_events_and_synchronize_are_noops():
+    out = applied(_STREAMS, "")
     assert out.strip() == "4.0"
 
 
-def test_router_runs_without_transformer_engine():
-    # megatron-core 0.16.1 leaves moe_utils.te_general_gemm undefined without TE (NameError).
-    out = run_py("""
+_ROUTER = register("router", """
         import torch
         from megatron.core.transformer.moe import moe_utils
-        print(hasattr(moe_utils, "te_general_gemm"))
         from megatron_gspo import cpu_compat
         cpu_compat.apply()
         x = torch.randn(5, 8, requires_grad=True); w = torch.randn(4, 8, requires_grad=True)
@@ -65,11 +107,15 @@ def test_router_runs_without_transformer_engine():
         out.sum().backward()
         print(torch.allclose(out, x @ w.t()), x.grad is not None)
     """)
-    assert out.split() == ["False", "True", "True"]
 
 
-def test_alltoall_split_sizes_become_host_lists():
-    out = run_py("""
+def test_router_runs_without_transformer_engine():
+    # megatron-core 0.16.1 leaves moe_utils.te_general_gemm undefined without TE (NameError).
+    out = applied(_ROUTER, "")
+    assert out.split() == ["True", "True"]
+
+
+_ALLTOALL = register("alltoall", """
         import torch
         from megatron_gspo import cpu_compat
         cpu_compat.apply()
@@ -77,11 +123,14 @@ def test_alltoall_split_sizes_become_host_lists():
         r = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1]), as_numpy=True)
         print(type(r).__name__, r.tolist())
     """)
+
+
+def test_alltoall_split_sizes_become_host_lists():
+    out = applied(_ALLTOALL, "")
     assert out.strip() == "ndarray [3, 1]"
 
 
-def test_gradient_clipping_without_cuda_tensor_types():
-    out = run_py("""
+_CLIPPING = register("clipping", """
         import torch
         from megatron_gspo import cpu_compat
         cpu_compat.apply()
@@ -94,11 +143,14 @@ def test_gradient_clipping_without_cuda_tensor_types():
         optimizer.clip_grad_by_total_norm_fp32(p[:1], max_norm=1.0, total_norm=0.3)  # no clip
         print(round(float(p[0].grad[0]), 5))
     """)
+
+
+def test_gradient_clipping_without_cuda_tensor_types():
+    out = applied(_CLIPPING, "")
     assert out.split() == ["0.6", "0.8", "0.3"]
 
 
-def test_rng_tracker_fork_without_cuda():
-    out = run_py("""
+_RNG = register("rng", """
         import torch
         from megatron_gspo import cpu_compat
         cpu_compat.apply()
@@ -108,6 +160,10 @@ def test_rng_tracker_fork_without_cuda():
             x = torch.randn(2)
         print(x.shape[0])
     """)
+
+
+def test_rng_tracker_fork_without_cuda():
+    out = applied(_RNG, "")
     assert out.strip() == "2"
 
 
@@ -122,7 +178,7 @@ def test_nothing_is_applied_when_cuda_is_available():
     assert out.split() == ["False", "False", "True"]
 
 
-@pytest.mark.parametrize("accommodation", ["current_device", "maybe_move"])
+@pytest.mark.parametrize("accommodation", ["current_device", "maybe_move", "te_general_gemm"])
 def test_each_accommodation_is_still_needed(accommodation):
     """Without the accommodation, the Megatron behaviour it meets still fails on this machine.
 
@@ -136,6 +192,10 @@ def test_each_accommodation_is_still_needed(accommodation):
                 print("works")
             except (RuntimeError, AssertionError, AttributeError) as err:
                 print("fails")
+        """,
+        "te_general_gemm": """
+            from megatron.core.transformer.moe import moe_utils
+            print("works" if hasattr(moe_utils, "te_general_gemm") else "fails")
         """,
         "maybe_move": """
             import torch
