@@ -106,7 +106,7 @@ def run_training(cfg: Config, *, resume: bool) -> int:
             logger = MetricsLogger(run_dir, enabled=True)
             ctx_parts = dict(sampler=sampler, eval_prompts=eval_prompts if cfg.run.eval_interval
                              else [], client=client, decode=encoder.decode,
-                             stop_token_ids=[encoder.eos_id])
+                             stop_token_ids=[encoder.eos_id], server_urls=list(server_urls))
         elif _needs_export(cfg):
             _export_initial_weights(trainer, run_dir)  # collective
         box = [server_urls]

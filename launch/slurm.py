@@ -347,6 +347,10 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = load_from_args(args)
     layout = plan_layout(cfg, args)
     workdir = Path.cwd().resolve()
+    if layout.colocated and not cfg.rollout.colocated:
+        raise ConfigError("rollout.colocated: must be true with --rollout-nodes 0 (the servers "
+                          "share the training GPUs and must release their memory while the "
+                          "trainer runs): add --set rollout.colocated=true")
     run_dir = (workdir / cfg.run.output_dir).resolve()
     config_copy = run_dir / "slurm" / "config.yaml"
     script = build_script(cfg, args, layout, run_dir, config_copy, workdir)

@@ -208,6 +208,10 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     max_new_tokens: int = 32
+    colocated: bool = False
+    """The rollout servers share the training GPUs: their memory (weights, KV cache) is released
+    before each training phase and resumed after it (SGLang's release/resume_memory_occupation;
+    start SGLang with --enable-memory-saver). Required by `launch slurm --rollout-nodes 0`."""
     deterministic: bool = False
     """Batch-invariant rollouts: each local server decodes one request at a time, so a sample
     depends only on its prompt, seed and the weights (slower; what an exact resume comparison

@@ -19,9 +19,12 @@ expert) index as leading axes (:mod:`megatron_gspo.mcore_checkpoint`). So
 * tied embeddings have no ``output_layer.weight`` and no ``lm_head.weight``.
 
 Memory is bounded by one chunk, not by the model: hf-to-mcore builds each stored chunk (one
-layer of a dense tensor, one expert of one layer, a block of vocabulary rows) from positioned
-reads of just the safetensors bytes it needs, when DCP writes it; mcore-to-hf reads the same
-units and writes safetensors shards tensor by tensor (row block by row block for the vocabulary).
+layer of a dense tensor, one half of an expert's fc1, an expert's fc2, a block of vocabulary rows)
+from just the safetensors bytes it needs, when DCP writes it; mcore-to-hf reads the same units
+(a prefetch thread one or two units ahead) and writes safetensors shards tensor by tensor (row
+block by row block for the vocabulary). Chunks that are one contiguous byte range of the source
+are memory-mapped, not copied (see ``mcore_checkpoint``), so most bytes are copied once, by the
+write; peak RSS is about 0.4-0.7 GiB whatever the model size (``bench/bench_convert.py``).
 Before anything is written, config.json is checked against the weights (every mismatch listed in
 one error) and the parallel sizes against the model.
 """
@@ -48,7 +51,7 @@ from megatron_gspo.hf_config import (HFConfigError, load_hf_config, model_config
 from megatron_gspo.hf_mapping import Piece, RankLayout, hf_param_names, hf_param_shapes, pieces_for
 from megatron_gspo.mcore_checkpoint import (HF_CONFIG_DIR, HF_SIDE_FILES, Chunk, Entry,
                                             McoreCheckpoint, TensorWrite, checkpoint_entries,
-                                            copy_hf_files, extra_state_keys, iter_chunks,
+                                            copy_hf_files, extra_state_keys, iter_chunks, layer_chunks,
                                             none_object_bytes, write_checkpoint)
 from megatron_gspo.safetensors_io import (INDEX_FILE, CheckpointError, HFCheckpoint, ShardWriter,
                                           parse_size, plan_shards, shard_file_names, write_index)
@@ -138,6 +141,14 @@ def _produce_chunk(chunk: Chunk, pieces: list[Piece], dtype: torch.dtype, hf: HF
     shape = chunk.local_shape
     covered = sum(math.prod(_span(s, n)[1] - _span(s, n)[0] for s, n in zip(p.local_index, shape))
                   * math.prod(shape[len(p.local_index):]) for p in pieces)
+    if len(pieces) == 1 and covered == math.prod(shape):
+        piece, info = pieces[0], hf.info(pieces[0].hf_name)
+        if info.dtype == dtype and info.shape and _is_rows_only(piece.hf_index, info.shape):
+            # The chunk is one contiguous byte range of the HF file (an expert's gate, up or down,
+            # a norm, the router, ...): hand DCP a read-only mapping of it, so the only copy is
+            # the write itself, as in cp.
+            return hf.map_rows(piece.hf_name, slice(*_span(piece.hf_index[0], info.shape[0]))
+                               ).view(chunk.sizes)
     out = pool.get(tuple(chunk.sizes), dtype).view(shape)
     if covered != math.prod(shape):
         out.zero_()
@@ -312,9 +323,10 @@ def _units(model: ModelConfig, entries: list[Entry], block_rows: dict[str, int])
     dense = [e for e in entries if e.per_layer and not e.per_expert]
     experts = [e for e in entries if e.per_expert]
     for layer in range(model.num_layers):
-        units.append([Chunk(e, layer=layer) for e in dense])
-        units += [[Chunk(e, layer=layer, expert=x) for e in experts] for x in range(model.num_experts)]
-    units.append([Chunk(by_key["decoder.final_layernorm.weight"])])
+        units.append([c for e in dense for c in layer_chunks(e, layer)])
+        units += [[c for e in experts for c in layer_chunks(e, layer, x)]
+                  for x in range(model.num_experts)]
+    units.append(layer_chunks(by_key["decoder.final_layernorm.weight"]))
     if "output_layer.weight" in by_key:
         head = by_key["output_layer.weight"]
         units += [[c] for c in iter_chunks(head, model, vocab_block_rows=block_rows[head.key],

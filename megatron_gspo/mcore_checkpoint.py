@@ -34,21 +34,30 @@ that the trainer saved with one spec loads with the other. The linears' ``_extra
 (FP8 metadata under TE, ``None`` in the local spec) are written as ``None`` for the local spec's
 keys; :func:`load_model` leaves out any ``_extra_state`` the checkpoint does not have.
 
-Memory: :func:`write_checkpoint` hands DCP one chunk at a time (a layer of a dense tensor, one
-expert of one layer, a block of vocabulary rows) through a planner whose ``resolve_data`` builds
-the chunk on demand; :class:`McoreCheckpoint` reads any region (one layer, one expert, a block of
-rows) and only the stored chunks that overlap it.
+Memory: :func:`write_checkpoint` hands DCP one chunk at a time (a layer of a dense tensor, the
+gate or up half of one expert's fc1, one expert's fc2, a block of vocabulary rows) through a
+planner whose ``resolve_data`` builds the chunk on demand; :class:`McoreCheckpoint` reads any
+region (one layer, one expert, a block of rows) and only the stored chunks that overlap it. Where
+a chunk is one contiguous byte range of its source (most bytes: the experts), it is passed on as
+a read-only memory map of that range rather than copied, so each byte is copied once, by the
+write, as ``cp`` does.
 """
 
 from __future__ import annotations
 
+import collections
 import io
 import json
+import math
+import mmap
 import os
+import pickle
 import shutil
+import struct
 import threading
 import warnings
-from dataclasses import dataclass, field
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -86,6 +95,9 @@ class Entry:
     per_expert: bool = False
     is_vocab: bool = False
     aliases: tuple[str, ...] = ()
+    row_splits: int = 1
+    """Store each layer / expert as this many equal row blocks (expert fc1: 2, gate and up, as
+    Megatron's own save stores it; each block is one contiguous range of the HF file)."""
 
     def global_shape(self, model: ModelConfig) -> tuple[int, ...]:
         return ((model.num_layers,) if self.per_layer else ()) + (
@@ -118,7 +130,8 @@ def checkpoint_entries(model: ModelConfig, padded_vocab: int) -> list[Entry]:
               aliases=KEY_ALIASES["decoder.layers.mlp.linear_fc1.layer_norm_weight"]),
         layer("mlp.router.weight", "mlp.router.weight", (E, H)),
         layer("mlp.experts.experts.linear_fc1.weight",
-              "mlp.experts.local_experts.{expert}.linear_fc1.weight", (2 * I, H), per_expert=True),
+              "mlp.experts.local_experts.{expert}.linear_fc1.weight", (2 * I, H), per_expert=True,
+              row_splits=2),
         layer("mlp.experts.experts.linear_fc2.weight",
               "mlp.experts.local_experts.{expert}.linear_fc2.weight", (H, I), per_expert=True),
         Entry("decoder.final_layernorm.weight", "decoder.final_layernorm.weight", (H,)),
@@ -181,6 +194,16 @@ class Chunk:
         return (1,) * self.entry.num_lead + self.local_shape
 
 
+def layer_chunks(entry: Entry, layer: Optional[int] = None, expert: Optional[int] = None
+                 ) -> list[Chunk]:
+    """The chunks of one layer (and expert) of a non-vocabulary entry: ``row_splits`` row blocks."""
+    if entry.row_splits == 1:
+        return [Chunk(entry, layer=layer, expert=expert)]
+    block = entry.shape[0] // entry.row_splits
+    return [Chunk(entry, layer=layer, expert=expert, rows=(start, start + block))
+            for start in range(0, entry.shape[0], block)]
+
+
 def iter_chunks(entry: Entry, model: ModelConfig, *, vocab_block_rows: int,
                 rows_limit: Optional[int] = None) -> Iterable[Chunk]:
     """The chunks of ``entry``: per layer, per (layer, expert), or vocabulary row blocks up to
@@ -192,12 +215,12 @@ def iter_chunks(entry: Entry, model: ModelConfig, *, vocab_block_rows: int,
     elif entry.per_expert:
         for layer in range(model.num_layers):
             for expert in range(model.num_experts):
-                yield Chunk(entry, layer=layer, expert=expert)
+                yield from layer_chunks(entry, layer, expert)
     elif entry.per_layer:
         for layer in range(model.num_layers):
-            yield Chunk(entry, layer=layer)
+            yield from layer_chunks(entry, layer)
     else:
-        yield Chunk(entry)
+        yield from layer_chunks(entry)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -288,8 +311,6 @@ class _StreamingSavePlanner(SavePlanner):
 
 def _check_tiling(metadata) -> None:
     """Every tensor's chunks lie inside it, do not repeat, and their volumes add up to it."""
-    import math
-
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     for key, md in metadata.state_dict_metadata.items():
@@ -493,11 +514,16 @@ class McoreCheckpoint:
                     fd = self._fds[relative_path] = os.open(self.directory / relative_path, os.O_RDONLY)
         return fd
 
-    def _load_stored(self, index) -> torch.Tensor:
-        """One stored chunk (a torch.save'd tensor inside a data file), read with positioned reads."""
+    def _load_stored(self, index, sizes: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """One stored chunk (a torch.save'd tensor inside a data file): mapped in place when it is
+        a plain contiguous tensor of the expected shape and dtype, else read with torch.load."""
         info = self.metadata.storage_data[index]
-        return torch.load(_FileSlice(self._handle(info.relative_path), info.offset, info.length),
-                          map_location="cpu", weights_only=True)
+        fd = self._handle(info.relative_path)
+        mapped = _map_saved_tensor(fd, info.offset, info.length, tuple(sizes), dtype)
+        if mapped is not None:
+            return mapped
+        return torch.load(_FileSlice(fd, info.offset, info.length), map_location="cpu",
+                          weights_only=True)
 
     def read(self, requests: Sequence[tuple[str, tuple, tuple]]) -> list[torch.Tensor]:
         """Read regions ``(key, offsets, shape)`` of stored global tensors into new tensors.
@@ -525,13 +551,14 @@ class McoreCheckpoint:
                 outs.append(self._read_with_dcp(key, offsets, shape))
                 continue
             if len(items) == 1 and tuple(md.chunks[items[0].storage_index.index].sizes) == tuple(shape):
-                stored = self._load_stored(items[0].storage_index)
+                stored = self._load_stored(items[0].storage_index, shape, self.dtype(key))
                 if stored.shape == shape and stored.dtype == self.dtype(key):
                     outs.append(stored)
                     continue
             out = torch.empty(shape, dtype=self.dtype(key))
             for item in items:
-                stored = self._load_stored(item.storage_index)
+                sizes = md.chunks[item.storage_index.index].sizes
+                stored = self._load_stored(item.storage_index, sizes, self.dtype(key))
                 narrow_tensor_by_index(out, item.dest_offsets, item.lengths).copy_(
                     narrow_tensor_by_index(stored, item.storage_offsets, item.lengths))
             outs.append(out)
@@ -557,6 +584,75 @@ class McoreCheckpoint:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_STORAGE_DTYPES = {"BFloat16Storage": torch.bfloat16, "FloatStorage": torch.float32,
+                   "HalfStorage": torch.float16, "DoubleStorage": torch.float64}
+
+
+class _TensorRecordUnpickler(pickle.Unpickler):
+    """Reads a torch.save'd tensor's ``data.pkl`` without touching its data: returns
+    ``(persistent storage id, storage_offset, size, stride)``; anything else is refused."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda storage, offset, size, stride, *_: (storage, offset, tuple(size), tuple(stride))
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid):
+        return pid  # ("storage", dtype, key, location, numel)
+
+
+def _map_saved_tensor(fd: int, offset: int, length: int, sizes: tuple, dtype: torch.dtype
+                      ) -> Optional[torch.Tensor]:
+    """A read-only memory map of the data of a torch.save'd tensor stored at [offset, offset +
+    length) of ``fd``, when it is a plain contiguous tensor of ``sizes`` and ``dtype`` (else None).
+
+    torch.save writes a zip archive whose data record is stored uncompressed; DCP data files are
+    such archives back to back. Mapping the record (instead of torch.load into a new tensor) leaves
+    the export one copy per byte, the write, as cp. Any surprise in the archive returns None, and
+    the caller falls back to torch.load.
+    """
+    def record_start(record: zipfile.ZipInfo) -> int:
+        # the record's bytes follow its local header (30 bytes, then name and extra field);
+        # read directly, since torch.save may leave the CRC-32 fields zero (see write_checkpoint)
+        header = os.pread(fd, 30, offset + record.header_offset)
+        if header[:4] != b"PK\x03\x04" or record.compress_type != zipfile.ZIP_STORED:
+            raise ValueError("not a stored zip record")
+        name_length, extra_length = struct.unpack("<HH", header[26:30])
+        return offset + record.header_offset + 30 + name_length + extra_length
+
+    try:
+        with zipfile.ZipFile(_FileSlice(fd, offset, length)) as archive:
+            pickled = archive.getinfo(next(n for n in archive.namelist() if n.endswith("/data.pkl")))
+            meta = os.pread(fd, pickled.file_size, record_start(pickled))
+            storage, storage_offset, size, stride = _TensorRecordUnpickler(io.BytesIO(meta)).load()
+            _, storage_dtype, key, _, numel = storage
+            record = archive.getinfo(f"{pickled.filename[:-len('data.pkl')]}data/{key}")
+        contiguous = tuple(math.prod(size[i + 1:]) for i in range(len(size)))
+        if (storage_dtype != dtype or size != tuple(sizes) or stride != contiguous
+                or record.file_size != numel * dtype.itemsize
+                or storage_offset + math.prod(size) > numel):
+            return None
+        start = record_start(record) + storage_offset * dtype.itemsize
+    except (zipfile.BadZipFile, pickle.UnpicklingError, StopIteration, KeyError, ValueError,
+            TypeError, struct.error, EOFError):
+        return None
+    nbytes = math.prod(size) * dtype.itemsize
+    if nbytes == 0:
+        return torch.empty(size, dtype=dtype)
+    aligned = start - start % mmap.ALLOCATIONGRANULARITY
+    mapping = mmap.mmap(fd, nbytes + start - aligned, flags=mmap.MAP_SHARED |
+                        getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ, offset=aligned)
+    with warnings.catch_warnings():  # "The given buffer is not writable": read-only by design
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(mapping, dtype=dtype, count=nbytes // dtype.itemsize,
+                                offset=start - aligned)
+    return flat.view(size)
 
 
 class _FileSlice(io.RawIOBase):

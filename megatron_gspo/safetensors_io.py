@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import re
 import struct
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
@@ -202,6 +204,27 @@ class HFCheckpoint:
     def read_into(self, name: str, out: torch.Tensor, rows: Optional[slice] = None) -> torch.Tensor:
         info = self.info(name)
         return read_into(info, out, rows, handle=self._handle(info.path))
+
+    def map_rows(self, name: str, rows: slice) -> torch.Tensor:
+        """Rows ``rows`` of a tensor as a read-only view of a memory map of just those bytes (no
+        copy). The mapping lives as long as the tensor; its pages are the page cache's, so keep
+        such tensors short-lived (they count in RSS while mapped). Do not write to it."""
+        info = self.info(name)
+        row_bytes = info.nbytes // max(1, info.shape[0])
+        start = info.offset + rows.start * row_bytes
+        length = (rows.stop - rows.start) * row_bytes
+        shape = (rows.stop - rows.start, *info.shape[1:])
+        if length == 0:
+            return torch.empty(shape, dtype=info.dtype)
+        aligned = start - start % mmap.ALLOCATIONGRANULARITY
+        mapping = mmap.mmap(self._handle(info.path).fileno(), length + start - aligned,
+                            flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                            prot=mmap.PROT_READ, offset=aligned)
+        with warnings.catch_warnings():  # "The given buffer is not writable": read-only by design
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(mapping, dtype=info.dtype, count=length // info.dtype.itemsize,
+                                    offset=start - aligned)
+        return flat.view(shape)
 
     def read(self, name: str, rows: Optional[slice] = None) -> torch.Tensor:
         info = self.info(name)

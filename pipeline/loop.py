@@ -81,6 +81,7 @@ class LoopContext:
     stop_token_ids: list[int]
     logger: MetricsLogger
     stop: StopFlag
+    server_urls: list = field(default_factory=list)  # rank 0: every rollout server (colocated)
 
 
 def _score(ctx: LoopContext, prompts: list, groups: list[list]) -> tuple[list[float], int]:
@@ -200,6 +201,20 @@ def _broadcast(obj):
     return box[0]
 
 
+def _release_servers(ctx: LoopContext) -> None:
+    from pipeline.rollout import control
+
+    for url in ctx.server_urls:
+        control(url, "/release_memory_occupation", {"tags": None}, timeout_s=120.0)
+
+
+def _resume_servers(ctx: LoopContext, tags: list[str]) -> None:
+    from pipeline.rollout import control
+
+    for url in ctx.server_urls:
+        control(url, "/resume_memory_occupation", {"tags": tags}, timeout_s=120.0)
+
+
 def _on_main(ctx: LoopContext, fn, *args):
     """Run ``fn`` on rank 0 and broadcast ("ok", result) or ("error", message) to every rank, so
     that a failure there (a rollout server gone) reaches all ranks instead of hanging them."""
@@ -267,7 +282,11 @@ def run(ctx: LoopContext, trainer: Trainer, *, start_step: int) -> dict:
                 raise Preempted("signal between steps")
             batch, rollout_metrics = checked(_on_main(ctx, rollout_phase, ctx, step), step - 1,
                                              before)
+            if cfg.rollout.colocated:  # the servers give the GPUs back to training
+                checked(_on_main(ctx, _release_servers, ctx), step - 1, before)
             train_metrics = trainer.train_rollout(batch, step)
+            if cfg.rollout.colocated:  # weights first, then the sync fills them, then the cache
+                checked(_on_main(ctx, _resume_servers, ctx, ["weights"]), step - 1, before)
             metrics = {f"train/{k}": v for k, v in {**rollout_metrics, **train_metrics}.items()}
             progress = (f"step {step}/{cfg.run.num_steps}  reward "
                         f"{rollout_metrics['reward_mean']:.3f}"
@@ -281,6 +300,12 @@ def run(ctx: LoopContext, trainer: Trainer, *, start_step: int) -> dict:
                 if not ctx.stop.any_rank():
                     raise
                 interrupted = f"weight sync: {err}"
+            if interrupted is None and cfg.rollout.colocated:
+                outcome = _on_main(ctx, _resume_servers, ctx, ["kv_cache", "cuda_graph"])
+                if outcome[0] != "ok":
+                    if not ctx.stop.any_rank():
+                        raise RuntimeError(f"step {step}: resume server memory: {outcome[1]}")
+                    interrupted = f"resume server memory: {outcome[1]}"
             if interrupted is None and cfg.run.eval_interval and (
                     step % cfg.run.eval_interval == 0 or step == cfg.run.num_steps):
                 outcome = _on_main(ctx, evaluate, ctx, step)

@@ -130,7 +130,8 @@ def test_server_spanning_nodes_and_colocated_layouts(capsys, tmp_path):
 
     # colocated: one component; servers, router and trainers overlap on the same nodes
     script = dry_run(capsys, tmp_path / "b", "--nodes", "2", "--rollout-nodes", "0",
-                     "--gpus-per-node", "8", "--model-path", "/m", sets=["rollout.tp_size=2"])
+                     "--gpus-per-node", "8", "--model-path", "/m",
+                     sets=["rollout.tp_size=2", "rollout.colocated=true"])
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
     (component,) = sbatch_components(script)
     assert {"--nodes=2", "--ntasks-per-node=8", "--gpus-per-node=8"} <= set(component)
@@ -218,7 +219,8 @@ def test_gpu_script_runs_the_job_against_fake_slurm(capsys, tmp_path):
 
 def test_colocated_script_runs_the_job_against_fake_slurm(capsys, tmp_path):
     script = dry_run(capsys, tmp_path / "run", "--nodes", "2", "--rollout-nodes", "0",
-                     "--gpus-per-node", "8", "--model-path", "/m", sets=["rollout.tp_size=2"])
+                     "--gpus-per-node", "8", "--model-path", "/m",
+                     sets=["rollout.tp_size=2", "rollout.colocated=true"])
     proc, calls = _run_with_fakes(script, tmp_path, FAKE_NUM_SERVERS="8",
                                   SLURM_JOB_NODELIST="gpu-[007-008]")
     assert proc.returncode == 0, proc.stdout + proc.stderr

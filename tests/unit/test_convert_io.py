@@ -134,3 +134,33 @@ def test_parse_size():
     assert parse_size("1000") == 1000
     with pytest.raises(ValueError, match="unknown unit"):
         parse_size("3XB")
+
+
+def test_torch_save_records_are_mapped_in_place_or_fall_back(tmp_path):
+    """The export maps a stored tensor's bytes instead of torch.load-ing them when the record is a
+    plain contiguous tensor; anything else (here: a transposed one) goes through torch.load."""
+    import os
+
+    from megatron_gspo.mcore_checkpoint import _map_saved_tensor
+    from torch.utils.serialization import config as serialization_config
+
+    plain = torch.randn(6, 5).to(torch.bfloat16)
+    transposed = torch.randn(5, 6).t()  # stride (1, 6): not mapped
+    path = tmp_path / "records.bin"
+    spans = []
+    with open(path, "wb") as f:
+        for tensor, crc in ((plain, True), (plain, False), (transposed, True)):
+            serialization_config.save.compute_crc32 = crc
+            start = f.tell()
+            torch.save(tensor, f)
+            spans.append((start, f.tell() - start))
+    serialization_config.save.compute_crc32 = True
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for start, length in spans[:2]:
+            mapped = _map_saved_tensor(fd, start, length, (6, 5), torch.bfloat16)
+            assert mapped is not None and torch.equal(mapped, plain)
+        assert _map_saved_tensor(fd, *spans[0], (5, 6), torch.bfloat16) is None  # wrong shape
+        assert _map_saved_tensor(fd, *spans[2], (6, 5), torch.float32) is None
+    finally:
+        os.close(fd)
