@@ -96,7 +96,38 @@ def main() -> int:
                          f"{mean('clip_frac_high'):.3f} |")
     print("\n".join(table))
     (out / "table.md").write_text("\n".join(table) + "\n")
+    plot(results, [int(x) for x in args.ks.split(",")], args.variants.split(","),
+         out / "variants.png")
     return 0
+
+
+def plot(results: dict, ks: list[int], variants: list[str], path: Path) -> None:
+    """Final held-out reward per variant (one dot per seed, bar = mean) for each k."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(ks), figsize=(5 * len(ks), 4), sharey=True)
+    axes = [axes] if len(ks) == 1 else list(axes)
+    for ax, k in zip(axes, ks):
+        for x, variant in enumerate(variants):
+            finals = [v["eval_final"] for key, v in results.items()
+                      if key.startswith(f"{variant}/k{k}/")]
+            starts = [v["eval_start"] for key, v in results.items()
+                      if key.startswith(f"{variant}/k{k}/")]
+            if not finals:
+                continue
+            ax.bar(x, sum(finals) / len(finals), color="tab:blue", alpha=0.5)
+            ax.scatter([x] * len(finals), finals, color="tab:blue", zorder=3, s=14)
+            ax.hlines(sum(starts) / len(starts), x - 0.4, x + 0.4, colors="black",
+                      linestyles="dashed", linewidth=1)
+        ax.set_xticks(range(len(variants)))
+        ax.set_xticklabels(variants, rotation=30, ha="right", fontsize=8)
+        ax.set_title(f"k = {k} update(s) per rollout")
+    axes[0].set_ylabel("held-out exact match (dashed: SFT start)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
