@@ -87,7 +87,8 @@ def run_training(cfg: Config, *, resume: bool) -> int:
             if cfg.rollout.mode == "embedded":
                 from pipeline.servers import LocalRolloutCluster
 
-                model_path = cfg.run.init_from or _export_initial_weights(trainer, run_dir)
+                model_path = (cfg.run.init_from if _init_is_hf(cfg)
+                              else _export_initial_weights(trainer, run_dir))
                 server_args = ["--max-running-requests", "1"] if cfg.rollout.deterministic else []
                 cluster = LocalRolloutCluster(model_path, cfg.rollout.num_servers,
                                               log_dir=run_dir / "logs", random_seed=cfg.run.seed,
@@ -165,7 +166,9 @@ def _export_policy(trainer, cfg: Config, out: Path):
     """Collective: the policy as a Hugging Face directory, with the tokenizer files."""
     from megatron_gspo.hf_export import export_hf_dir
 
-    tokenizer_dir = cfg.data.tokenizer_dir or cfg.run.init_from
+    tokenizer_dir = cfg.data.tokenizer_dir or (cfg.run.init_from if _init_is_hf(cfg) else None)
+    if tokenizer_dir is None and cfg.run.init_from and (Path(cfg.run.init_from) / "hf_config").is_dir():
+        tokenizer_dir = str(Path(cfg.run.init_from) / "hf_config")
     path = export_hf_dir(trainer.gpt, cfg.model, trainer.pg, out, tokenizer_dir=tokenizer_dir)
     if dist.get_rank() == 0 and tokenizer_dir is None and cfg.data.task is not None:
         from pipeline.tasks import write_byte_tokenizer
@@ -174,8 +177,15 @@ def _export_policy(trainer, cfg: Config, out: Path):
     return path
 
 
+def _init_is_hf(cfg: Config) -> bool:
+    from megatron_gspo.rl_trainer import is_mcore_checkpoint
+
+    return bool(cfg.run.init_from) and not is_mcore_checkpoint(cfg.run.init_from)
+
+
 def _needs_export(cfg: Config) -> bool:
-    return cfg.rollout.mode == "embedded" and not cfg.run.init_from
+    """Embedded servers need a Hugging Face directory of the initial policy."""
+    return cfg.rollout.mode == "embedded" and not _init_is_hf(cfg)
 
 
 def _export_initial_weights(trainer, run_dir: Path) -> str:

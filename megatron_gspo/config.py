@@ -277,8 +277,9 @@ class RunSettings:
     seed: int = 1234
     output_dir: str = "runs/tiny"
     init_from: Optional[str] = None
-    """Hugging Face directory of the initial policy (e.g. the SFT result); null: random weights
-    from run.seed."""
+    """The initial policy: a Hugging Face directory (e.g. the SFT result) or a Megatron torch_dist
+    checkpoint (``megatron-gspo convert hf-to-mcore``; any layout); null: random weights from
+    run.seed."""
     num_steps: int = 20
     micro_batch_size: int = 4
     """Sequences per micro-batch per data-parallel rank."""

@@ -71,6 +71,11 @@ def reduce_metrics(per_microbatch: list[dict], pg, *, weight_key: str = "num_seq
     return out
 
 
+def is_mcore_checkpoint(path: str | Path) -> bool:
+    """A torch_dist directory (its ``.metadata`` file) rather than a Hugging Face one."""
+    return (Path(path) / ".metadata").is_file()
+
+
 class RLTrainer:
     """Owns this rank's policy stage, its optimizer and the GSPO update."""
 
@@ -78,7 +83,9 @@ class RLTrainer:
         self.cfg = cfg
         self.pg = pg_collection
         self.gpt = policy.build_model(cfg.model, cfg.parallel, pg_collection)
-        if init_hf_dir:
+        if init_hf_dir and is_mcore_checkpoint(init_hf_dir):
+            self.load_mcore(init_hf_dir)
+        elif init_hf_dir:
             self.load_hf(init_hf_dir)
         else:
             policy.init_weights(self.gpt, cfg.model, pg_collection, seed=cfg.run.seed)
@@ -93,6 +100,17 @@ class RLTrainer:
         check_model_config(self.cfg.model, hf_dir)
         with HFCheckpoint(hf_dir) as ckpt:
             policy.load_hf_weights(self.gpt, self.cfg.model, self.pg, ckpt.read)
+
+    def load_mcore(self, ckpt_dir: str) -> None:
+        """Load a Megatron torch_dist checkpoint (``convert hf-to-mcore`` or a trainer checkpoint's
+        ``model_optim``), under this run's layout whatever layout wrote it."""
+        from megatron_gspo.hf_config import check_model_config
+        from megatron_gspo.mcore_checkpoint import load_model
+
+        hf_config = Path(ckpt_dir) / "hf_config"
+        if hf_config.is_dir():
+            check_model_config(self.cfg.model, hf_config)
+        load_model(self.gpt, ckpt_dir)
 
     def _num_microbatches(self, rows: int) -> int:
         dp = self.pg.dp.size()
