@@ -26,7 +26,8 @@ import torch.distributed as dist
 from megatron_gspo import model as policy
 from megatron_gspo.config import Config
 from megatron_gspo.rl_loss import count_sequences, make_gspo_loss_fn
-from megatron_gspo.train_step import build_train_state, forward_backward, train_step
+from megatron_gspo.train_step import (build_train_state, forward_backward, global_unit_count,
+                                      train_step)
 from pipeline.batching import select_rows, split_for_rank
 
 # Metric reduction over micro-batches and ranks: *_min -> min, *_max -> max, the rest are means
@@ -173,12 +174,11 @@ class RLTrainer:
                                     temperature=self.cfg.rollout.temperature)
         per_mb, grad_norms = [], []
         for mbs in minis:
-            n = float(sum(count_sequences(mb["response_mask"]) for mb in mbs))
-            n_global = torch.tensor([n], dtype=torch.float64)
-            dist.all_reduce(n_global, group=self.pg.dp)
-            if float(n_global) == 0:
+            n_global = global_unit_count(
+                sum(count_sequences(mb["response_mask"]) for mb in mbs), self.pg)
+            if n_global == 0:
                 continue
-            out = train_step(self.state, mbs, loss_fn, num_units_global=float(n_global))
+            out = train_step(self.state, mbs, loss_fn, num_units_global=n_global)
             per_mb += out["per_microbatch"]
             grad_norms.append(float(out["grad_norm"]) if out["grad_norm"] is not None else 0.0)
         metrics = reduce_metrics(per_mb, self.pg)

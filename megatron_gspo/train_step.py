@@ -118,7 +118,10 @@ def loss_scale(num_microbatches: int, num_units_global: float, pg_collection) ->
 
 
 def global_unit_count(local_count: float, pg_collection) -> float:
-    """N: the number of loss units over all data-parallel ranks (one all-reduce over DP, not CP)."""
+    """N: the number of loss units over all data-parallel ranks (one all-reduce over DP, not CP).
+
+    With context parallelism a sequence's tokens sit on several CP ranks; count it once with
+    ``loss_scaling.global_num_sequences`` (it reduces the counts over CP first)."""
     count = torch.tensor([float(local_count)], dtype=torch.float64)
     torch.distributed.all_reduce(count, group=pg_collection.dp)
     return float(count.item())
