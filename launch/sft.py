@@ -31,15 +31,6 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=main)
 
 
-def _copy_tokenizer(src: str, dst: Path) -> None:
-    import shutil
-
-    for f in Path(src).iterdir():
-        if f.is_file() and (f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges"))
-                            or f.name in ("chat_template.jinja", "generation_config.json")):
-            shutil.copy2(f, dst / f.name)
-
-
 def main(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = load_from_args(args)
     world = args.nproc or local.minimal_world_size(cfg.parallel)
@@ -69,12 +60,9 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
         from pipeline.tasks import write_byte_tokenizer
 
         hf_dir = Path(cfg.run.output_dir) / "hf"
-        export_hf_dir(result.gpt, cfg.model, pg, hf_dir)
-        if is_main:
-            if cfg.data.tokenizer_dir is None:
-                write_byte_tokenizer(hf_dir)
-            else:
-                _copy_tokenizer(cfg.data.tokenizer_dir, hf_dir)
+        export_hf_dir(result.gpt, cfg.model, pg, hf_dir, tokenizer_dir=cfg.data.tokenizer_dir)
+        if is_main and cfg.data.tokenizer_dir is None:
+            write_byte_tokenizer(hf_dir)
             print(f"policy written to {hf_dir}")
         if is_main:
             print(f"train loss: {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")

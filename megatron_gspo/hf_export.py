@@ -52,6 +52,13 @@ def hf_config_dict(model: ModelConfig, *, dtype: str = "float32") -> dict:
     }
 
 
+def copy_tokenizer_files(source: str | Path, target: Path) -> None:
+    """The tokenizer and generation files of a Hugging Face directory (not its config.json)."""
+    from megatron_gspo.mcore_checkpoint import HF_SIDE_FILES, copy_hf_files
+
+    copy_hf_files(Path(source), target, [n for n in HF_SIDE_FILES if n != "config.json"])
+
+
 def export_hf_dir(gpt, model: ModelConfig, pg_collection, out_dir: str | Path, *,
                   tokenizer_dir: Optional[str | Path] = None,
                   bucket_bytes: int = 512 << 20) -> Optional[Path]:
@@ -82,11 +89,6 @@ def export_hf_dir(gpt, model: ModelConfig, pg_collection, out_dir: str | Path, *
         dtype = "bfloat16" if model.params_dtype == "bfloat16" else "float32"
         (out_dir / "config.json").write_text(json.dumps(hf_config_dict(model, dtype=dtype), indent=1))
         if tokenizer_dir:
-            import shutil
-
-            for f in Path(tokenizer_dir).iterdir():
-                if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")) or \
-                        f.name in ("generation_config.json", "chat_template.jinja"):
-                    shutil.copy2(f, out_dir / f.name)
+            copy_tokenizer_files(tokenizer_dir, out_dir)
     dist.barrier()
     return out_dir if rank == 0 else None

@@ -7,39 +7,19 @@ the pieces of its gradients and of its updated weights; the test assembles and c
 
 from __future__ import annotations
 
-import torch
 
 from megatron_gspo import model as policy
 from megatron_gspo import parallel
 from megatron_gspo.config import config_from_dict
 from megatron_gspo.rl_loss import count_sequences, make_gspo_loss_fn, make_log_prob_fn
+from megatron_gspo.sft import nll_loss_fn
 from megatron_gspo.train_step import build_train_state, forward_backward, global_unit_count
-
-
-def split_batch(batch: dict, dp_rank: int, dp_size: int, num_microbatches: int) -> list[dict]:
-    """This DP rank's share of the global batch, cut into micro-batches (rows are sequences)."""
-    rows = batch["tokens"].shape[0]
-    per_rank = rows // dp_size
-    mine = {k: v[dp_rank * per_rank:(dp_rank + 1) * per_rank] for k, v in batch.items()}
-    per_mb = per_rank // num_microbatches
-    return [{k: v[i * per_mb:(i + 1) * per_mb].clone() for k, v in mine.items()}
-            for i in range(num_microbatches)]
-
-
-def sft_loss_fn(model_cfg, pg):
-    """Sum over masked tokens of -log p(next token): units are tokens."""
-
-    def loss_fn(logits, batch):
-        log_probs, _ = policy.token_log_probs(logits, batch["labels"], model_cfg, pg)
-        mask = batch["loss_mask"].to(log_probs.dtype)
-        return -(log_probs * mask).sum(), {"num_tokens": mask.sum().detach()}
-
-    return loss_fn
+from pipeline.batching import split_for_rank
 
 
 def _one_minibatch(state, cfg, pg, mbs, loss_kind):
     if loss_kind == "sft":
-        loss_fn = sft_loss_fn(cfg.model, pg)
+        loss_fn = nll_loss_fn(cfg.model, pg)
         local_units = sum(float(mb["loss_mask"].sum()) for mb in mbs)
     elif loss_kind == "gspo":
         # log pi_old: this policy's own log-probs (recomputed by Megatron, forward only) plus a
@@ -73,7 +53,7 @@ def run_layout(rank, world_size, cfg_dict, hf_weights, batch, microbatch_counts,
     for num_microbatches in microbatch_counts:
         policy.load_hf_weights(gpt, cfg.model, pg, hf_weights.__getitem__)
         state.optimizer.reload_model_params()  # the optimizer's copy follows the loaded weights
-        mbs = split_batch(batch, pg.dp.rank(), pg.dp.size(), num_microbatches)
+        mbs = split_for_rank(batch, pg.dp.rank(), pg.dp.size(), num_microbatches)
         metrics, n_global = _one_minibatch(state, cfg, pg, mbs, loss_kind)
         grads = {name: p.main_grad.detach().clone()
                  for name, p in state.model[0].module.named_parameters()}
