@@ -41,7 +41,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_gspo.safetensors_io import (HFCheckpoint, ShardWriter, plan_shards,  # noqa: E402
+from megatron_gspo.hf.safetensors_io import (HFCheckpoint, ShardWriter, plan_shards,  # noqa: E402
                                           shard_file_names, write_index)
 
 QWEN3_30B_SHAPES = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4,
@@ -73,8 +73,8 @@ def synthetic_value(name: str, shape: tuple, pool: torch.Tensor) -> torch.Tensor
 
 
 def write_synthetic(directory: Path, num_layers: int, shard_bytes: int = 2 * 10**9) -> int:
-    from megatron_gspo.hf_mapping import hf_param_shapes
-    from megatron_gspo.model import model_config_from_hf
+    from megatron_gspo.hf.mapping import hf_param_shapes
+    from megatron_gspo.hf.hf_config import model_config_from_hf
 
     directory.mkdir(parents=True)
     config = hf_config(num_layers)

@@ -11,7 +11,7 @@ backward), producing ``logits.grad`` in bf16:
 
 * naive: ``lp = torch.log_softmax(logits.float() / temp, -1)``; ``lp.gather(-1, target)``;
   ``entropy = -(lp.exp() * lp).sum(-1)`` (what most RL trainers do).
-* chunked: ``megatron_gspo.logprobs.vocab_parallel_log_probs(..., chunk_size=C, with_entropy=True)``.
+* chunked: ``megatron_gspo.loss.logprobs.vocab_parallel_log_probs(..., chunk_size=C, with_entropy=True)``.
 
 How memory is measured, and why. ``tracemalloc`` does not see torch's allocations, so every
 (variant, tokens) runs in a FRESH Python subprocess that allocates its inputs, records its resident
@@ -72,7 +72,7 @@ def _step(variant: str, logits, target, grad_lp, grad_ent, temperature: float, c
         log_probs = log_softmax.gather(-1, target.unsqueeze(-1)).squeeze(-1)
         entropy = -(log_softmax.exp() * log_softmax).sum(-1)
     else:
-        from megatron_gspo.logprobs import vocab_parallel_log_probs
+        from megatron_gspo.loss.logprobs import vocab_parallel_log_probs
 
         log_probs, entropy = vocab_parallel_log_probs(logits, target, chunk_size=chunk_size,
                                                       temperature=temperature, with_entropy=True)

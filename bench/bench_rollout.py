@@ -116,10 +116,12 @@ def client_generate(url: str, batch: list[list[int]], new_tokens: int) -> tuple[
 def sync_bench(model_dir: Path, url: str, shared: Path, args) -> list[dict]:
     import torch.distributed as dist
 
-    from megatron_gspo import model as policy
+    from megatron_gspo.model import gpt as policy
+
+    from megatron_gspo.hf.hf_config import model_config_from_hf
     from megatron_gspo import parallel
     from megatron_gspo.config import ParallelConfig
-    from megatron_gspo.weight_sync import sync_weights
+    from megatron_gspo.hf.weight_sync import sync_weights
     from pipeline.servers import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
@@ -128,7 +130,7 @@ def sync_bench(model_dir: Path, url: str, shared: Path, args) -> list[dict]:
     try:
         par = ParallelConfig()
         pg = parallel.initialize(par)
-        model_cfg = policy.model_config_from_hf(str(model_dir))
+        model_cfg = model_config_from_hf(str(model_dir))
         gpt = policy.build_model(model_cfg, par, pg)
         policy.init_weights(gpt, model_cfg, pg, seed=5)
         tensors = [p.detach() for p in gpt.parameters()]

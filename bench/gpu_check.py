@@ -29,11 +29,11 @@ def main() -> int:
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    from megatron_gspo import model as policy
+    from megatron_gspo.model import gpt as policy
     from megatron_gspo import parallel
     from megatron_gspo.config import config_from_dict
-    from megatron_gspo.sft import nll_loss_fn
-    from megatron_gspo.train_step import build_train_state, train_step
+    from megatron_gspo.train.sft import nll_loss_fn
+    from megatron_gspo.train.train_step import build_train_state, train_step
 
     cfg = config_from_dict({
         "model": {"num_layers": 4, "hidden_size": 512, "num_attention_heads": 8,

@@ -7,7 +7,7 @@
 layer-sized chunk (not by the model); a progress bar on stderr.
 
 hf-to-mcore writes a Megatron torch_dist checkpoint that the trainer loads under ANY later
-TP / PP / EP layout (``megatron_gspo.mcore_checkpoint.load_model``); --tp/--pp/--ep/--etp are
+TP / PP / EP layout (``megatron_gspo.hf.mcore_checkpoint.load_model``); --tp/--pp/--ep/--etp are
 checked against the model (they must divide heads, KV groups, layers, experts) and --tp sets the
 vocabulary padding. config.json and the tokenizer files are kept in ``OUT/hf_config/``.
 
@@ -84,7 +84,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def _hf_to_mcore(args: argparse.Namespace):
-    from megatron_gspo.convert import hf_to_mcore
+    from megatron_gspo.hf.convert import hf_to_mcore
 
     return hf_to_mcore(args.hf, args.out, tensor=args.tp, pipeline=args.pp, expert=args.ep,
                        expert_tensor=args.etp, dtype=args.dtype, progress=not args.no_progress,
@@ -93,7 +93,7 @@ def _hf_to_mcore(args: argparse.Namespace):
 
 
 def _mcore_to_hf(args: argparse.Namespace):
-    from megatron_gspo.convert import mcore_to_hf
+    from megatron_gspo.hf.convert import mcore_to_hf
 
     return mcore_to_hf(args.mcore, args.out, hf_config=args.hf_config, tokenizer=args.tokenizer,
                        dtype=args.dtype, max_shard_size=args.max_shard_size,
@@ -114,7 +114,7 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace, argv: Optional[list[str]] = None) -> int:
     """Run the parsed conversion; bad input prints one message and returns 2."""
     from megatron_gspo.config import ConfigError
-    from megatron_gspo.safetensors_io import CheckpointError
+    from megatron_gspo.hf.safetensors_io import CheckpointError
 
     try:
         result = args.convert_func(args)

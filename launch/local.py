@@ -7,20 +7,10 @@ SLURM_PROCID set, or world_size == 1); otherwise it re-runs the same command und
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
 from typing import Optional
-
-from megatron_gspo.config import ParallelConfig
-
-
-def minimal_world_size(parallel: ParallelConfig) -> int:
-    """The smallest world that holds the layout with data parallelism 1 (dense and experts)."""
-    dense = parallel.tensor * parallel.context * parallel.pipeline
-    experts = parallel.expert_tensor_size() * parallel.expert * parallel.pipeline
-    return dense * experts // math.gcd(dense, experts)
 
 
 def is_launched() -> bool:

@@ -28,7 +28,7 @@ def validate_rl(cfg: Config) -> None:
         raise ConfigError("parallel.context: context parallelism of the policy needs Transformer "
                           "Engine attention; the RL trainer does not split rollout batches over "
                           "context-parallel ranks yet (the loss supports it: "
-                          "megatron_gspo.context_parallel)")
+                          "megatron_gspo.loss.context_parallel)")
 
 
 def _server_urls_from_router(router_url: str) -> list[str]:
@@ -39,8 +39,8 @@ def _server_urls_from_router(router_url: str) -> list[str]:
 
 def run_training(cfg: Config, *, resume: bool) -> int:
     from megatron_gspo import parallel
-    from megatron_gspo.checkpoint import checkpoint_root, latest_checkpoint
-    from megatron_gspo.rl_trainer import RLTrainer
+    from megatron_gspo.train.checkpoint import checkpoint_root, latest_checkpoint
+    from megatron_gspo.train.rl_trainer import RLTrainer
     from pipeline import loop
     from pipeline.metrics import MetricsLogger
 
@@ -114,7 +114,7 @@ def run_training(cfg: Config, *, resume: bool) -> int:
         dist.broadcast_object_list(box, src=0)
         server_urls = box[0]
 
-        from megatron_gspo.weight_sync import WeightSyncer
+        from megatron_gspo.hf.weight_sync import WeightSyncer
 
         syncer = WeightSyncer(trainer.gpt, cfg.model, pg, server_urls,
                               transport=cfg.rollout.weight_sync,
@@ -164,7 +164,7 @@ def _write_pid_file(run_dir: Path) -> None:
 
 def _export_policy(trainer, cfg: Config, out: Path):
     """Collective: the policy as a Hugging Face directory, with the tokenizer files."""
-    from megatron_gspo.hf_export import export_hf_dir
+    from megatron_gspo.hf.export import export_hf_dir
 
     tokenizer_dir = cfg.data.tokenizer_dir or (cfg.run.init_from if _init_is_hf(cfg) else None)
     if tokenizer_dir is None and cfg.run.init_from and (Path(cfg.run.init_from) / "hf_config").is_dir():
@@ -178,7 +178,7 @@ def _export_policy(trainer, cfg: Config, out: Path):
 
 
 def _init_is_hf(cfg: Config) -> bool:
-    from megatron_gspo.rl_trainer import is_mcore_checkpoint
+    from megatron_gspo.train.rl_trainer import is_mcore_checkpoint
 
     return bool(cfg.run.init_from) and not is_mcore_checkpoint(cfg.run.init_from)
 

@@ -55,6 +55,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
-    from pipeline.local_server import serve
+    from pipeline.local.server import serve
 
     return serve(args)

@@ -33,16 +33,19 @@ def add_parser(subparsers) -> None:
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = load_from_args(args)
-    world = args.nproc or local.minimal_world_size(cfg.parallel)
+    from megatron_gspo import parallel
+
+    world = args.nproc or parallel.minimal_world_size(cfg.parallel)
     code = local.ensure_ranks(argv, world)
     if code is not None:
         return code
 
     import torch.distributed as dist
 
-    from megatron_gspo import parallel
-    from megatron_gspo.sft import run_sft
+    from megatron_gspo.train.sft import SFTTrainer
     from pipeline.metrics import MetricsLogger
+    from pipeline.sft_loop import run_sft
+    from pipeline.tasks import PAD_ID
 
     parallel.init_distributed()
     try:
@@ -53,14 +56,15 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
             print(f"layout: {layout.describe()}", flush=True)
         logger = MetricsLogger(cfg.run.output_dir, enabled=is_main)
         try:
-            result = run_sft(cfg, pg, logger=logger)
+            trainer = SFTTrainer(cfg, pg, pad_id=PAD_ID)
+            result = run_sft(trainer, cfg, logger=logger)
         finally:
             logger.close()
-        from megatron_gspo.hf_export import export_hf_dir
+        from megatron_gspo.hf.export import export_hf_dir
         from pipeline.tasks import write_byte_tokenizer
 
         hf_dir = Path(cfg.run.output_dir) / "hf"
-        export_hf_dir(result.gpt, cfg.model, pg, hf_dir, tokenizer_dir=cfg.data.tokenizer_dir)
+        export_hf_dir(trainer.gpt, cfg.model, pg, hf_dir, tokenizer_dir=cfg.data.tokenizer_dir)
         if is_main and cfg.data.tokenizer_dir is None:
             write_byte_tokenizer(hf_dir)
             print(f"policy written to {hf_dir}")

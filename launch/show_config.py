@@ -23,7 +23,7 @@ def add_parser(subparsers) -> None:
 
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
-    from launch.local import minimal_world_size
+    from megatron_gspo.parallel import minimal_world_size
     from megatron_gspo.config import dump_config, padded_vocab_size
     from megatron_gspo.parallel import derive_layout
 

@@ -111,7 +111,7 @@ def plan_layout(cfg: Config, args: argparse.Namespace) -> JobLayout:
     elif gpus > 0:
         tasks_per_node = gpus
     else:  # CPU: the smallest world the parallel layout needs, spread over the training nodes
-        from launch.local import minimal_world_size
+        from megatron_gspo.parallel import minimal_world_size
         tasks_per_node = max(1, math.ceil(minimal_world_size(cfg.parallel) / args.nodes))
 
     from megatron_gspo.parallel import derive_layout

@@ -36,7 +36,9 @@ def add_parser(subparsers) -> None:
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = load_from_args(args)
-    code = local.ensure_ranks(argv, args.nproc or local.minimal_world_size(cfg.parallel))
+    from megatron_gspo.parallel import minimal_world_size
+
+    code = local.ensure_ranks(argv, args.nproc or minimal_world_size(cfg.parallel))
     if code is not None:
         return code
     from launch.rl_session import run_training

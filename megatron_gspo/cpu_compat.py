@@ -41,7 +41,7 @@ The accommodations (measured facts in ../shared/docs/megatron_on_cpu.md):
 
 Sequence parallelism without Transformer Engine needs a norm that accepts it (Megatron's
 ``WrappedTorchNorm`` refuses); that is not a CUDA accommodation but a module of ours, in
-``megatron_gspo/norm.py``, used on every machine where the local spec is used.
+``megatron_gspo/model/norm.py``, used on every machine where the local spec is used.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ receives explicitly (no module reads ``parallel_state`` globals on its own).
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from dataclasses import dataclass
 
@@ -115,3 +116,10 @@ def destroy() -> None:
     destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def minimal_world_size(parallel: ParallelConfig) -> int:
+    """The smallest world that holds the layout with data parallelism 1 (dense and experts)."""
+    dense = parallel.tensor * parallel.context * parallel.pipeline
+    experts = parallel.expert_tensor_size() * parallel.expert * parallel.pipeline
+    return dense * experts // math.gcd(dense, experts)

@@ -3,7 +3,7 @@
 Every training rank runs :func:`run`. Global rank 0 talks to the rollout servers and the reward
 function, builds the rollout batch and broadcasts it; then every rank trains on its share
 (``trainer.train_rollout``), and every rank takes part in the weight sync. The trainer is passed in
-(the Megatron side lives in ``megatron_gspo.rl_trainer``; this module imports no Megatron).
+(the Megatron side lives in ``megatron_gspo.train.rl_trainer``; this module imports no Megatron).
 
 One step::
 
@@ -28,8 +28,8 @@ from typing import Any, Optional, Protocol
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.advantages import group_advantages, is_zero_std_group
-from pipeline.batching import rl_batch
+from megatron_gspo.loss.advantages import group_advantages, is_zero_std_group
+from megatron_gspo.train.batching import rl_batch
 from pipeline.metrics import MetricsLogger
 
 PREEMPTED_EXIT_CODE = 75

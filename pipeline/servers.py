@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from pipeline.lifetime import die_with_parent
+from megatron_gspo.lifetime import die_with_parent
 from pipeline.rollout import RolloutError, http_json, router_workers, wait_healthy
 
 ROUTER_DEFAULT_ARGS = (

@@ -1,4 +1,4 @@
-"""Weight payloads shared by the trainer (megatron_gspo.weight_sync) and the local rollout server.
+"""Weight payloads shared by the trainer (megatron_gspo.hf.weight_sync) and the local rollout server.
 
 * ``update_weights_from_tensor`` body: SGLang's request shape
   ``{"serialized_named_tensors": [<base64 str per TP rank>], "load_format": ...}``, but each

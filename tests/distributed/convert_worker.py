@@ -1,7 +1,7 @@
 """Spawned-rank side of the conversion tests (importable for the spawn start method).
 
 One call runs every checkpoint of every case under one parallel layout: build the policy, load the
-checkpoint with :func:`megatron_gspo.mcore_checkpoint.load_model`, run the batch through
+checkpoint with :func:`megatron_gspo.hf.mcore_checkpoint.load_model`, run the batch through
 Megatron's schedule and return, from the last stage's first TP rank, the per-token log-probs and
 the full logits (gathered over TP, padded vocabulary removed). Optionally the loaded model is
 saved again with Megatron's own ``dist_checkpointing.save`` (the trainer's format).
@@ -12,10 +12,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_gspo import model as policy
+from megatron_gspo.model import gpt as policy
+
+from megatron_gspo.hf.hf_config import model_config_from_hf
 from megatron_gspo import parallel
 from megatron_gspo.config import ParallelConfig
-from megatron_gspo.mcore_checkpoint import load_model, save_model
+from megatron_gspo.hf.mcore_checkpoint import load_model, save_model
 
 
 def forward_last_stage(gpt, batch: dict):
@@ -51,7 +53,7 @@ def run_checkpoints(rank, world_size, parallel_section: dict, cases: dict, batch
     is_reporter = pg.pp.rank() == pg.pp.size() - 1 and pg.tp.rank() == 0 and pg.dp.rank() == 0
     results = {}
     for name, case in cases.items():
-        model_cfg = policy.model_config_from_hf(case["hf_config"])
+        model_cfg = model_config_from_hf(case["hf_config"])
         gpt = policy.build_model(model_cfg, par, pg).eval()
         results[name] = {}
         for i, (label, ckpt_dir) in enumerate(case["checkpoints"].items()):

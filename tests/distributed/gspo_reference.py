@@ -3,7 +3,7 @@
 * :func:`naive_loss` — a per-sequence Python loop in float64 over the GLOBAL batch: the ground truth.
   It applies the PPO cut rule from docs/gspo_math.md literally (cut unit = constant ``clip(r) A``).
 * :func:`rowwise_loss` — a vectorised loss over per-sequence rows with the same keyword interface as
-  ``megatron_gspo.gspo.gspo_loss`` (``loss_denominator``, ``sequence_reduce``), applying
+  ``megatron_gspo.loss.gspo.gspo_loss`` (``loss_denominator``, ``sequence_reduce``), applying
   ``sequence_reduce`` to every ``[S, K]`` tensor of per-sequence partial sums. It stands in for
   ``gspo_loss`` so the distributed plumbing can be tested on its own; the tests also run the real
   ``gspo_loss`` when it exists.

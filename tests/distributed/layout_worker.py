@@ -8,13 +8,13 @@ the pieces of its gradients and of its updated weights; the test assembles and c
 from __future__ import annotations
 
 
-from megatron_gspo import model as policy
+from megatron_gspo.model import gpt as policy
 from megatron_gspo import parallel
 from megatron_gspo.config import config_from_dict
-from megatron_gspo.rl_loss import count_sequences, make_gspo_loss_fn, make_log_prob_fn
-from megatron_gspo.sft import nll_loss_fn
-from megatron_gspo.train_step import build_train_state, forward_backward, global_unit_count
-from pipeline.batching import split_for_rank
+from megatron_gspo.train.rl_loss import count_sequences, make_gspo_loss_fn, make_log_prob_fn
+from megatron_gspo.train.sft import nll_loss_fn
+from megatron_gspo.train.train_step import build_train_state, forward_backward, global_unit_count
+from megatron_gspo.train.batching import split_for_rank
 
 
 def _one_minibatch(state, cfg, pg, mbs, loss_kind):

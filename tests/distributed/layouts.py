@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from megatron_gspo.config import config_from_dict
-from megatron_gspo.hf_mapping import hf_param_shapes
+from megatron_gspo.hf.mapping import hf_param_shapes
 
 TINY_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                   head_dim=32, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,

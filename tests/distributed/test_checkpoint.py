@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from megatron_gspo import model as policy
+from megatron_gspo.model import gpt as policy
 from megatron_gspo import parallel
-from megatron_gspo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_gspo.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron_gspo.config import config_from_dict
-from megatron_gspo.hf_mapping import hf_param_shapes
-from megatron_gspo.sft import nll_loss_fn, sft_batch
-from megatron_gspo.train_step import build_train_state, global_unit_count, train_step
-from pipeline.batching import split_for_rank
+from megatron_gspo.hf.mapping import hf_param_shapes
+from megatron_gspo.train.sft import nll_loss_fn, sft_batch
+from megatron_gspo.train.train_step import build_train_state, global_unit_count, train_step
+from megatron_gspo.train.batching import split_for_rank
 from pipeline.tasks import AdditionTask
 from tests.distributed.layouts import assemble, tiny_config
 from tests.distributed.spawn import run_on_ranks

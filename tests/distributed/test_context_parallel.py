@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.context_parallel import (
+from megatron_gspo.loss.context_parallel import (
     SequenceAllReduce,
     local_cu_seqlens,
     make_sequence_reduce,
@@ -35,13 +35,13 @@ from megatron_gspo.context_parallel import (
     zigzag_split,
     zigzag_unsplit,
 )
-from megatron_gspo.loss_scaling import global_num_sequences
+from megatron_gspo.loss.loss_scaling import global_num_sequences
 
 from tests.distributed import gspo_reference
 from tests.distributed.spawn import run_on_ranks
 
 try:
-    from megatron_gspo.gspo import gspo_loss
+    from megatron_gspo.loss.gspo import gspo_loss
 except ImportError:  # written concurrently; the tests then use the stand-in only
     gspo_loss = None
 

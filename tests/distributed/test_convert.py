@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_gspo.convert import hf_to_mcore, mcore_to_hf
+from megatron_gspo.hf.convert import hf_to_mcore, mcore_to_hf
 from tests.distributed import convert_worker
 from tests.distributed.layouts import LAYOUTS
 from tests.distributed.spawn import run_on_ranks

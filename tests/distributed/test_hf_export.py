@@ -7,10 +7,10 @@ import json
 
 import torch
 
-from megatron_gspo import model as policy
+from megatron_gspo.model import gpt as policy
 from megatron_gspo import parallel
 from megatron_gspo.config import config_from_dict
-from megatron_gspo.hf_export import export_hf_dir
+from megatron_gspo.hf.export import export_hf_dir
 from tests.distributed.layouts import tiny_config
 from tests.distributed.spawn import run_on_ranks
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from megatron_gspo import model as policy
+from megatron_gspo.model import gpt as policy
 from megatron_gspo import parallel
 from megatron_gspo.config import config_from_dict
-from megatron_gspo.convert import hf_to_mcore
-from megatron_gspo.hf_mapping import hf_param_shapes
-from megatron_gspo.model import model_config_from_hf
-from megatron_gspo.rl_trainer import RLTrainer
+from megatron_gspo.hf.convert import hf_to_mcore
+from megatron_gspo.hf.mapping import hf_param_shapes
+from megatron_gspo.hf.hf_config import model_config_from_hf
+from megatron_gspo.train.rl_trainer import RLTrainer
 from tests.distributed.layouts import assemble
 from tests.distributed.spawn import run_on_ranks
 from tests.hf_tiny import build_hf_model, load_safetensors_dir, save_hf_model

@@ -17,7 +17,7 @@ from tests.distributed.layouts import (LAYOUTS, assemble, max_rel_diff, random_h
                                        tiny_config)
 from tests.distributed.spawn import run_on_ranks
 from megatron_gspo.config import config_from_dict
-from megatron_gspo.hf_mapping import hf_param_shapes
+from megatron_gspo.hf.mapping import hf_param_shapes
 
 NUM_MICROBATCHES = 2
 TOLERANCE = 1e-5

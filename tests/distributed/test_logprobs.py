@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.logprobs import vocab_parallel_log_probs
+from megatron_gspo.loss.logprobs import vocab_parallel_log_probs
 
 from tests.distributed.spawn import run_on_ranks
 

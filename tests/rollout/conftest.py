@@ -76,7 +76,7 @@ class InProcessServer:
         import uvicorn
 
         from launch.serve import add_arguments
-        from pipeline.local_server import LocalRolloutServer
+        from pipeline.local.server import LocalRolloutServer
         from pipeline.servers import free_port
 
         parser = argparse.ArgumentParser()

@@ -20,10 +20,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_gspo import model as policy
+from megatron_gspo.model import gpt as policy
+
+from megatron_gspo.hf.hf_config import model_config_from_hf
 from megatron_gspo import parallel
 from megatron_gspo.config import ParallelConfig
-from megatron_gspo.weight_sync import sync_weights
+from megatron_gspo.hf.weight_sync import sync_weights
 from pipeline.rollout import RolloutClient, SamplingParams, control, http_json
 from tests.distributed.convert_worker import forward_last_stage
 
@@ -66,7 +68,7 @@ def run(rank: int, world_size: int, hf_dir: str, server_urls: list[str], transpo
 
     par = ParallelConfig(expert=world_size)
     pg = parallel.initialize(par)
-    model_cfg = policy.model_config_from_hf(hf_dir)
+    model_cfg = model_config_from_hf(hf_dir)
     gpt = policy.build_model(model_cfg, par, pg).eval()
     report: dict = {"logprobs": [], "syncs": []}
 

@@ -1,6 +1,6 @@
 """Independent float64 reference for the GSPO loss family: a per-sequence loop in plain Python.
 
-Written from docs/gspo_math.md alone; it shares no code with megatron_gspo.gspo. Inputs are
+Written from docs/gspo_math.md alone; it shares no code with megatron_gspo.loss.gspo. Inputs are
 nested lists of Python floats (``tensor.tolist()``); the value of every J_i uses the literal
 ``min(r * A, clip(r) * A)`` and the gradient is derived by hand:
 

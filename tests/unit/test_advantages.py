@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.unit.gspo_reference import reference_group_advantages
-from megatron_gspo.advantages import group_advantages, is_zero_std_group
-from megatron_gspo.gspo import group_advantages as reexported_group_advantages
+from megatron_gspo.loss.advantages import group_advantages, is_zero_std_group
+from megatron_gspo.loss.gspo import group_advantages as reexported_group_advantages
 
 
 def random_rewards(num_groups: int, group_size: int, seed: int) -> torch.Tensor:

@@ -16,11 +16,11 @@ import torch
 
 from launch import convert as cli
 from megatron_gspo.config import ConfigError, ModelConfig
-from megatron_gspo.convert import hf_to_mcore, mcore_to_hf
-from megatron_gspo.hf_config import HFConfigError, check_model_config
-from megatron_gspo.mcore_checkpoint import McoreCheckpoint, extra_state_keys
-from megatron_gspo.model import model_config_from_hf
-from megatron_gspo.safetensors_io import CheckpointError
+from megatron_gspo.hf.convert import hf_to_mcore, mcore_to_hf
+from megatron_gspo.hf.hf_config import HFConfigError, check_model_config
+from megatron_gspo.hf.mcore_checkpoint import McoreCheckpoint, extra_state_keys
+from megatron_gspo.hf.hf_config import model_config_from_hf
+from megatron_gspo.hf.safetensors_io import CheckpointError
 from tests.hf_tiny import build_hf_model, load_safetensors_dir, random_batch, save_hf_model
 
 

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatron_gspo.safetensors_io import (CheckpointError, HFCheckpoint, ShardWriter, parse_size,
+from megatron_gspo.hf.safetensors_io import (CheckpointError, HFCheckpoint, ShardWriter, parse_size,
                                           plan_shards, read_header, shard_file_names, write_index)
 
 
@@ -141,7 +141,7 @@ def test_torch_save_records_are_mapped_in_place_or_fall_back(tmp_path):
     plain contiguous tensor; anything else (here: a transposed one) goes through torch.load."""
     import os
 
-    from megatron_gspo.mcore_checkpoint import _map_saved_tensor
+    from megatron_gspo.hf.mcore_checkpoint import _map_saved_tensor
     from torch.utils.serialization import config as serialization_config
 
     plain = torch.randn(6, 5).to(torch.bfloat16)

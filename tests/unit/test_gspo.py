@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tests.unit.gspo_reference import reference_loss
-from megatron_gspo.advantages import group_advantages
-from megatron_gspo.gspo import (
+from megatron_gspo.loss.advantages import group_advantages
+from megatron_gspo.loss.gspo import (
     SEQUENCE_CLIP_VARIANTS,
     TOKEN_CLIP_VARIANTS,
     VARIANTS,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from megatron_gspo.model import model_config_from_hf
+from megatron_gspo.hf.hf_config import model_config_from_hf
 
 
 def test_from_transformers_config_object_and_files(tmp_path):

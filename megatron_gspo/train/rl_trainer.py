@@ -23,12 +23,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_gspo import model as policy
+from megatron_gspo.model import gpt as policy
 from megatron_gspo.config import Config
-from megatron_gspo.rl_loss import count_sequences, make_gspo_loss_fn
-from megatron_gspo.train_step import (build_train_state, forward_backward, global_unit_count,
+from megatron_gspo.train.rl_loss import count_sequences, make_gspo_loss_fn
+from megatron_gspo.train.train_step import (build_train_state, forward_backward, global_unit_count,
                                       train_step)
-from pipeline.batching import select_rows, split_for_rank
+from megatron_gspo.train.batching import select_rows, split_for_rank
 
 # Metric reduction over micro-batches and ranks: *_min -> min, *_max -> max, the rest are means
 # weighted by the number of sequences (GSPO metrics are per-sequence means).
@@ -95,8 +95,8 @@ class RLTrainer:
     # ---------------------------------------------------------------------------------------
     def load_hf(self, hf_dir: str) -> None:
         """Load weights from a Hugging Face directory (checked against the model config first)."""
-        from megatron_gspo.hf_config import check_model_config
-        from megatron_gspo.safetensors_io import HFCheckpoint
+        from megatron_gspo.hf.hf_config import check_model_config
+        from megatron_gspo.hf.safetensors_io import HFCheckpoint
 
         check_model_config(self.cfg.model, hf_dir)
         with HFCheckpoint(hf_dir) as ckpt:
@@ -105,8 +105,8 @@ class RLTrainer:
     def load_mcore(self, ckpt_dir: str) -> None:
         """Load a Megatron torch_dist checkpoint (``convert hf-to-mcore`` or a trainer checkpoint's
         ``model_optim``), under this run's layout whatever layout wrote it."""
-        from megatron_gspo.hf_config import check_model_config
-        from megatron_gspo.mcore_checkpoint import load_model
+        from megatron_gspo.hf.hf_config import check_model_config
+        from megatron_gspo.hf.mcore_checkpoint import load_model
 
         hf_config = Path(ckpt_dir) / "hf_config"
         if hf_config.is_dir():
@@ -191,11 +191,11 @@ class RLTrainer:
 
     # ---------------------------------------------------------------------------------------
     def save(self, run_dir: str | Path, step: int, run_state: dict) -> Path:
-        from megatron_gspo.checkpoint import save_checkpoint
+        from megatron_gspo.train.checkpoint import save_checkpoint
 
         return save_checkpoint(run_dir, step, self.state.model, self.state.optimizer, run_state)
 
     def load(self, path: str | Path) -> dict:
-        from megatron_gspo.checkpoint import load_checkpoint
+        from megatron_gspo.train.checkpoint import load_checkpoint
 
         return load_checkpoint(path, self.state.model, self.state.optimizer)

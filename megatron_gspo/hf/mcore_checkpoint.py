@@ -65,7 +65,7 @@ import torch
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from megatron_gspo.config import ModelConfig
-from megatron_gspo.safetensors_io import CheckpointError
+from megatron_gspo.hf.safetensors_io import CheckpointError
 
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                  "common_backend": "torch", "common_backend_version": 1}

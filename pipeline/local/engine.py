@@ -43,7 +43,7 @@ from typing import Callable, Optional
 
 import torch
 
-from pipeline.local_protocol import (Sampling, finish_abort_queued, finish_abort_running,
+from pipeline.local.protocol import (Sampling, finish_abort_queued, finish_abort_running,
                                      finish_length, finish_stop)
 
 log = logging.getLogger("megatron_gspo.serve")

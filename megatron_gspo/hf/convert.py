@@ -7,10 +7,10 @@
 
 (CLI: ``megatron-gspo convert hf-to-mcore|mcore-to-hf``, see ``launch/convert.py``.)
 
-Both directions use the one name/layout mapping of :mod:`megatron_gspo.hf_mapping`
+Both directions use the one name/layout mapping of :mod:`megatron_gspo.hf.mapping`
 (``pieces_for``) at the trivial layout TP = EP = PP = 1: in a torch_dist checkpoint each key holds
 the *global* tensor, which is what a TP = EP = PP = 1 rank holds locally, with the layer (and
-expert) index as leading axes (:mod:`megatron_gspo.mcore_checkpoint`). So
+expert) index as leading axes (:mod:`megatron_gspo.hf.mcore_checkpoint`). So
 
 * ``linear_qkv`` is the GQA-interleaved ``[q_g; k_g; v_g]`` per group, ``linear_fc1`` of an expert
   is ``[gate; up]``, experts are numbered globally, the vocabulary rows are padded with zeros to
@@ -46,14 +46,14 @@ import torch
 
 from megatron_gspo.config import ConfigError, ModelConfig, ParallelConfig, padded_vocab_size, \
     validate_model_parallel
-from megatron_gspo.hf_config import (HFConfigError, load_hf_config, model_config_from_checkpoint,
+from megatron_gspo.hf.hf_config import (HFConfigError, load_hf_config, model_config_from_checkpoint,
                                      unsupported_features)
-from megatron_gspo.hf_mapping import Piece, RankLayout, hf_param_names, hf_param_shapes, pieces_for
-from megatron_gspo.mcore_checkpoint import (HF_CONFIG_DIR, HF_SIDE_FILES, Chunk, Entry,
+from megatron_gspo.hf.mapping import Piece, RankLayout, hf_param_names, hf_param_shapes, pieces_for
+from megatron_gspo.hf.mcore_checkpoint import (HF_CONFIG_DIR, HF_SIDE_FILES, Chunk, Entry,
                                             McoreCheckpoint, TensorWrite, checkpoint_entries,
                                             copy_hf_files, extra_state_keys, iter_chunks, layer_chunks,
                                             none_object_bytes, write_checkpoint)
-from megatron_gspo.safetensors_io import (INDEX_FILE, CheckpointError, HFCheckpoint, ShardWriter,
+from megatron_gspo.hf.safetensors_io import (INDEX_FILE, CheckpointError, HFCheckpoint, ShardWriter,
                                           parse_size, plan_shards, shard_file_names, write_index)
 
 DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -363,7 +363,7 @@ def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, hf_config: Option
     """
     from tqdm import tqdm
 
-    from megatron_gspo.model import model_config_from_hf
+    from megatron_gspo.hf.hf_config import model_config_from_hf
 
     start_time = time.perf_counter()
     target = parse_dtype(dtype)

@@ -54,7 +54,7 @@ def hf_config_dict(model: ModelConfig, *, dtype: str = "float32") -> dict:
 
 def copy_tokenizer_files(source: str | Path, target: Path) -> None:
     """The tokenizer and generation files of a Hugging Face directory (not its config.json)."""
-    from megatron_gspo.mcore_checkpoint import HF_SIDE_FILES, copy_hf_files
+    from megatron_gspo.hf.mcore_checkpoint import HF_SIDE_FILES, copy_hf_files
 
     copy_hf_files(Path(source), target, [n for n in HF_SIDE_FILES if n != "config.json"])
 
@@ -71,7 +71,7 @@ def export_hf_dir(gpt, model: ModelConfig, pg_collection, out_dir: str | Path, *
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
     weight_map, total = {}, 0
-    from megatron_gspo.weight_sync import iter_full_hf_tensors
+    from megatron_gspo.hf.weight_sync import iter_full_hf_tensors
 
     for i, bucket in enumerate(iter_full_hf_tensors(gpt, model, pg_collection,
                                                     bucket_bytes=bucket_bytes)):

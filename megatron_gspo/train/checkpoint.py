@@ -96,7 +96,7 @@ def _writer_results_queue_dies_with_us() -> None:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from pipeline.lifetime import die_with_parent
+    from megatron_gspo.lifetime import die_with_parent
 
     if filesystem_async._results_queue is None:
         _writer_manager = SyncManager(ctx=multiprocessing.get_context("spawn"))

@@ -11,7 +11,7 @@ Qwen3-MoE in Megatron terms (every layer is an MoE layer, no shared expert, no b
 * RMSNorm everywhere, tied or untied embeddings, vocabulary padded for tensor parallelism.
 
 Spec: Transformer Engine's when TE imports and CUDA is present; Megatron's local spec otherwise,
-with our sequence-parallel-capable :class:`~megatron_gspo.norm.RMSNorm`.
+with our sequence-parallel-capable :class:`~megatron_gspo.model.norm.RMSNorm`.
 
 ``build_transformer_config`` is the ONE place where Megatron's ``TransformerConfig`` is built.
 """
@@ -112,7 +112,7 @@ def build_layer_spec(config, *, use_te: bool):
     if use_te:
         return get_gpt_decoder_block_spec(config, use_transformer_engine=True,
                                           normalization="RMSNorm")
-    from megatron_gspo.norm import RMSNorm
+    from megatron_gspo.model.norm import RMSNorm
 
     layer = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
                                      qk_layernorm=True, normalization="RMSNorm")
@@ -156,44 +156,6 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, pg_collection, *,
     return gpt
 
 
-def model_config_from_hf(hf_config, **overrides) -> ModelConfig:
-    """ModelConfig from a Hugging Face ``Qwen3MoeConfig`` (object, dict or config.json path)."""
-    if isinstance(hf_config, str):
-        import json
-        from pathlib import Path
-
-        path = Path(hf_config)
-        if path.is_dir():
-            path = path / "config.json"
-        hf_config = json.loads(path.read_text())
-    get = (hf_config.get if isinstance(hf_config, dict)
-           else lambda key, default=None: getattr(hf_config, key, default))
-    rope_theta = get("rope_theta", None)
-    if rope_theta is None:  # transformers 5 writes rope_parameters
-        rope_theta = (get("rope_parameters", None) or {}).get("rope_theta", 10000.0)
-    num_heads = get("num_attention_heads")
-    values = dict(
-        num_layers=get("num_hidden_layers"),
-        hidden_size=get("hidden_size"),
-        num_attention_heads=num_heads,
-        num_query_groups=get("num_key_value_heads", num_heads),
-        head_dim=get("head_dim", None) or get("hidden_size") // num_heads,
-        num_experts=get("num_experts", None) or get("num_local_experts"),
-        moe_router_topk=get("num_experts_per_tok"),
-        moe_ffn_hidden_size=get("moe_intermediate_size"),
-        # transformers' Qwen3MoeConfig defaults norm_topk_prob to False (the published Qwen3-MoE
-        # configs set it to true explicitly); an absent key must mean what it means to transformers.
-        norm_topk_prob=bool(get("norm_topk_prob", False)),
-        vocab_size=get("vocab_size"),
-        rope_theta=float(rope_theta),
-        rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-    )
-    values.update(overrides)
-    return ModelConfig(**values)
-
-
 # ----------------------------------------------------------------------------------------------
 # Weights in Hugging Face names (the mapping lives in hf_mapping.py)
 
@@ -202,7 +164,7 @@ def rank_layout(gpt, model: ModelConfig, pg_collection):
     """This rank's coordinates for the HF mapping, read from the process groups and the model."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from megatron_gspo.hf_mapping import RankLayout
+    from megatron_gspo.hf.mapping import RankLayout
 
     tp = pg_collection.tp
     return RankLayout(
@@ -226,7 +188,7 @@ def load_hf_weights(gpt, model: ModelConfig, pg_collection, get_hf) -> None:
 
     Raises KeyError naming a Megatron parameter that has no HF counterpart.
     """
-    from megatron_gspo.hf_mapping import shard_from_hf
+    from megatron_gspo.hf.mapping import shard_from_hf
 
     gpt = _unwrap(gpt)
     layout = rank_layout(gpt, model, pg_collection)
@@ -237,7 +199,7 @@ def load_hf_weights(gpt, model: ModelConfig, pg_collection, get_hf) -> None:
 def local_hf_pieces(gpt, model: ModelConfig, pg_collection, *, tensors=None):
     """Yield (Piece, local sub-tensor) for every local parameter (or for ``tensors``: name->tensor,
     e.g. gradients) in HF names and coordinates."""
-    from megatron_gspo.hf_mapping import iter_hf_pieces
+    from megatron_gspo.hf.mapping import iter_hf_pieces
 
     gpt = _unwrap(gpt)
     layout = rank_layout(gpt, model, pg_collection)
@@ -253,7 +215,7 @@ def token_log_probs(logits, target, model: ModelConfig, pg_collection, *, temper
     Columns of the padded vocabulary (ids >= model.vocab_size) are excluded, so the result is the
     log-softmax over the real vocabulary, as in Hugging Face and SGLang.
     """
-    from megatron_gspo.logprobs import DEFAULT_CHUNK_SIZE, vocab_parallel_log_probs
+    from megatron_gspo.loss.logprobs import DEFAULT_CHUNK_SIZE, vocab_parallel_log_probs
 
     tp = pg_collection.tp
     width = logits.shape[-1]
@@ -274,7 +236,7 @@ def init_weights(gpt, model: ModelConfig, pg_collection, *, seed: int) -> None:
     normal(0, init_method_std)."""
     import zlib
 
-    from megatron_gspo.hf_mapping import hf_param_shapes
+    from megatron_gspo.hf.mapping import hf_param_shapes
 
     shapes = hf_param_shapes(model)
     cache: dict[str, torch.Tensor] = {}

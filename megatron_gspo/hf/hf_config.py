@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from megatron_gspo.config import ConfigError, ModelConfig
-from megatron_gspo.hf_mapping import hf_param_shapes
+from megatron_gspo.hf.mapping import hf_param_shapes
 
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts_per_tok",
              "moe_intermediate_size", "vocab_size")
@@ -165,8 +165,6 @@ def check_weights(model: ModelConfig, shapes: Mapping[str, tuple], source: str) 
 def model_config_from_checkpoint(hf_dir: str | Path, shapes: Mapping[str, tuple]) -> ModelConfig:
     """Validate config.json (supported features, agreement with the weights) and return the
     ModelConfig; one HFConfigError lists every problem found."""
-    from megatron_gspo.model import model_config_from_hf
-
     config_file = Path(hf_dir) / "config.json"
     config = load_hf_config(config_file)
     problems = unsupported_features(config)
@@ -206,8 +204,6 @@ def check_model_config(model: ModelConfig, hf_config: Mapping[str, Any] | str | 
                        source: str = "config.json") -> None:
     """The run's ModelConfig must describe the same network as config.json; one error lists all
     differing fields (``model.<field>`` = run value vs config.json value) and unsupported settings."""
-    from megatron_gspo.model import model_config_from_hf
-
     if not isinstance(hf_config, Mapping):
         source = str(hf_config)
         hf_config = load_hf_config(hf_config)
@@ -221,3 +217,41 @@ def check_model_config(model: ModelConfig, hf_config: Mapping[str, Any] | str | 
     if problems:
         raise HFConfigError(f"the model definition does not match {source}:\n  - "
                             + "\n  - ".join(problems))
+
+
+def model_config_from_hf(hf_config, **overrides) -> ModelConfig:
+    """ModelConfig from a Hugging Face ``Qwen3MoeConfig`` (object, dict or config.json path)."""
+    if isinstance(hf_config, str):
+        import json
+        from pathlib import Path
+
+        path = Path(hf_config)
+        if path.is_dir():
+            path = path / "config.json"
+        hf_config = json.loads(path.read_text())
+    get = (hf_config.get if isinstance(hf_config, dict)
+           else lambda key, default=None: getattr(hf_config, key, default))
+    rope_theta = get("rope_theta", None)
+    if rope_theta is None:  # transformers 5 writes rope_parameters
+        rope_theta = (get("rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    num_heads = get("num_attention_heads")
+    values = dict(
+        num_layers=get("num_hidden_layers"),
+        hidden_size=get("hidden_size"),
+        num_attention_heads=num_heads,
+        num_query_groups=get("num_key_value_heads", num_heads),
+        head_dim=get("head_dim", None) or get("hidden_size") // num_heads,
+        num_experts=get("num_experts", None) or get("num_local_experts"),
+        moe_router_topk=get("num_experts_per_tok"),
+        moe_ffn_hidden_size=get("moe_intermediate_size"),
+        # transformers' Qwen3MoeConfig defaults norm_topk_prob to False (the published Qwen3-MoE
+        # configs set it to true explicitly); an absent key must mean what it means to transformers.
+        norm_topk_prob=bool(get("norm_topk_prob", False)),
+        vocab_size=get("vocab_size"),
+        rope_theta=float(rope_theta),
+        rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+    )
+    values.update(overrides)
+    return ModelConfig(**values)

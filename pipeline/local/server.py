@@ -33,8 +33,8 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from pipeline import local_protocol as proto
-from pipeline.local_engine import EngineRequest, LocalEngine, read_safetensors_dir
+from pipeline.local import protocol as proto
+from pipeline.local.engine import EngineRequest, LocalEngine, read_safetensors_dir
 from pipeline.weight_transport import (broadcast, decode_named_tensors, new_update_group,
                                        parse_dtype)
 

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_gspo import gspo
+from megatron_gspo.loss import gspo
 from megatron_gspo.config import GSPOConfig, ModelConfig
 
 
@@ -37,7 +37,7 @@ def make_gspo_loss_fn(model: ModelConfig, gspo_cfg: GSPOConfig, pg_collection, *
                       temperature: float = 1.0,
                       sequence_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
     """Build the Megatron loss function for the configured GSPO variant."""
-    from megatron_gspo.model import token_log_probs
+    from megatron_gspo.model.gpt import token_log_probs
 
     eps_low, eps_high = gspo_cfg.clip_range()
     need_entropy = gspo_cfg.entropy_coef > 0
@@ -75,7 +75,7 @@ def make_log_prob_fn(model: ModelConfig, pg_collection, *, key: str = "old_log_p
     Used to recompute log pi_old with Megatron before the updates of a rollout batch (on the last
     pipeline stage, where the logits are).
     """
-    from megatron_gspo.model import token_log_probs
+    from megatron_gspo.model.gpt import token_log_probs
 
     def loss_fn(logits: torch.Tensor, batch: dict):
         with torch.no_grad():

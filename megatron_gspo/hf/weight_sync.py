@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.config import ModelConfig
-from megatron_gspo.hf_mapping import hf_param_names, hf_param_shapes
+from megatron_gspo.hf.mapping import hf_param_names, hf_param_shapes
 from pipeline import rollout
 from pipeline.weight_transport import (broadcast, dtype_name, encode_named_tensors,
                                        new_update_group)
@@ -112,7 +112,7 @@ class _Plan:
 
 
 def _local_pieces(gpt, model_cfg, pg_collection):
-    from megatron_gspo.model import local_hf_pieces
+    from megatron_gspo.model.gpt import local_hf_pieces
 
     if isinstance(gpt, (list, tuple)):
         if len(gpt) != 1:

@@ -1,0 +1,521 @@
+"""GSPO loss math: sequence-level importance ratio, PPO clipping, aggregation (pure torch).
+
+Reference: docs/gspo_math.md (Zheng et al., "Group Sequence Policy Optimization", arXiv
+2507.18071). Tensors and floats in, ``(loss, metrics)`` out: no torch.distributed, no config,
+no Megatron. The distributed layer passes its collectives in through ``sequence_reduce``.
+
+Shape suffixes
+    B  num_sequences: rows of the micro-batch, one response per row (padding rows allowed)
+    T  max_len: token positions of a row; ``is_response_token_BT`` is True on response tokens
+    K  number of per-sequence partial sums stacked into one ``sequence_reduce`` call
+
+Notation: lp_it = log pi_theta(y_it), old_it = log pi_old(y_it), n_i = |y_i| (response tokens),
+A_i (or A_it) the advantage, sg[.] stop-gradient, clip(r) = clamp(r, 1 - eps_low, 1 + eps_high).
+
+    log s_i = (1/n_i) sum_t (lp_it - old_it)          s_i = exp(log s_i)    (geometric mean)
+    w_it    = exp(lp_it - old_it)                      token ratio
+
+PPO rule for a unit (sequence or token) with ratio r and advantage A: the unit is CUT when
+    (A > 0 and r > 1 + eps_high)  or  (A < 0 and r < 1 - eps_low);
+a cut unit contributes the constant clip(r) * A with no gradient, an uncut one r * A. This is
+min(r A, clip(r) A) written without a tie: A < 0 with r > 1 + eps_high is NOT cut (pessimistic
+bound, full gradient).
+
+Variants (J_i is the per-sequence objective, maximised):
+    gspo                    J_i = PPO(s_i, A_i)
+    gspo_token              J_i = (1/n_i) sum_t PPO(s_it, A_it),  s_it = sg[s_i] exp(lp_it - sg[lp_it])
+                            (value s_i; equals gspo in value and gradient when A_it = A_i)
+    grpo                    J_i = (1/n_i) sum_t PPO(w_it, A_it)
+    seq_ratio_token_clip    J_i = (1/n_i) sum_t [ clip(w_it) A_it          if token t is cut by w_it
+                                              sg[s_i] exp(lp_it - sg[lp_it]) A_it   otherwise ]
+    token_ratio_seq_clip    J_i = clip(s_i) A_i if the sequence is cut by s_i, else (1/n_i) sum_t w_it A_i
+    seq_ratio_unnormalized  J_i = PPO(S_i, A_i),  S_i = exp(sum_t (lp_it - old_it))   (no 1/n_i)
+The eps pair is whatever the caller passes: sequence-clip variants want the sequence range
+(paper: 3e-4 / 4e-4), token-clip variants (grpo, seq_ratio_token_clip) a token range (0.2 / 0.28).
+
+Loss (minimised):
+    loss = -(1/D) sum_{i: n_i > 0} [ m_i J_i - kl_coef KL_i + entropy_coef H_i ]
+    D    = loss_denominator if given, else N = number of rows with n_i > 0
+    KL_i = (1/n_i) sum_t k3_it,  k3_it = exp(ref_it - lp_it) - (ref_it - lp_it) - 1   (low-variance KL)
+    H_i  = (1/n_i) sum_t entropy_it
+    m_i  = sg[ min(exp((1/n_i) sum_t (old_it - rollout_it)), mismatch_cap) ]   (truncated IS weight,
+           the MEAN log-ratio, never the sum), 1 when no rollout log-probs are given.
+
+Distributed decomposition (context parallelism). Everything non-linear above is a function of a
+few per-sequence sums over tokens: n_i, sum_t (lp - old), and, per variant, sums of local per-token
+terms. Each rank computes these sums over its own tokens as one ``[B, K]`` tensor and calls
+``sequence_reduce`` on it once; with an autograd-aware all-reduce over the context-parallel group
+(sum forward, identity backward) every rank gets the exact sums over all tokens, computes the same
+J_i and the same loss, and back-propagates dJ_i/d(sum) into its own tokens only, so the gradients
+summed over the CP ranks equal the single-process gradient. Rows count as sequences when the
+REDUCED n_i > 0 (a rank may hold no token of a real sequence). Terms that multiply a per-token
+factor by sg[s_i] stay linear in a local sum because sg[s_i] is a per-sequence constant and the cut
+decision depends only on s_i and the token's own ratio / advantage sign, e.g. for gspo_token
+    sum_{t: A_it > 0} PPO(s_it, A_it) = clip(s_i) sg[P_i]  if s_i > 1 + eps_high,  else sg[s_i] P_i
+    P_i = sum_{t: A_it > 0} A_it exp(lp_it - sg[lp_it])     (value sum A_it, gradient A_it per token)
+so EVERY variant, optional terms included, makes exactly ONE ``sequence_reduce`` call
+(``sequence_log_ratio`` also makes one).
+
+Numerics: log-ratios are clamped to [-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT] = [-20, 20] just before
+each exp (log s_i, log S_i, per-token log w_it, the k3 argument). exp(20) = 4.9e8 is far outside
+any clip range, so in the normal range nothing changes; beyond it a cut unit has no gradient
+anyway, and an uncut one (A < 0 with a ratio above e^20, or A > 0 below e^-20) keeps the value at
+the clamp and gets zero gradient instead of an overflow. Positions outside the response mask are
+replaced by 0 before any arithmetic, so NaN/inf there (e.g. -inf log-probs of padding) never reach
+the loss or the gradient. Half-precision inputs are computed in float32.
+"""
+
+import math
+from collections.abc import Callable
+from typing import Literal, get_args
+
+import torch
+from torch import Tensor
+
+from megatron_gspo.loss.advantages import group_advantages
+
+__all__ = [
+    "LOG_RATIO_LIMIT",
+    "SEQUENCE_CLIP_VARIANTS",
+    "TOKEN_CLIP_VARIANTS",
+    "VARIANTS",
+    "Variant",
+    "group_advantages",
+    "gspo_loss",
+    "sequence_log_ratio",
+]
+
+Variant = Literal[
+    "gspo", "gspo_token", "grpo", "seq_ratio_token_clip", "token_ratio_seq_clip", "seq_ratio_unnormalized"
+]
+VARIANTS: tuple[str, ...] = get_args(Variant)
+# The cut unit is the whole sequence: these need one advantage per sequence.
+SEQUENCE_CLIP_VARIANTS: tuple[str, ...] = ("gspo", "token_ratio_seq_clip", "seq_ratio_unnormalized")
+# The cut unit is the token: these accept per-token advantages A_it.
+TOKEN_CLIP_VARIANTS: tuple[str, ...] = ("gspo_token", "grpo", "seq_ratio_token_clip")
+
+LOG_RATIO_LIMIT = 20.0
+
+SequenceReduce = Callable[[Tensor], Tensor]
+
+
+def sequence_log_ratio(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    response_mask: Tensor,
+    *,
+    sequence_reduce: SequenceReduce | None = None,
+) -> Tensor:
+    """``log s_i = (1/n_i) sum_t (lp_it - old_it)`` per row, ``[B]``; 0 for rows with n_i = 0.
+
+    Args:
+        log_probs: ``[B, T]`` log pi_theta of the sampled tokens (gradient flows through it).
+        old_log_probs: ``[B, T]`` log pi_old (treated as a constant).
+        response_mask: ``[B, T]``, True (or non-zero) on response tokens.
+        sequence_reduce: applied once to the ``[B, 2]`` local sums (masked log-ratio sum, token
+            count) before dividing; pass an autograd-aware all-reduce under context parallelism.
+    """
+    is_response_token_BT = _response_mask(response_mask, log_probs.shape)
+    dtype = _compute_dtype(log_probs)
+    log_ratio_BT = torch.where(is_response_token_BT, log_probs.to(dtype) - old_log_probs.detach().to(dtype), 0.0)
+    sums_B2 = torch.stack([log_ratio_BT.sum(-1), is_response_token_BT.sum(-1).to(dtype)], dim=-1)
+    sums_B2 = _reduce_sequence_sums(sums_B2, sequence_reduce)
+    return sums_B2[:, 0] / sums_B2[:, 1].clamp(min=1.0)
+
+
+def gspo_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    eps_low: float,
+    eps_high: float,
+    variant: Variant = "gspo",
+    loss_denominator: float | None = None,
+    sequence_reduce: SequenceReduce | None = None,
+    ref_log_probs: Tensor | None = None,
+    kl_coef: float = 0.0,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
+    rollout_log_probs: Tensor | None = None,
+    mismatch_cap: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO (and ablation) policy loss; formulas, variants and the CP decomposition in the module docstring.
+
+    Args:
+        log_probs: ``[B, T]`` log pi_theta of the sampled tokens; the gradient flows through it.
+        old_log_probs: ``[B, T]`` log pi_old (constant).
+        advantages: ``[B]``, or ``[B, T]`` per token (constant). Token-clip variants (gspo_token,
+            grpo, seq_ratio_token_clip) use per-token values as A_it. Sequence-clip variants
+            (gspo, token_ratio_seq_clip, seq_ratio_unnormalized) need one advantage per
+            sequence: a ``[B, T]`` tensor must be constant over each row's response tokens
+            (checked on the local tokens, ValueError otherwise; this check syncs with the host)
+            and A_i is then its token-mean through ``sequence_reduce`` (so a CP rank holding no
+            token of row i still gets A_i).
+        response_mask: ``[B, T]``, True (or non-zero) on response tokens; prompt and padding are
+            False. Values of the other tensors outside the mask are ignored (may be NaN/inf).
+        eps_low, eps_high: clip range ``[1 - eps_low, 1 + eps_high]`` for the variant's cut unit.
+        variant: one of ``VARIANTS``.
+        loss_denominator: D. None divides by the local N (rows with a response token); the
+            distributed caller passes the number of sequences of the whole mini-batch.
+        sequence_reduce: called exactly once on the ``[B, K]`` tensor of local per-sequence sums
+            (column 0 the response-token count, column 1 the masked log-ratio sum, then the
+            variant's and the optional terms' sums) before anything non-linear is computed; must
+            return a tensor of the same shape. Default identity. Under context parallelism: an
+            all-reduce(SUM) over the CP group whose backward is the identity.
+        ref_log_probs, kl_coef: k3 KL to a reference policy (needs ``ref_log_probs`` when
+            ``kl_coef != 0``).
+        entropy, entropy_coef: ``[B, T]`` per-token entropies (gradient flows through them);
+            the bonus subtracts ``entropy_coef * H_i`` per sequence from the loss.
+        rollout_log_probs, mismatch_cap: the rollout engine's log-probs and the cap C of the
+            detached weight ``m_i = min(exp(mean_t(old - rollout)), C)`` multiplying J_i.
+
+    Returns:
+        ``(loss, metrics)``: scalar loss; ``metrics`` maps names to detached 0-d tensors (means
+        are over this call's rows with n_i > 0, 0 when there are none; to combine calls, weight
+        sequence means by ``num_sequences`` and token fractions by ``num_tokens``). Every CP rank
+        gets the same values. The key set depends only on the variant and the optional inputs:
+
+        always: ``loss``, ``policy_loss`` (= -(1/D) sum_i m_i J_i), ``num_sequences`` (N),
+            ``num_tokens`` (sum_i n_i), ``response_length_mean|min|max``,
+            ``log_ratio_seq_mean|std|min|max`` (log s_i, length-normalised for every variant;
+            population std)
+        sequence-clip variants: ``clip_frac_low``, ``clip_frac_high``, ``clip_frac``: fraction
+            of sequences cut on the low side (A < 0, r < 1 - eps_low), the high side (A > 0,
+            r > 1 + eps_high), either; r = s_i (S_i for seq_ratio_unnormalized)
+        token-clip variants: ``token_clip_frac_low``, ``token_clip_frac_high``,
+            ``token_clip_frac``: the same as fractions of response tokens
+        with ref_log_probs: ``kl_mean`` (mean_i KL_i); with entropy: ``entropy_mean`` (mean_i H_i)
+        with rollout_log_probs: ``mismatch_weight_mean`` (mean_i m_i), ``mismatch_capped_frac``
+            (fraction with exp(mean) > cap), ``mismatch_log_prob_abs_diff_mean`` (token-mean of
+            |old - rollout|)
+    """
+    _check_options(variant, eps_low, eps_high, loss_denominator, ref_log_probs, kl_coef, entropy, entropy_coef,
+                   rollout_log_probs, mismatch_cap)
+    dtype = _compute_dtype(log_probs)
+    is_response_token_BT = _response_mask(response_mask, log_probs.shape)
+    for name, tensor in (("old_log_probs", old_log_probs), ("ref_log_probs", ref_log_probs), ("entropy", entropy),
+                         ("rollout_log_probs", rollout_log_probs)):
+        if tensor is not None and tensor.shape != log_probs.shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(log_probs.shape)} "
+                             f"like log_probs")
+
+    def masked(values_BT: Tensor) -> Tensor:
+        return torch.where(is_response_token_BT, values_BT.to(dtype), 0.0)
+
+    log_probs_BT = masked(log_probs)
+    old_log_probs_BT = masked(old_log_probs.detach())
+    log_ratio_BT = log_probs_BT - old_log_probs_BT
+    advantages_B, advantages_BT = _split_advantages(advantages, is_response_token_BT, variant, dtype)
+
+    # ---- local per-sequence sums: the only place tokens are aggregated -------------------------
+    local_sums = {
+        "num_tokens": is_response_token_BT.sum(-1).to(dtype),
+        "log_ratio_sum": log_ratio_BT.sum(-1),
+    }
+    if advantages_B is None and variant in SEQUENCE_CLIP_VARIANTS:
+        local_sums["advantage_sum"] = advantages_BT.sum(-1)
+    local_sums |= _variant_token_sums(variant, log_probs_BT, log_ratio_BT, advantages_BT, is_response_token_BT,
+                                      eps_low, eps_high)
+    if ref_log_probs is not None:
+        ref_minus_log_probs_BT = masked(ref_log_probs.detach()) - log_probs_BT
+        ref_minus_log_probs_BT = ref_minus_log_probs_BT.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+        local_sums["kl_sum"] = (torch.exp(ref_minus_log_probs_BT) - ref_minus_log_probs_BT - 1.0).sum(-1)
+    if entropy is not None:
+        local_sums["entropy_sum"] = masked(entropy).sum(-1)
+    if rollout_log_probs is not None:
+        rollout_log_ratio_BT = old_log_probs_BT - masked(rollout_log_probs.detach())
+        local_sums["rollout_log_ratio_sum"] = rollout_log_ratio_BT.sum(-1)
+        local_sums["rollout_abs_diff_sum"] = rollout_log_ratio_BT.abs().sum(-1)
+
+    names = list(local_sums)
+    sums_BK = _reduce_sequence_sums(torch.stack([local_sums[k] for k in names], dim=-1), sequence_reduce)
+    sums = {name: sums_BK[:, k] for k, name in enumerate(names)}
+
+    # ---- everything below is per sequence, from the reduced (exact) sums ------------------------
+    num_tokens_B = sums["num_tokens"]
+    is_nonempty_B = num_tokens_B > 0
+    num_tokens_safe_B = num_tokens_B.clamp(min=1.0)
+    log_ratio_seq_B = sums["log_ratio_sum"] / num_tokens_safe_B
+    if advantages_B is None and variant in SEQUENCE_CLIP_VARIANTS:
+        advantages_B = sums["advantage_sum"] / num_tokens_safe_B
+
+    objective_B, cut_counts = _variant_objective(variant, sums, log_ratio_seq_B, advantages_B, num_tokens_safe_B,
+                                                 eps_low, eps_high)
+
+    mismatch_weight_B = torch.ones_like(num_tokens_B)
+    if rollout_log_probs is not None:
+        log_cap = math.log(mismatch_cap)
+        rollout_log_ratio_seq_B = (sums["rollout_log_ratio_sum"] / num_tokens_safe_B).detach()
+        mismatch_weight_B = torch.exp(rollout_log_ratio_seq_B.clamp(max=log_cap))
+    policy_term_B = mismatch_weight_B * objective_B
+    per_sequence_B = policy_term_B
+    if ref_log_probs is not None:
+        per_sequence_B = per_sequence_B - kl_coef * (sums["kl_sum"] / num_tokens_safe_B)
+    if entropy is not None:
+        per_sequence_B = per_sequence_B + entropy_coef * (sums["entropy_sum"] / num_tokens_safe_B)
+
+    num_sequences = is_nonempty_B.sum().to(dtype)
+    denominator = num_sequences.clamp(min=1.0) if loss_denominator is None else float(loss_denominator)
+    zero = torch.zeros((), dtype=dtype, device=log_probs.device)
+    loss = -torch.where(is_nonempty_B, per_sequence_B, zero).sum() / denominator
+
+    # ---- metrics (detached) -------------------------------------------------------------------
+    with torch.no_grad():
+        num_nonempty = num_sequences.clamp(min=1.0)
+        num_tokens = num_tokens_B.sum()
+        metrics = {
+            "loss": loss.detach(),
+            "policy_loss": -torch.where(is_nonempty_B, policy_term_B, zero).sum() / denominator,
+            "num_sequences": num_sequences,
+            "num_tokens": num_tokens,
+        }
+        metrics |= _masked_stats("response_length", num_tokens_B, is_nonempty_B)
+        metrics |= _masked_stats("log_ratio_seq", log_ratio_seq_B, is_nonempty_B, with_std=True)
+        if variant in SEQUENCE_CLIP_VARIANTS:
+            is_cut_low_B, is_cut_high_B = cut_counts
+            metrics["clip_frac_low"] = (is_cut_low_B & is_nonempty_B).sum() / num_nonempty
+            metrics["clip_frac_high"] = (is_cut_high_B & is_nonempty_B).sum() / num_nonempty
+            metrics["clip_frac"] = metrics["clip_frac_low"] + metrics["clip_frac_high"]
+        else:
+            num_cut_low_B, num_cut_high_B = cut_counts
+            metrics["token_clip_frac_low"] = num_cut_low_B.sum() / num_tokens.clamp(min=1.0)
+            metrics["token_clip_frac_high"] = num_cut_high_B.sum() / num_tokens.clamp(min=1.0)
+            metrics["token_clip_frac"] = metrics["token_clip_frac_low"] + metrics["token_clip_frac_high"]
+        if ref_log_probs is not None:
+            metrics["kl_mean"] = _masked_mean(sums["kl_sum"] / num_tokens_safe_B, is_nonempty_B)
+        if entropy is not None:
+            metrics["entropy_mean"] = _masked_mean(sums["entropy_sum"] / num_tokens_safe_B, is_nonempty_B)
+        if rollout_log_probs is not None:
+            metrics["mismatch_weight_mean"] = _masked_mean(mismatch_weight_B, is_nonempty_B)
+            is_capped_B = (rollout_log_ratio_seq_B > log_cap) & is_nonempty_B
+            metrics["mismatch_capped_frac"] = is_capped_B.sum() / num_nonempty
+            metrics["mismatch_log_prob_abs_diff_mean"] = sums["rollout_abs_diff_sum"].sum() / num_tokens.clamp(min=1.0)
+        metrics = {name: value.detach().to(dtype) for name, value in metrics.items()}
+    return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-variant pieces. `_variant_token_sums` builds the local per-sequence sums (linear in the
+# tokens, so they can be summed across ranks); `_variant_objective` turns the reduced sums into J_i.
+# ---------------------------------------------------------------------------------------------
+
+
+def _variant_token_sums(
+    variant: str,
+    log_probs_BT: Tensor,
+    log_ratio_BT: Tensor,
+    advantages_BT: Tensor,
+    is_response_token_BT: Tensor,
+    eps_low: float,
+    eps_high: float,
+) -> dict[str, Tensor]:
+    """Local ``[B]`` sums over response tokens that the variant's J_i needs besides n_i and sum(lp - old)."""
+    # value 1, gradient 1 w.r.t. lp_it: "pi_theta(y_it) / sg[pi_theta(y_it)]"
+    unit_weight_BT = torch.exp(log_probs_BT - log_probs_BT.detach())
+
+    def masked_sum(values_BT: Tensor, is_included_BT: Tensor = is_response_token_BT) -> Tensor:
+        return torch.where(is_included_BT, values_BT, 0.0).sum(-1)
+
+    if variant in ("gspo", "seq_ratio_unnormalized"):
+        return {}
+    if variant == "gspo_token":
+        # All tokens share the ratio value s_i, so whether token t is cut depends only on the sign
+        # of A_it; split by sign and keep the sums linear (module docstring).
+        is_positive_BT = is_response_token_BT & (advantages_BT > 0)
+        is_negative_BT = is_response_token_BT & (advantages_BT < 0)
+        return {
+            "positive_advantage_sum": masked_sum(advantages_BT * unit_weight_BT, is_positive_BT),
+            "negative_advantage_sum": masked_sum(advantages_BT * unit_weight_BT, is_negative_BT),
+            "num_positive_advantage_tokens": is_positive_BT.sum(-1).to(log_ratio_BT.dtype).detach(),
+            "num_negative_advantage_tokens": is_negative_BT.sum(-1).to(log_ratio_BT.dtype).detach(),
+        }
+
+    token_ratio_BT = torch.exp(log_ratio_BT.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    if variant == "token_ratio_seq_clip":
+        return {"token_ratio_sum": masked_sum(token_ratio_BT)}
+
+    # token-clip variants: the cut decision is per token, by its own w_it and A_it
+    is_cut_low_BT, is_cut_high_BT = _ppo_cut(token_ratio_BT, advantages_BT, eps_low, eps_high)
+    is_cut_low_BT = is_cut_low_BT & is_response_token_BT
+    is_cut_high_BT = is_cut_high_BT & is_response_token_BT
+    is_cut_BT = is_cut_low_BT | is_cut_high_BT
+    cut_counts = {
+        "num_cut_low_tokens": is_cut_low_BT.sum(-1).to(log_ratio_BT.dtype).detach(),
+        "num_cut_high_tokens": is_cut_high_BT.sum(-1).to(log_ratio_BT.dtype).detach(),
+    }
+    if variant == "grpo":
+        objective_BT = _ppo_objective(token_ratio_BT, advantages_BT, is_cut_BT, eps_low, eps_high)
+        return {"token_objective_sum": masked_sum(objective_BT)} | cut_counts
+    if variant == "seq_ratio_token_clip":
+        # uncut tokens: sg[s_i] * exp(lp - sg[lp]) * A_it, and sg[s_i] factors out of the sum
+        return {
+            "uncut_advantage_sum": masked_sum(advantages_BT * unit_weight_BT, is_response_token_BT & ~is_cut_BT),
+            "cut_objective_sum": masked_sum(_clip(token_ratio_BT, eps_low, eps_high).detach() * advantages_BT,
+                                            is_cut_BT),
+        } | cut_counts
+    raise AssertionError(variant)  # unreachable: variant validated by _check_options
+
+
+def _variant_objective(
+    variant: str,
+    sums: dict[str, Tensor],
+    log_ratio_seq_B: Tensor,
+    advantages_B: Tensor | None,
+    num_tokens_safe_B: Tensor,
+    eps_low: float,
+    eps_high: float,
+) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """J_i ``[B]`` from the reduced sums, and the cut statistics.
+
+    The cut statistics are ``(is_cut_low_B, is_cut_high_B)`` bools for sequence-clip variants,
+    ``(num_cut_low_tokens_B, num_cut_high_tokens_B)`` for token-clip variants.
+    """
+    seq_ratio_B = torch.exp(log_ratio_seq_B.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+
+    if variant in ("gspo", "seq_ratio_unnormalized"):
+        if variant == "seq_ratio_unnormalized":
+            seq_ratio_B = torch.exp(sums["log_ratio_sum"].clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+        is_cut_low_B, is_cut_high_B = _ppo_cut(seq_ratio_B, advantages_B, eps_low, eps_high)
+        objective_B = _ppo_objective(seq_ratio_B, advantages_B, is_cut_low_B | is_cut_high_B, eps_low, eps_high)
+        return objective_B, (is_cut_low_B, is_cut_high_B)
+
+    if variant == "token_ratio_seq_clip":
+        is_cut_low_B, is_cut_high_B = _ppo_cut(seq_ratio_B, advantages_B, eps_low, eps_high)
+        uncut_B = advantages_B * sums["token_ratio_sum"] / num_tokens_safe_B
+        cut_B = _clip(seq_ratio_B, eps_low, eps_high).detach() * advantages_B
+        return torch.where(is_cut_low_B | is_cut_high_B, cut_B, uncut_B), (is_cut_low_B, is_cut_high_B)
+
+    if variant == "gspo_token":
+        # positive-advantage tokens are cut when s_i > 1 + eps_high, negative ones when s_i < 1 - eps_low
+        is_cut_high_B = seq_ratio_B > 1.0 + eps_high
+        is_cut_low_B = seq_ratio_B < 1.0 - eps_low
+        clipped_ratio_B = _clip(seq_ratio_B, eps_low, eps_high).detach()
+        positive_sum_B, negative_sum_B = sums["positive_advantage_sum"], sums["negative_advantage_sum"]
+        positive_B = torch.where(is_cut_high_B, clipped_ratio_B * positive_sum_B.detach(),
+                                 seq_ratio_B.detach() * positive_sum_B)
+        negative_B = torch.where(is_cut_low_B, clipped_ratio_B * negative_sum_B.detach(),
+                                 seq_ratio_B.detach() * negative_sum_B)
+        objective_B = (positive_B + negative_B) / num_tokens_safe_B
+        num_cut_low_tokens_B = is_cut_low_B * sums["num_negative_advantage_tokens"]
+        num_cut_high_tokens_B = is_cut_high_B * sums["num_positive_advantage_tokens"]
+        return objective_B, (num_cut_low_tokens_B.detach(), num_cut_high_tokens_B.detach())
+
+    cut_counts = (sums["num_cut_low_tokens"].detach(), sums["num_cut_high_tokens"].detach())
+    if variant == "grpo":
+        return sums["token_objective_sum"] / num_tokens_safe_B, cut_counts
+    if variant == "seq_ratio_token_clip":
+        uncut_B = seq_ratio_B.detach() * sums["uncut_advantage_sum"]
+        objective_B = (uncut_B + sums["cut_objective_sum"]) / num_tokens_safe_B
+        return objective_B, cut_counts
+    raise AssertionError(variant)  # unreachable: variant validated by _check_options
+
+
+def _clip(ratio: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    return ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+
+
+def _ppo_cut(ratio: Tensor, advantage: Tensor, eps_low: float, eps_high: float) -> tuple[Tensor, Tensor]:
+    """``(is_cut_low, is_cut_high)``: (A < 0 and r < 1 - eps_low), (A > 0 and r > 1 + eps_high)."""
+    return (advantage < 0) & (ratio < 1.0 - eps_low), (advantage > 0) & (ratio > 1.0 + eps_high)
+
+
+def _ppo_objective(ratio: Tensor, advantage: Tensor, is_cut: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    """``min(r A, clip(r) A)``: the constant ``clip(r) A`` where cut, ``r A`` (with gradient) elsewhere."""
+    return torch.where(is_cut, _clip(ratio, eps_low, eps_high).detach() * advantage, ratio * advantage)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs, reduction, statistics.
+# ---------------------------------------------------------------------------------------------
+
+
+def _compute_dtype(log_probs: Tensor) -> torch.dtype:
+    if not log_probs.is_floating_point():
+        raise ValueError(f"log_probs must be a floating-point tensor, got {log_probs.dtype}")
+    return torch.promote_types(log_probs.dtype, torch.float32)
+
+
+def _response_mask(response_mask: Tensor, shape: torch.Size) -> Tensor:
+    if response_mask.shape != shape or len(shape) != 2:
+        raise ValueError(f"response_mask has shape {tuple(response_mask.shape)}; log_probs has {tuple(shape)}; "
+                         f"both must be [num_sequences, max_len]")
+    return response_mask if response_mask.dtype == torch.bool else response_mask != 0
+
+
+def _split_advantages(
+    advantages: Tensor, is_response_token_BT: Tensor, variant: str, dtype: torch.dtype
+) -> tuple[Tensor | None, Tensor]:
+    """``(advantages_B or None, advantages_BT)``; the per-token form is 0 outside the mask."""
+    num_sequences, max_len = is_response_token_BT.shape
+    advantages = advantages.detach().to(dtype)
+    if advantages.shape == (num_sequences,):
+        advantages_BT = torch.where(is_response_token_BT, advantages[:, None], 0.0)
+        return advantages, advantages_BT
+    if advantages.shape != (num_sequences, max_len):
+        raise ValueError(f"advantages has shape {tuple(advantages.shape)}; expected [{num_sequences}] (per sequence) "
+                         f"or [{num_sequences}, {max_len}] (per token)")
+    advantages_BT = torch.where(is_response_token_BT, advantages, 0.0)
+    if variant in SEQUENCE_CLIP_VARIANTS:
+        row_max_B = torch.where(is_response_token_BT, advantages, -math.inf).amax(-1)
+        row_min_B = torch.where(is_response_token_BT, advantages, math.inf).amin(-1)
+        is_varying_B = is_response_token_BT.any(-1) & (row_max_B != row_min_B)
+        if bool(is_varying_B.any()):
+            row = int(is_varying_B.nonzero()[0, 0])
+            raise ValueError(
+                f"variant {variant!r} clips whole sequences and needs one advantage per sequence, but "
+                f"advantages[{row}] varies over its response tokens ({row_min_B[row].item()} .. "
+                f"{row_max_B[row].item()}); pass "
+                f"[num_sequences] advantages or use a token-clip variant {TOKEN_CLIP_VARIANTS}"
+            )
+    return None, advantages_BT
+
+
+def _check_options(variant, eps_low, eps_high, loss_denominator, ref_log_probs, kl_coef, entropy, entropy_coef,
+                   rollout_log_probs, mismatch_cap) -> None:
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; valid variants: {', '.join(VARIANTS)}")
+    if not (0.0 <= eps_low < 1.0) or not (eps_high >= 0.0):
+        raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got eps_low={eps_low}, eps_high={eps_high}")
+    if loss_denominator is not None and not loss_denominator > 0:
+        raise ValueError(f"loss_denominator={loss_denominator} must be > 0 (the number of sequences of the mini-batch)")
+    if kl_coef != 0.0 and ref_log_probs is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_log_probs")
+    if entropy_coef != 0.0 and entropy is None:
+        raise ValueError(f"entropy_coef={entropy_coef} needs entropy")
+    if rollout_log_probs is not None and (mismatch_cap is None or not mismatch_cap > 0):
+        raise ValueError(f"rollout_log_probs needs mismatch_cap > 0 (the truncation C of the weight), "
+                         f"got {mismatch_cap}")
+
+
+def _reduce_sequence_sums(sums_BK: Tensor, sequence_reduce: SequenceReduce | None) -> Tensor:
+    if sequence_reduce is None:
+        return sums_BK
+    reduced_BK = sequence_reduce(sums_BK)
+    if reduced_BK.shape != sums_BK.shape:
+        raise ValueError(f"sequence_reduce returned shape {tuple(reduced_BK.shape)}, expected {tuple(sums_BK.shape)}")
+    return reduced_BK
+
+
+def _masked_mean(values_B: Tensor, is_included_B: Tensor) -> Tensor:
+    return torch.where(is_included_B, values_B, 0.0).sum() / is_included_B.sum().clamp(min=1)
+
+
+def _masked_stats(name: str, values_B: Tensor, is_included_B: Tensor, *, with_std: bool = False) -> dict[str, Tensor]:
+    """``{name}_mean|min|max`` (and population ``_std``) over the included rows; 0 if there are none."""
+    values_B = values_B.detach()
+    zero = torch.zeros((), dtype=values_B.dtype, device=values_B.device)
+    mean = _masked_mean(values_B, is_included_B)
+    stats = {f"{name}_mean": mean}
+    if with_std:
+        variance = _masked_mean((values_B - mean) ** 2, is_included_B)
+        stats[f"{name}_std"] = variance.sqrt()
+    # sentinel-padded so that B = 0 works and no host sync is needed
+    inf = torch.full((1,), math.inf, dtype=values_B.dtype, device=values_B.device)
+    has_any = is_included_B.any()
+    row_min = torch.cat([torch.where(is_included_B, values_B, math.inf), inf]).amin()
+    row_max = torch.cat([torch.where(is_included_B, values_B, -math.inf), -inf]).amax()
+    stats[f"{name}_min"] = torch.where(has_any, row_min, zero)
+    stats[f"{name}_max"] = torch.where(has_any, row_max, zero)
+    return stats

@@ -1,0 +1,76 @@
+"""The supervised cold-start loop: sample pairs, train, evaluate, log.
+
+Pairs come from ``data``: the synthetic task (prompt, exact answer), or a JSONL / Parquet file
+whose ``data.prompt_key`` holds the prompt and ``data.label_key`` the response. Every rank draws
+the same global batch from the seeded sampler; the trainer (``megatron_gspo.train.sft.SFTTrainer``
+or anything with ``train_batch(pairs)`` and ``eval_loss(pairs)``) trains each data-parallel rank on
+its share.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from megatron_gspo.config import Config
+from pipeline.data import PromptSampler, build_datasets
+from pipeline.metrics import MetricsLogger
+
+Pairs = list[tuple[list[int], list[int]]]
+
+
+class SFTStepper(Protocol):
+    def train_batch(self, pairs: Pairs) -> dict[str, float]: ...
+
+    def eval_loss(self, pairs: Pairs) -> float: ...
+
+
+def sft_pairs(prompts: list, encoder) -> Pairs:
+    """(prompt ids, response ids + end token) for Prompts whose label is the response."""
+    pairs = []
+    for prompt in prompts:
+        if prompt.label is None:
+            raise ValueError(f"{prompt.origin}: no response (data.label_key) to fine-tune on")
+        pairs.append((prompt.prompt_ids, encoder.encode_text(prompt.label) + [encoder.eos_id]))
+    return pairs
+
+
+@dataclass
+class SFTResult:
+    losses: list[float] = field(default_factory=list)
+    eval_losses: list[float] = field(default_factory=list)
+
+
+def run_sft(trainer: SFTStepper, cfg: Config, *, logger: MetricsLogger) -> SFTResult:
+    """Train ``cfg.run.num_steps`` SFT steps; returns the loss curves."""
+    train_set, eval_set = build_datasets(cfg.data, seed=cfg.run.seed)
+    sampler = PromptSampler(train_set, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+    eval_pairs = sft_pairs([eval_set[i] for i in range(len(eval_set))], train_set.encoder) \
+        if eval_set is not None else None
+    gbs = cfg.run.global_batch_size
+    result = SFTResult()
+    if eval_pairs:
+        result.eval_losses.append(trainer.eval_loss(eval_pairs))
+        logger.log(0, {"eval/loss": result.eval_losses[0]},
+                   progress=f"step 0/{cfg.run.num_steps}  held-out loss {result.eval_losses[0]:.4f}")
+    for step in range(1, cfg.run.num_steps + 1):
+        start = time.monotonic()
+        out = trainer.train_batch(sft_pairs(sampler.next_batch(gbs), train_set.encoder))
+        loss = out["loss"]
+        result.losses.append(loss)
+        elapsed = time.monotonic() - start
+        metrics = {"train/loss": loss, "train/grad_norm": out["grad_norm"],
+                   "train/tokens_per_s": gbs * cfg.run.seq_length / elapsed, "train/step_s": elapsed}
+        progress = (f"step {step}/{cfg.run.num_steps}  loss {loss:.4f}  "
+                    f"grad_norm {out['grad_norm']:.3f}  {elapsed:.2f}s/step")
+        if eval_pairs and (cfg.run.eval_interval and step % cfg.run.eval_interval == 0
+                           or step == cfg.run.num_steps):
+            result.eval_losses.append(trainer.eval_loss(eval_pairs))
+            metrics["eval/loss"] = result.eval_losses[-1]
+            progress += f"  held-out loss {result.eval_losses[-1]:.4f}"
+        if step % cfg.run.log_interval == 0 or step == cfg.run.num_steps:
+            logger.log(step, metrics, progress=progress)
+        else:
+            logger.log(step, metrics)
+    return result
