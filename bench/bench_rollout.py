@@ -121,7 +121,8 @@ def sync_bench(model_dir: Path, url: str, shared: Path, args) -> list[dict]:
     from megatron_gspo.hf.hf_config import model_config_from_hf
     from megatron_gspo import parallel
     from megatron_gspo.config import ParallelConfig
-    from megatron_gspo.hf.weight_sync import sync_weights
+    from megatron_gspo.hf.gather import HFGather
+    from pipeline.weight_push import WeightPusher
     from pipeline.servers import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
@@ -147,12 +148,13 @@ def sync_bench(model_dir: Path, url: str, shared: Path, args) -> list[dict]:
                      "bytes": nbytes})
         for k, transport in enumerate(args.transports):
             best = None
+            gather = HFGather(model_cfg, bucket_bytes=args.bucket_mib * 2**20)
+            pusher = WeightPusher([url], transport=transport, shared_dir=shared)
             for r in range(args.sync_repeats):
-                stats = sync_weights(gpt, model_cfg, pg, [url], transport=transport,
-                                     weight_version=f"{k}.{r}", shared_dir=shared,
-                                     bucket_bytes=args.bucket_mib * 2**20)
+                stats = pusher.push(gather.buckets(gpt, pg), f"{k}.{r}")
                 if best is None or stats.seconds_total < best.seconds_total:
                     best = stats
+            pusher.close()
             rows.append({"what": f"sync_weights transport={transport}", "seconds":
                          best.seconds_total, "bytes": best.bytes, "stats": best})
         parallel.destroy_model_parallel()

@@ -6,6 +6,8 @@
     megatron-gspo sft     --config FILE.yaml [--set a.b=v ...]   cold-start SFT on Megatron
     megatron-gspo config  --config FILE.yaml [--set ...] [--world-size N]
                                                                   validate and print a configuration
+    megatron-gspo plan    --config FILE.yaml --world-size N --gpu-memory-gib M
+                                                                  predicted peak GPU memory per stage
     megatron-gspo plot    RUN_DIR [--out DIR]                     PNG charts of RUN_DIR/metrics.jsonl
     megatron-gspo serve   --model-path DIR [--host H] [--port P]  CPU rollout server, SGLang's API
     megatron-gspo launch slurm --config FILE.yaml --nodes N --rollout-nodes M [--gpus-per-node G ...]
@@ -16,18 +18,37 @@
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import signal
 import sys
+import traceback
+from pathlib import Path
 from typing import Optional
 
+from launch import benign_warnings, local, rank_status
 from megatron_gspo.config import ConfigError
 
 # Sub-command modules; each has add_parser(subparsers) and sets ``func(args, argv) -> int``.
-COMMANDS = ["launch.demo", "launch.train", "launch.sft", "launch.show_config", "launch.plot", "launch.serve", "launch.slurm"]
+COMMANDS = ["launch.demo", "launch.train", "launch.sft", "launch.show_config", "launch.plot", "launch.serve", "launch.slurm",
+            "launch.plan"]
 OPTIONAL_COMMANDS = ["launch.convert"]
 
 
-# Errors about the user's input (files, rows, rewards, checkpoints): reported in one line.
-_INPUT_ERRORS = {"DataError", "RewardError", "CheckpointError", "HFConfigError", "WeightSyncError"}
+# Errors about the user's input (files, rows, rewards, checkpoints, a run dir in use): reported in
+# one line, exit status 2.
+_INPUT_ERRORS = {"DataError", "RewardError", "CheckpointError", "HFConfigError", "WeightSyncError",
+                 "RunDirLocked"}
+# A phase that failed on rank 0 reaches every rank as "step N: <ErrorType>: <message>"
+# (pipeline.loop.StepGuard): the type named there decides.
+_RELAYED = re.compile(r"step \d+: (\w+): ")
+
+
+def _is_input_error(err: BaseException) -> bool:
+    if type(err).__name__ in _INPUT_ERRORS:
+        return True
+    relayed = _RELAYED.match(str(err)) if type(err) is RuntimeError else None
+    return bool(relayed and relayed.group(1) in _INPUT_ERRORS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,18 +72,77 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    # Before anything else: in ranks 1.. of a local run the output goes to RUN_DIR/logs/rank<N>.log
+    # (launch/local.py), and the benign third-party warnings are silenced before any sub-command
+    # module imports Megatron (launch/benign_warnings.py; MEGATRON_GSPO_SHOW_WARNINGS=1 shows all).
+    console = local.redirect_rank_output()
+    benign_warnings.apply()
+    supervised = rank_status.supervised()  # a rank whose launcher reports its outcome
+    if supervised:
+        from megatron_gspo.lifetime import die_with_parent
+
+        die_with_parent(signal.SIGTERM)  # torchrun gone: checkpoint and stop, as on a signal
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:  # a rank started by launch.local.ensure_ranks (torchrun -m launch.cli -- ...)
+        argv = argv[1:]
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args, argv) or 0)
+        code = int(args.func(args, argv) or 0)
+        if code != 0 and console is not None and not supervised:
+            console.error(f"megatron-gspo {args.command} exited with status {code}")
+        rank_status.report(code)
+        return code
     except ConfigError as err:
-        print(f"megatron-gspo {args.command}: configuration error: {err}", file=sys.stderr)
+        _report(console, args.command, f"configuration error: {err}")
         return 2
     except Exception as err:
-        if type(err).__name__ in _INPUT_ERRORS:  # bad input: the message names the file / field
-            print(f"megatron-gspo {args.command}: {type(err).__name__}: {err}", file=sys.stderr)
+        if _is_input_error(err):  # bad input: the message names the file / field
+            _report(console, args.command, f"{type(err).__name__}: {err}")
             return 2
+        if supervised:  # the traceback to the rank's log; the launcher shows the first one
+            return _failed_under_launcher(console, err)
+        if console is not None:
+            console.failure(err)
         raise
+    except SystemExit as err:
+        if console is not None and err.code not in (None, 0):
+            console.error(f"megatron-gspo {args.command} exited: {err.code}")
+        raise
+
+
+def _report(console: Optional[local.RankConsole], command: str, error: str) -> None:
+    """An input error's one line: on stderr (and on the console for ranks 1..), or, in a rank
+    under ``launch.supervise``, in its log and to the launcher, which prints it once."""
+    line = f"megatron-gspo {command}: {error}"
+    if rank_status.supervised():
+        if console is not None:  # ranks 1..: stderr is the rank's log
+            print(line, file=sys.stderr)
+        rank_status.report(2, error=error, log=str(console.log_path) if console else None)
+        return
+    print(line, file=sys.stderr)
+    if console is not None:
+        console.error(line)
+
+
+def _failed_under_launcher(console: Optional[local.RankConsole], err: BaseException) -> int:
+    """A crash in a rank under ``launch.supervise``: the traceback to the rank's log (rank 0's
+    console belongs to the run's progress: ``rank0.log`` beside the others), the first line and
+    the traceback to the launcher; exit status 1."""
+    text = "".join(traceback.format_exception(err))
+    if console is not None:
+        print(text, file=sys.stderr, end="")
+        log = console.log_path
+    else:
+        log = Path(os.environ.get(local.RANK_LOG_DIR_ENV, ".")) / "rank0.log"
+        try:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with open(log, "a") as f:
+                f.write(text)
+        except OSError:
+            print(text, file=sys.stderr, end="")
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    rank_status.report(1, error=f"{type(err).__name__}: {first}", traceback=text, log=str(log))
+    return 1
 
 
 if __name__ == "__main__":

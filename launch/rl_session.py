@@ -1,34 +1,40 @@
 """Set up and tear down one GSPO training session on a training rank (used by ``train``).
 
-Everything here is plumbing: distributed start, the trainer, resume, datasets and rewards on rank
-0, the rollout servers (started here in embedded mode, found through the router otherwise), the
-weight-sync transport, signals, and a guaranteed stop of every process this session started.
-The loop itself is ``pipeline.loop.run``.
+Everything here is plumbing, held by one object, :class:`RLSession`: distributed start, the
+trainer, resume, datasets and rewards on rank 0, the rollout servers (started here in embedded
+mode, found through the router otherwise), the weight-sync pusher, signals, and a guaranteed stop
+of every process this session started (one ``ExitStack``). The loop itself is ``pipeline.loop.run``.
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING, Optional
 
+import torch
 import torch.distributed as dist
 
 from megatron_gspo.config import Config, ConfigError
 
+if TYPE_CHECKING:
+    from megatron_gspo.train.rl_trainer import RLTrainer
+    from pipeline.loop import LoopContext
+    from pipeline.weight_push import WeightPusher
 
-def validate_rl(cfg: Config) -> None:
-    """RL-specific consistency checks (errors name the fields)."""
-    g, gbs, k = cfg.gspo.group_size, cfg.run.global_batch_size, cfg.gspo.updates_per_rollout
-    if gbs % g:
-        raise ConfigError(f"run.global_batch_size: {gbs} is not a multiple of gspo.group_size {g}")
-    if gbs % k:
-        raise ConfigError(f"run.global_batch_size: {gbs} does not split into "
-                          f"gspo.updates_per_rollout = {k} mini-batches")
-    if cfg.parallel.context > 1:
-        raise ConfigError("parallel.context: context parallelism of the policy needs Transformer "
-                          "Engine attention; the RL trainer does not split rollout batches over "
-                          "context-parallel ranks yet (the loss supports it: "
-                          "megatron_gspo.loss.context_parallel)")
+
+def validate_rl(cfg: Config, *, on_gpu: Optional[bool] = None) -> None:
+    """What depends on this machine, not on the file (errors name the fields); ``on_gpu``
+    defaults to whether this machine has CUDA. Every check the file alone decides (batch splits,
+    context parallelism, ...) runs in ``megatron_gspo.config`` when the file is loaded."""
+    if cfg.rollout.colocated and (torch.cuda.is_available() if on_gpu is None else on_gpu):
+        raise ConfigError(
+            "rollout.colocated: not supported on GPUs yet: the trainer keeps its weights, "
+            "gradients and optimizer state resident while the servers generate (no offload), and "
+            "NCCL refuses two ranks on one GPU; give the servers their own nodes "
+            "(launch slurm --rollout-nodes M > 0) and set rollout.colocated: false. Colocated "
+            "runs work on CPU machines")
 
 
 def _server_urls_from_router(router_url: str) -> list[str]:
@@ -38,106 +44,192 @@ def _server_urls_from_router(router_url: str) -> list[str]:
 
 
 def run_training(cfg: Config, *, resume: bool) -> int:
-    from megatron_gspo import parallel
-    from megatron_gspo.train.checkpoint import checkpoint_root, latest_checkpoint
-    from megatron_gspo.train.rl_trainer import RLTrainer
-    from pipeline import loop
-    from pipeline.metrics import MetricsLogger
+    """``megatron-gspo train`` on this rank; returns the exit status (0 finished, 75 preempted)."""
+    with RLSession(cfg, resume=resume) as session:
+        return session.run()
 
-    validate_rl(cfg)
-    run_dir = Path(cfg.run.output_dir)
-    parallel.init_distributed()
-    cluster = None
-    logger = None
-    syncer = None
-    try:
-        pg = parallel.initialize(cfg.parallel, seed=cfg.run.seed)
-        is_main = dist.get_rank() == 0
-        latest = latest_checkpoint(run_dir) if resume else None
-        if not resume and checkpoint_root(run_dir).joinpath("latest").exists():
-            raise ConfigError(f"run.output_dir: {run_dir} already holds checkpoints; pass --resume "
-                              "to continue that run or choose another run.output_dir")
-        if is_main:
-            layout = parallel.derive_layout(cfg.parallel, dist.get_world_size())
+
+class RLSession:
+    """One GSPO training session on one training rank.
+
+        with RLSession(cfg, resume=False) as session:   # distributed start, signals, pid file
+            code = session.run()                         # builders, then pipeline.loop.run
+
+    ``run`` builds the trainer side (:meth:`build_trainer`: the policy, its optimizer, resume),
+    the rollout side (:meth:`build_rollout`: rank 0's data, rewards, client, and in embedded mode
+    the servers and the router) and the weight sync (:meth:`build_weight_sync`), then runs the
+    loop. Every resource is registered on ONE ``ExitStack`` the moment it exists - process groups,
+    signal handlers, servers + router, the metrics file, the pusher's update groups - and leaving
+    the ``with`` releases them in reverse order, on success, error, Ctrl-C or preemption alike.
+    """
+
+    def __init__(self, cfg: Config, *, resume: bool):
+        self.cfg = cfg
+        self.resume = resume
+        self.run_dir = Path(cfg.run.output_dir)
+        self.control: Optional[dist.ProcessGroup] = None
+        """gloo over the whole world: rank 0's broadcasts and the stop flag."""
+        self.pg = None
+        """Megatron's ProcessGroupCollection of this rank."""
+        self.is_main = False
+        self.stop = None
+        self._resources = ExitStack()
+
+    # ---------------------------------------------------------------------------------------
+    def __enter__(self) -> "RLSession":
+        try:
+            self._start()
+        except BaseException:
+            self._resources.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._resources.close()
+
+    def _start(self) -> None:
+        from megatron_gspo import parallel
+        from pipeline import loop
+
+        validate_rl(self.cfg)
+        self.control = parallel.init_distributed(self.cfg.parallel)
+        self._resources.callback(parallel.destroy)  # Megatron's groups, then torch.distributed
+        self.pg = parallel.initialize(self.cfg.parallel, seed=self.cfg.run.seed)
+        self.is_main = dist.get_rank() == 0
+        if self.is_main:
+            layout = parallel.derive_layout(self.cfg.parallel, dist.get_world_size())
             print(f"layout: {layout.describe()}", flush=True)
-        stop = loop.StopFlag().install()
-        _write_pid_file(run_dir)
-        trainer = RLTrainer(cfg, pg, init_hf_dir=cfg.run.init_from)
-        start_step, run_state = 0, {}
-        if latest is not None:
-            run_state = trainer.load(latest)
-            start_step = int(run_state["step"])
-            if is_main:
-                print(f"resumed from {latest} (step {start_step})", flush=True)
+        self.stop = loop.StopFlag(group=self.control).install()
+        self._resources.callback(self.stop.uninstall)
+        _write_pid_file(self.run_dir)
 
-        # Rank 0: data, rewards, rollout client (and in embedded mode the servers + router).
-        ctx_parts = None
-        server_urls = None
-        if is_main:
-            from pipeline.data import PromptSampler, build_datasets
-            from pipeline.rewards import build_reward
-            from pipeline.rollout import RolloutClient
+    # ---------------------------------------------------------------------------------------
+    def run(self) -> int:
+        """Build both sides, run the loop, export the final policy; returns the exit status."""
+        from pipeline import loop
 
-            train_set, eval_set = build_datasets(cfg.data, seed=cfg.run.seed)
-            sampler = PromptSampler(train_set, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
-            if run_state.get("sampler"):
-                sampler.load_state_dict(run_state["sampler"])
-            eval_prompts = [eval_set[i] for i in range(len(eval_set))] if eval_set else []
-            encoder = train_set.encoder
-            if cfg.rollout.mode == "embedded":
-                from pipeline.servers import LocalRolloutCluster
-
-                model_path = (cfg.run.init_from if _init_is_hf(cfg)
-                              else _export_initial_weights(trainer, run_dir))
-                server_args = ["--max-running-requests", "1"] if cfg.rollout.deterministic else []
-                cluster = LocalRolloutCluster(model_path, cfg.rollout.num_servers,
-                                              log_dir=run_dir / "logs", random_seed=cfg.run.seed,
-                                              server_args=server_args)
-                cluster.start()
-                client = RolloutClient(router_url=cluster.router_url,
-                                       max_concurrency=cfg.rollout.max_concurrency,
-                                       request_timeout_s=cfg.rollout.request_timeout_s)
-                server_urls = list(cluster.server_urls)
-            else:
-                client = RolloutClient(router_url=cfg.rollout.router_url,
-                                       max_concurrency=cfg.rollout.max_concurrency,
-                                       request_timeout_s=cfg.rollout.request_timeout_s)
-                client.wait_healthy()
-                server_urls = _server_urls_from_router(cfg.rollout.router_url)
-            logger = MetricsLogger(run_dir, enabled=True)
-            ctx_parts = dict(sampler=sampler, eval_prompts=eval_prompts if cfg.run.eval_interval
-                             else [], client=client, decode=encoder.decode,
-                             stop_token_ids=[encoder.eos_id], server_urls=list(server_urls))
-        elif _needs_export(cfg):
-            _export_initial_weights(trainer, run_dir)  # collective
-        box = [server_urls]
-        dist.broadcast_object_list(box, src=0)
-        server_urls = box[0]
-
-        from megatron_gspo.hf.weight_sync import WeightSyncer
-
-        syncer = WeightSyncer(trainer.gpt, cfg.model, pg, server_urls,
-                              transport=cfg.rollout.weight_sync,
-                              bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20,
-                              shared_dir=cfg.rollout.weight_sync_dir or str(run_dir / "weights"))
-
-        def sync(version: str) -> dict:
-            stats = syncer.sync(version)
-            return {"seconds": stats.seconds_total, "gbytes_per_s": stats.gbytes_per_s,
-                    "bytes": stats.bytes}
-
-        trainer.sync_weights = sync
-        ctx = loop.LoopContext(cfg=cfg, run_dir=str(run_dir), reward_fn=(
-            build_reward(cfg.reward, cfg.data) if is_main else None),
-            logger=logger or MetricsLogger(run_dir, enabled=False), stop=stop,
-            **(ctx_parts or dict(sampler=None, eval_prompts=[], client=None, decode=None,
-                                 stop_token_ids=[])))
+        trainer, start_step, run_state = self.build_trainer()
+        ctx = self.build_rollout(trainer, run_state)
+        ctx.weights = self.build_weight_sync(ctx.server_urls)
         result = loop.run(ctx, trainer, start_step=start_step)
+        return self._finish(trainer, result)
+
+    def build_trainer(self) -> tuple[RLTrainer, int, dict]:
+        """Every rank: the policy (``run.init_from`` or the seeded initialisation) with its
+        optimizer, and with ``--resume`` the newest checkpoint loaded into both.
+
+        Returns ``(trainer, start_step, run_state)``; ``run_state`` is what the loop saved with
+        the checkpoint (the sampler's data position), ``{}`` on a fresh start."""
+        from megatron_gspo.train.checkpoint import checkpoint_root, latest_checkpoint
+        from megatron_gspo.train.rl_trainer import RLTrainer
+
+        latest = latest_checkpoint(self.run_dir) if self.resume else None
+        if not self.resume and checkpoint_root(self.run_dir).joinpath("latest").exists():
+            raise ConfigError(f"run.output_dir: {self.run_dir} already holds checkpoints; pass "
+                              "--resume to continue that run or choose another run.output_dir")
+        trainer = RLTrainer(self.cfg, self.pg, init_hf_dir=self.cfg.run.init_from)
+        if latest is None:
+            return trainer, 0, {}
+        run_state = trainer.load(latest)
+        start_step = int(run_state["step"])
+        if self.is_main:
+            print(f"resumed from {latest} (step {start_step})", flush=True)
+        return trainer, start_step, run_state
+
+    def build_rollout(self, trainer: RLTrainer, run_state: dict) -> LoopContext:
+        """The loop's context. Rank 0 gets the data (the sampler at the checkpoint's position),
+        the reward function, the rollout client, the metrics logger and, in embedded mode, the
+        servers and the router it starts here; the other ranks get what every rank needs.
+
+        Collective when the embedded servers need the initial policy exported first."""
+        from pipeline import loop
+        from pipeline.metrics import MetricsLogger
+
+        cfg, run_dir = self.cfg, self.run_dir
+        server_model = self._embedded_server_model(trainer)  # collective (every rank)
+        common = dict(cfg=cfg, run_dir=str(run_dir), stop=self.stop, control_group=self.control)
+        if not self.is_main:
+            return loop.LoopContext(**common, logger=MetricsLogger(run_dir, enabled=False))
+
+        from pipeline.data import PromptSampler, build_datasets
+        from pipeline.rewards import build_reward
+        from pipeline.rollout import RolloutClient
+
+        train_set, eval_set = build_datasets(cfg.data, seed=cfg.run.seed)
+        sampler = PromptSampler(train_set, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+        if run_state.get("sampler"):
+            sampler.load_state_dict(run_state["sampler"])
+        eval_prompts = [eval_set[i] for i in range(len(eval_set))] if eval_set else []
+        if cfg.rollout.mode == "embedded":
+            router_url, server_urls = self._start_local_servers(server_model)
+        else:
+            router_url, server_urls = cfg.rollout.router_url, None
+        client = RolloutClient(router_url=router_url, max_concurrency=cfg.rollout.max_concurrency,
+                               request_timeout_s=cfg.rollout.request_timeout_s)
+        if server_urls is None:  # external: wait for the router, then ask it for its workers
+            client.wait_healthy()
+            server_urls = _server_urls_from_router(router_url)
+        logger = MetricsLogger(run_dir, enabled=True)
+        self._resources.callback(logger.close)
+        encoder = train_set.encoder
+        return loop.LoopContext(
+            **common, logger=logger, sampler=sampler,
+            eval_prompts=eval_prompts if cfg.run.eval_interval else [],
+            reward_fn=build_reward(cfg.reward, cfg.data), client=client, decode=encoder.decode,
+            stop_token_ids=[encoder.eos_id], server_urls=list(server_urls))
+
+    def _embedded_server_model(self, trainer: RLTrainer) -> Optional[str]:
+        """The Hugging Face directory embedded servers load (None in external mode): run.init_from,
+        or the trainer's initial weights exported first (collective)."""
+        if self.cfg.rollout.mode != "embedded":
+            return None
+        if _init_is_hf(self.cfg):
+            return self.cfg.run.init_from
+        return _export_initial_weights(trainer, self.run_dir)
+
+    def _start_local_servers(self, model_path: str) -> tuple[str, list[str]]:
+        """Rank 0, embedded mode: the local rollout servers and the router, stopped on exit;
+        returns (router URL, server URLs)."""
+        from pipeline.servers import LocalRolloutCluster
+
+        r = self.cfg.rollout
+        server_args = ["--max-running-requests", "1"] if r.deterministic else []
+        if r.weight_sync == "tensor":  # SGLang's pickled payloads, loopback
+            server_args.append("--allow-pickled-tensors")
+        cluster = LocalRolloutCluster(model_path, r.num_servers, log_dir=self.run_dir / "logs",
+                                      random_seed=self.cfg.run.seed, server_args=server_args)
+        self._resources.callback(cluster.stop)  # also after a start that failed half-way
+        cluster.start()
+        return cluster.router_url, list(cluster.server_urls)
+
+    # --- the weight sync: the trainer's HF buckets -> every rollout server -----------------------
+    def build_weight_sync(self, server_urls: list[str]) -> WeightPusher:
+        """Every rank: the pusher of the trainer's HF buckets (``loop.sync_weights``) to every
+        rollout server (rank 0's ``server_urls``, broadcast here); its update groups are closed
+        on exit."""
+        from pipeline.weight_push import WeightPusher
+
+        rank0_urls = [server_urls if self.is_main else None]
+        dist.broadcast_object_list(rank0_urls, src=0, group=self.control)
+        r = self.cfg.rollout
+        pusher = WeightPusher(rank0_urls[0], transport=r.weight_sync,
+                              shared_dir=r.weight_sync_dir or str(self.run_dir / "weights"),
+                              master_address=r.weight_sync_master_address,
+                              verify=r.weight_sync_verify, delta=r.weight_sync_delta,
+                              full_every=r.weight_sync_full_every, group=self.control)
+        self._resources.callback(pusher.close)
+        return pusher
+
+    # ---------------------------------------------------------------------------------------
+    def _finish(self, trainer: RLTrainer, result: dict) -> int:
+        """The final policy (a finished run; collective), the summary line, the exit status."""
+        from pipeline import loop
+
         if result["status"] == "finished":
-            final = _export_policy(trainer, cfg, run_dir / "hf")
-            if is_main:
+            final = _export_policy(trainer, self.cfg, self.run_dir / "hf")
+            if self.is_main:
                 print(f"final policy written to {final}", flush=True)
-        if is_main:
+        if self.is_main:
             history = result["history"]["eval/reward_mean"]
             if result["status"] == "preempted":
                 print(f"preempted: checkpoint saved; exit {loop.PREEMPTED_EXIT_CODE}", flush=True)
@@ -145,14 +237,6 @@ def run_training(cfg: Config, *, resume: bool) -> int:
                 print(f"held-out reward: step {history[0][0]} {history[0][1]:.3f} -> "
                       f"step {history[-1][0]} {history[-1][1]:.3f}", flush=True)
         return loop.PREEMPTED_EXIT_CODE if result["status"] == "preempted" else 0
-    finally:
-        if syncer is not None:
-            syncer.close()
-        if cluster is not None:
-            cluster.stop()
-        if logger is not None:
-            logger.close()
-        parallel.destroy()
 
 
 def _write_pid_file(run_dir: Path) -> None:

@@ -11,7 +11,8 @@ client, the sglang-router and the weight sync run unchanged::
 The flags are SGLang's launch-flag names where one exists (``--model-path``, ``--host``,
 ``--port``, ``--random-seed``, ``--skip-tokenizer-init``, ``--weight-version``,
 ``--context-length``, ``--max-running-requests``, ``--max-prefill-tokens``, ``--dtype``,
-``--log-level``); ``--cpu-threads`` and ``--weight-update-timeout`` are this server's own.
+``--log-level``, ``--tp-size``); ``--cpu-threads``, ``--weight-update-timeout`` and
+``--allow-pickled-tensors`` are this server's own.
 Stop it with SIGINT or SIGTERM.
 """
 
@@ -52,6 +53,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch intra-op threads (this server's own flag; default 1)")
     p.add_argument("--weight-update-timeout", type=float, default=300.0,
                    help="seconds init_weights_update_group / a broadcast may wait for the trainer")
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="act as a server of this many TP ranks in weight updates: rank 0 plus "
+                        "tp_size - 1 processes that join the update groups at rank_offset + "
+                        "tp_rank and deserialise their own tensor entries (generation runs on "
+                        "rank 0 only)")
+    p.add_argument("--allow-pickled-tensors", action="store_true",
+                   help="accept SGLang's update_weights_from_tensor payloads (pickles of "
+                        "shared-memory handles; deserialising them runs code, so only with "
+                        "--host 127.0.0.1). Without it the server reads base64 safetensors only")
 
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:

@@ -9,6 +9,11 @@ or under torchrun / srun, one process per rank. Writes ``<run.output_dir>/metric
 TensorBoard logs, prints one line per step, writes the trained policy as a Hugging Face directory
 ``<run.output_dir>/hf`` (the ``run.init_from`` of a GSPO run), and ends with
 ``held-out loss: <first> -> <last>``.
+
+``run.init_from`` starts from a Hugging Face directory or a Megatron checkpoint instead of the
+``run.seed`` initialisation. With ``run.save_interval`` > 0 checkpoints go to
+``<run.output_dir>/checkpoints`` every save_interval steps and at the last; ``--resume`` continues
+from the newest one (model, optimizer, LR schedule, RNG, data position, step).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ def add_parser(subparsers) -> None:
         "sft", help="supervised fine-tuning (cold start) of the policy on Megatron",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p)
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in run.output_dir (if there is one)")
     p.add_argument("--nproc", type=int, default=None,
                    help="local ranks to start when not launched by torchrun/srun "
                         "(default: the smallest world the parallel layout needs)")
@@ -36,28 +43,42 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     from megatron_gspo import parallel
 
     world = args.nproc or parallel.minimal_world_size(cfg.parallel)
-    code = local.ensure_ranks(argv, world)
+    code = local.ensure_ranks(argv, world, log_dir=Path(cfg.run.output_dir) / "logs")
     if code is not None:
         return code
 
     import torch.distributed as dist
 
+    from megatron_gspo.config import ConfigError
+    from megatron_gspo.train.checkpoint import checkpoint_root, latest_checkpoint
     from megatron_gspo.train.sft import SFTTrainer
     from pipeline.metrics import MetricsLogger
     from pipeline.sft_loop import run_sft
     from pipeline.tasks import PAD_ID
 
-    parallel.init_distributed()
+    parallel.init_distributed(cfg.parallel)
     try:
         pg = parallel.initialize(cfg.parallel, seed=cfg.run.seed)
         is_main = dist.get_rank() == 0
         if is_main:
             layout = parallel.derive_layout(cfg.parallel, dist.get_world_size())
             print(f"layout: {layout.describe()}", flush=True)
+        run_dir = Path(cfg.run.output_dir)
+        latest = latest_checkpoint(run_dir) if args.resume else None
+        if not args.resume and checkpoint_root(run_dir).joinpath("latest").exists():
+            raise ConfigError(f"run.output_dir: {run_dir} already holds checkpoints; pass --resume "
+                              "to continue that run or choose another run.output_dir")
         logger = MetricsLogger(cfg.run.output_dir, enabled=is_main)
         try:
             trainer = SFTTrainer(cfg, pg, pad_id=PAD_ID)
-            result = run_sft(trainer, cfg, logger=logger)
+            start_step, run_state = 0, None
+            if latest is not None:
+                run_state = trainer.load(latest)
+                start_step = int(run_state["step"])
+                if is_main:
+                    print(f"resumed from {latest} (step {start_step})", flush=True)
+            result = run_sft(trainer, cfg, logger=logger, start_step=start_step,
+                             run_state=run_state)
         finally:
             logger.close()
         from megatron_gspo.hf.export import export_hf_dir
@@ -68,7 +89,7 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
         if is_main and cfg.data.tokenizer_dir is None:
             write_byte_tokenizer(hf_dir)
             print(f"policy written to {hf_dir}")
-        if is_main:
+        if is_main and result.losses:
             print(f"train loss: {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
             if result.eval_losses:
                 print(f"held-out loss: {result.eval_losses[0]:.4f} -> "

@@ -2,7 +2,11 @@
 
     megatron-gspo config --config launch/configs/qwen3_30b_a3b.yaml --world-size 64
 
-Exits with status 2 and a message naming the field when the configuration is invalid.
+Exits with status 2 and a message naming the field when the configuration is invalid: the same
+checks, with the same messages, as ``sft``, ``train`` and ``launch slurm`` (they all load the file
+through ``megatron_gspo.config.load_config``), and then what needs the world (``--world-size``, or
+the smallest one ``sft`` / ``train`` would start): the parallel factors and the data-parallel
+split of a mini-batch.
 """
 
 from __future__ import annotations
@@ -24,12 +28,14 @@ def add_parser(subparsers) -> None:
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
     from megatron_gspo.parallel import minimal_world_size
-    from megatron_gspo.config import dump_config, padded_vocab_size
+    from megatron_gspo.config import dump_config, padded_vocab_size, validate_data_parallel
     from megatron_gspo.parallel import derive_layout
 
     cfg = load_from_args(args)
     print(dump_config(cfg), end="")
     world = args.world_size or minimal_world_size(cfg.parallel)
-    print(f"# layout: {derive_layout(cfg.parallel, world).describe()}")
+    layout = derive_layout(cfg.parallel, world)
+    validate_data_parallel(cfg, layout.data)  # without --world-size: the world sft / train start
+    print(f"# layout: {layout.describe()}")
     print(f"# padded vocabulary: {padded_vocab_size(cfg.model, cfg.parallel.tensor)}")
     return 0

@@ -114,8 +114,10 @@ def plan_layout(cfg: Config, args: argparse.Namespace) -> JobLayout:
         from megatron_gspo.parallel import minimal_world_size
         tasks_per_node = max(1, math.ceil(minimal_world_size(cfg.parallel) / args.nodes))
 
+    from megatron_gspo.config import validate_data_parallel
     from megatron_gspo.parallel import derive_layout
-    derive_layout(cfg.parallel, args.nodes * tasks_per_node)  # raises naming every factor
+    # raise naming every factor / field, before the job queues (the trainers check the same)
+    validate_data_parallel(cfg, derive_layout(cfg.parallel, args.nodes * tasks_per_node).data)
 
     tp = cfg.rollout.tp_size
     if server == "sglang":

@@ -16,6 +16,7 @@ status 75 ("requeue me"); a finished run exits 0.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from launch import local
 from launch.common import add_config_args, load_from_args
@@ -38,7 +39,8 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = load_from_args(args)
     from megatron_gspo.parallel import minimal_world_size
 
-    code = local.ensure_ranks(argv, args.nproc or minimal_world_size(cfg.parallel))
+    code = local.ensure_ranks(argv, args.nproc or minimal_world_size(cfg.parallel),
+                              log_dir=Path(cfg.run.output_dir) / "logs")
     if code is not None:
         return code
     from launch.rl_session import run_training

@@ -4,7 +4,7 @@ A YAML file has up to eight sections, each a dataclass below::
 
     model:    ModelConfig      the Qwen3-MoE architecture
     parallel: ParallelConfig   tensor / pipeline / expert / context parallel sizes
-    gspo:     GSPOConfig       the loss and the RL step (see ../shared/docs/gspo_math.md)
+    gspo:     GSPOConfig       the loss and the RL step (see docs/gspo_math.md)
     rollout:  RolloutConfig    sampling and the rollout servers
     optim:    OptimConfig      optimizer and learning-rate schedule
     run:      RunSettings      seed, steps, batch sizes, output, logging
@@ -15,6 +15,12 @@ A YAML file has up to eight sections, each a dataclass below::
 Unknown keys are rejected with their full path, values are type-checked, and every invalid value
 raises :class:`ConfigError` naming the field and the fix. Nothing is rewritten silently: derived
 values (padded vocabulary, data-parallel size) are computed by functions, never stored back.
+
+Every check that the file alone decides runs here, in ``Config.__post_init__`` (one section's
+fields in that section's ``__post_init__``, cross-section ones in the ``validate_*`` functions it
+calls), so ``megatron-gspo config``, ``launch slurm``, ``sft`` and ``train`` accept and reject the
+same files with the same message. The one check that needs the world size (the data-parallel
+split of a batch) is :func:`validate_data_parallel`, called where the world is known.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
+
+from megatron_gspo.loss.variants import Variant, clips_token_ratio
 
 
 class ConfigError(ValueError):
@@ -71,6 +79,27 @@ class ModelConfig:
     params_dtype: Literal["float32", "bfloat16"] = "float32"
     moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     """Megatron's token dispatcher for expert parallelism."""
+    # -- memory and kernels: Megatron TransformerConfig fields of the same name (model/gpt.py) --
+    moe_router_dtype: Optional[Literal["fp32", "fp64"]] = "fp32"
+    """Dtype of the router's logits, softmax and top-k (Megatron ``moe_router_dtype``); fp32 as
+    slime and verl run Qwen3-MoE. null: the parameters' dtype (bf16 routing)."""
+    recompute_granularity: Optional[Literal["full", "selective"]] = None
+    """Activation recompute: full (each recomputed layer keeps only its input) or selective (only
+    recompute_modules); null: keep every activation."""
+    recompute_method: Optional[Literal["uniform", "block"]] = None
+    """full recompute: uniform (every chunk of recompute_num_layers layers) or block (the first
+    recompute_num_layers layers of each pipeline stage)."""
+    recompute_num_layers: Optional[int] = None
+    """full recompute: layers per recompute chunk (uniform) or per stage (block)."""
+    recompute_modules: Optional[list[str]] = None
+    """selective recompute: Megatron's submodule names (core_attn, layernorm, moe_act, moe, mlp);
+    null: Megatron's default [core_attn]."""
+    moe_permute_fusion: bool = False
+    """Fused token permutation of the MoE dispatcher (Transformer Engine, GPU only)."""
+    gradient_accumulation_fusion: bool = False
+    """Fuse weight-gradient accumulation into the GEMM (Transformer Engine / APEX, GPU only)."""
+    apply_rope_fusion: bool = False
+    """Fused RoPE kernel (Transformer Engine, GPU only)."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
@@ -90,6 +119,7 @@ class ModelConfig:
         _require(self.rms_norm_eps > 0, f"model.rms_norm_eps: must be > 0, got {self.rms_norm_eps}")
         _require(self.moe_aux_loss_coeff >= 0,
                  f"model.moe_aux_loss_coeff: must be >= 0, got {self.moe_aux_loss_coeff}")
+        validate_recompute(self)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -103,12 +133,41 @@ class ParallelConfig:
     """Tensor parallelism inside each expert (Megatron ETP); None means parallel.tensor, as in
     Megatron. With expert == 1 it must equal tensor (see ``__post_init__``)."""
     context: int = 1
+    """Context parallelism (GSPO training): every sequence's tokens are split over this many
+    ranks in the zigzag layout (chunks r and 2 * context - 1 - r of each sequence on rank r), K/V
+    all-gathered in attention, the sequence ratio made exact by one per-sequence all-reduce. SFT
+    refuses it."""
     sequence_parallel: bool = False
     """Required (true) when tensor > 1 with MoE: Megatron refuses MoE + TP without it."""
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    """Uneven pipeline stages (Megatron's field): layers on the first stage; the other stages
+    share the rest evenly. null: every stage holds num_layers / pipeline."""
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+    """Uneven pipeline stages: layers on the last stage (which also holds the output layer)."""
+    overlap_grad_reduce: bool = False
+    """Megatron DDP: overlap the gradient reduce-scatter / all-reduce with the backward pass."""
+    overlap_param_gather: bool = False
+    """Megatron DDP: overlap the distributed optimizer's parameter all-gather with the next
+    forward pass (needs optim.use_distributed_optimizer and overlap_grad_reduce)."""
+    distributed_timeout_minutes: int = 60
+    """Timeout of every training process group (NCCL's watchdog on GPUs): the longest a
+    collective may wait, e.g. for a slow rank's checkpoint write."""
+    control_timeout_minutes: int = 480
+    """Timeout of the host-side control group (gloo, whole world) that carries rank 0's rollout
+    batches and stop flags: ranks 1..N wait in it during rollouts, evaluations and disk syncs."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor", "pipeline", "expert", "context"):
+        for name in ("tensor", "pipeline", "expert", "context", "distributed_timeout_minutes",
+                     "control_timeout_minutes"):
             _require(getattr(self, name) >= 1, f"parallel.{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+            value = getattr(self, name)
+            _require(value is None or value >= 1, f"parallel.{name}: must be >= 1, got {value}")
+            _require(value is None or self.pipeline > 1,
+                     f"parallel.{name}: only with parallel.pipeline > 1 (got pipeline 1)")
+        _require(not (self.overlap_param_gather and not self.overlap_grad_reduce),
+                 "parallel.overlap_param_gather: needs parallel.overlap_grad_reduce: true "
+                 "(Megatron overlaps the gather only together with the reduce)")
         _require(self.expert_tensor is None or self.expert_tensor >= 1,
                  f"parallel.expert_tensor: must be >= 1, got {self.expert_tensor}")
         # Megatron marks expert weights as expert-parallel (reduced over the expert-data-parallel
@@ -132,23 +191,21 @@ class ParallelConfig:
         return self.tensor if self.expert_tensor is None else self.expert_tensor
 
 
-VARIANTS = ("gspo", "gspo_token", "grpo", "seq_ratio_token_clip", "token_ratio_seq_clip",
-            "seq_ratio_unnormalized")
-
-
 @dataclass(kw_only=True, slots=True)
 class GSPOConfig:
-    """The loss and the RL step (../shared/docs/gspo_math.md)."""
+    """The loss and the RL step (docs/gspo_math.md)."""
 
-    variant: Literal["gspo", "gspo_token", "grpo", "seq_ratio_token_clip", "token_ratio_seq_clip",
-                     "seq_ratio_unnormalized"] = "gspo"
+    variant: Variant = "gspo"
+    """One of ``megatron_gspo.loss.variants.VARIANTS`` (names and meaning in that registry)."""
     eps_low: float = 3e-4
     """Sequence clip range, low side (paper: 3e-4)."""
     eps_high: float = 4e-4
     """Sequence clip range, high side (paper: 4e-4)."""
     token_eps_low: float = 0.2
-    """Token clip range for the token-clip variants (grpo, seq_ratio_token_clip)."""
+    """Token clip range, low side, for the variants that clip the per-token ratio w_it (grpo,
+    seq_ratio_token_clip: ``variants.TOKEN_RATIO_CLIP_VARIANTS``); the others use eps_low."""
     token_eps_high: float = 0.28
+    """Token clip range, high side (see token_eps_low)."""
     group_size: int = 8
     """G: responses sampled per prompt."""
     normalize_std: bool = True
@@ -156,7 +213,13 @@ class GSPOConfig:
     leave_one_out: bool = False
     """Baseline each response by the mean of the other G-1 rewards."""
     kl_coef: float = 0.0
+    """Weight of the k3 KL to a frozen reference policy, per sequence the token-mean of
+    exp(ref - lp) - (ref - lp) - 1. With kl_coef > 0 the RL trainer keeps a second, frozen copy of
+    the initial policy (run.init_from, or the run.seed initialisation) in the same parallel layout
+    (its weights' memory once more) and computes its log-probs with Megatron for every rollout
+    batch. 0: no reference model."""
     entropy_coef: float = 0.0
+    """Weight of the entropy bonus (per sequence the token-mean entropy of the policy)."""
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
     """Where log pi_old comes from: recomputed by Megatron, or the rollout engine's (with the
     sequence-level mismatch weight)."""
@@ -187,8 +250,10 @@ class GSPOConfig:
                  f"gspo.updates_per_rollout: must be >= 1, got {self.updates_per_rollout}")
 
     def clip_range(self) -> tuple[float, float]:
-        """(eps_low, eps_high) for the configured variant: token ranges for token-clip variants."""
-        if self.variant in ("grpo", "seq_ratio_token_clip"):
+        """(eps_low, eps_high) for the configured variant: the token range for the variants that
+        clip the per-token ratio w_it, the sequence range for the others (gspo_token included:
+        its tokens' ratios have the value s_i)."""
+        if clips_token_ratio(self.variant):
             return self.token_eps_low, self.token_eps_high
         return self.eps_low, self.eps_high
 
@@ -219,15 +284,51 @@ class RolloutConfig:
     eval_samples_per_prompt: int = 4
     """n: samples per held-out prompt; pass@1 is averaged over them."""
     weight_sync: Literal["disk", "tensor", "distributed"] = "disk"
-    """How weights reach the servers after each training phase: safetensors on a shared
-    filesystem, tensors in the request (colocated servers), or a broadcast group (NCCL on GPUs,
-    gloo on CPU)."""
+    """How weights reach the servers after each training phase (``pipeline.weight_push``):
+    safetensors shards on a shared filesystem, written by every sending rank in parallel
+    (``disk``); SGLang's update_weights_from_tensor with CUDA-IPC / shared-memory handles, for
+    servers on the trainer's node (``tensor``; the local server needs --allow-pickled-tensors);
+    or a broadcast group per sending rank with every GPU of every server, flattened buckets
+    (``distributed``: NCCL on GPUs, gloo on CPU)."""
     weight_sync_dir: Optional[str] = None
     """Shared directory for disk sync (default: <run.output_dir>/weights)."""
     weight_sync_bucket_mb: int = 512
-    """Upper bound of one weight bucket in MiB."""
+    """Upper bound of one weight bucket in MiB (each sending rank holds two buckets)."""
+    weight_sync_dtype: Optional[Literal["bfloat16", "float32"]] = None
+    """The dtype of the weights on the wire (the servers cast to their own); null: the
+    parameters' dtype (model.params_dtype)."""
+    weight_sync_master_address: Optional[str] = None
+    """distributed: the address the servers reach a sending rank's broadcast group at; null: the
+    address of that rank's own network interface that routes to the first server (right on
+    every node). Set it only when that route is not the one the servers can use back."""
+    weight_sync_verify: bool = True
+    """After every sync, compare each bucket's checksum reported by the servers (every TP rank)
+    with the trainer's; a mismatch fails the sync. The local rollout server reports them; real
+    SGLang does not: set false against SGLang servers."""
+    weight_sync_delta: bool = False
+    """bf16 delta sync: send, per tensor, only the elements whose bf16 bits changed since the last
+    sync (int32 index + value) when that is smaller, with a full sync every
+    weight_sync_full_every syncs and whenever a server's weight version is not the last one sent.
+    Needs weight_sync_dtype: bfloat16 (or bf16 parameters), the tensor or distributed transport
+    and the local rollout server (SGLang has no delta format). Costs one bf16 copy of the
+    weights on the sending ranks."""
+    weight_sync_full_every: int = 10
+    """K: with weight_sync_delta, every K-th sync sends every tensor in full."""
     max_concurrency: int = 64
     request_timeout_s: float = 600.0
+    # -- SGLang server flags (the Slurm launcher passes them; names as SGLang spells them) --
+    mem_fraction_static: Optional[float] = None
+    """SGLang --mem-fraction-static: the share of GPU memory for weights and KV cache; null:
+    SGLang's own default."""
+    ep_size: int = 1
+    """SGLang --ep-size: expert parallelism inside one server (divides rollout.tp_size)."""
+    enable_dp_attention: bool = False
+    """SGLang --enable-dp-attention with --dp-size rollout.dp_size (data-parallel attention,
+    what large MoE servers use)."""
+    dp_size: int = 1
+    """SGLang --dp-size, with enable_dp_attention (divides rollout.tp_size)."""
+    cuda_graph_max_bs: Optional[int] = None
+    """SGLang --cuda-graph-max-bs: the largest decode batch captured in a CUDA graph."""
 
     def __post_init__(self) -> None:
         _require(self.mode != "external" or bool(self.router_url),
@@ -241,17 +342,47 @@ class RolloutConfig:
                  f"rollout.eval_samples_per_prompt: must be >= 1, got {self.eval_samples_per_prompt}")
         _require(self.weight_sync_bucket_mb >= 1,
                  f"rollout.weight_sync_bucket_mb: must be >= 1, got {self.weight_sync_bucket_mb}")
+        _require(self.weight_sync_full_every >= 1,
+                 f"rollout.weight_sync_full_every: must be >= 1, got {self.weight_sync_full_every}")
+        _require(not self.weight_sync_delta or self.weight_sync in ("tensor", "distributed"),
+                 "rollout.weight_sync_delta: needs rollout.weight_sync tensor or distributed "
+                 f"(got {self.weight_sync}: a disk sync rewrites whole shards)")
         _require(self.max_new_tokens >= 1,
                  f"rollout.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+        _require(self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
+                 f"rollout.mem_fraction_static: must be in (0, 1), got {self.mem_fraction_static}")
+        for name in ("ep_size", "dp_size"):
+            value = getattr(self, name)
+            _require(value >= 1 and self.tp_size % value == 0,
+                     f"rollout.{name}: {value} does not divide rollout.tp_size {self.tp_size}")
+        _require(self.enable_dp_attention == (self.dp_size > 1),
+                 f"rollout.dp_size: {self.dp_size} with rollout.enable_dp_attention "
+                 f"{self.enable_dp_attention}; SGLang's --dp-size > 1 goes with data-parallel "
+                 "attention here (set both or neither)")
+        _require(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
+                 f"rollout.cuda_graph_max_bs: must be >= 1, got {self.cuda_graph_max_bs}")
 
 
 @dataclass(kw_only=True, slots=True)
 class OptimConfig:
-    """Megatron optimizer and learning-rate schedule."""
+    """Megatron optimizer and learning-rate schedule.
+
+    The schedule is Megatron-Core's ``OptimizerParamScheduler``, advanced once per optimizer step.
+    It counts optimizer steps: a run has ``run.num_steps x gspo.updates_per_rollout`` of them in RL
+    (k mini-batch updates per rollout batch), ``run.num_steps`` in SFT, and the decay spans all of
+    them (Megatron's ``lr_decay_steps``); ``warmup_steps`` is counted in run steps and becomes
+    ``warmup_steps x k`` optimizer steps in RL. Optimizer step j (from 0) uses
+    ``lr(j)``: ``lr * j / W`` for ``j <= W`` (warmup, W optimizer steps; the first step at 0, as
+    in Megatron), then ``min_lr + c(j) (lr - min_lr)`` with ``c = 1 - r`` (linear) or
+    ``(1 + cos(pi r)) / 2`` (cosine), ``r = (j - W) / (D - W)``, D the optimizer steps of the run
+    (so min_lr would be reached at step D, one after the last); constant keeps ``lr``.
+    """
 
     optimizer: Literal["adam", "sgd"] = "adam"
     lr: float = 1e-6
+    """Peak learning rate (after warmup; the whole run with lr_decay_style constant)."""
     min_lr: float = 0.0
+    """Where linear / cosine decay is heading at the end of the run; must be 0 with constant."""
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -259,15 +390,41 @@ class OptimConfig:
     clip_grad: float = 1.0
     """Global gradient-norm clip; 0 disables it."""
     warmup_steps: int = 0
+    """Linear warmup from 0 to lr over the first this many run steps (see the class docstring);
+    must be < run.num_steps."""
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """After warmup: keep lr, or decay it linearly / along a half cosine to min_lr."""
     use_distributed_optimizer: bool = False
     """Megatron's distributed (ZeRO-1) optimizer; needs CUDA."""
+    optimizer_cpu_offload: bool = False
+    """Megatron's optimizer CPU offload (HybridDeviceOptimizer): optimizer_offload_fraction of the
+    fp32 master weights and Adam moments live and are updated on the host (GPU only; needs the
+    distributed optimizer)."""
+    optimizer_offload_fraction: float = 1.0
+    """With optimizer_cpu_offload: the fraction of the optimizer state kept on the host."""
+    use_precision_aware_optimizer: bool = False
+    """Megatron's precision-aware optimizer (Transformer Engine's FusedAdam, or the offloaded
+    optimizer): the optimizer reads bf16 weights and fp32 gradients directly (GPU only; adam and
+    the distributed optimizer)."""
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, f"optim.lr: must be > 0, got {self.lr}")
         _require(0 <= self.min_lr <= self.lr, f"optim.min_lr: must be in [0, optim.lr], got {self.min_lr}")
         _require(self.clip_grad >= 0, f"optim.clip_grad: must be >= 0 (0 disables), got {self.clip_grad}")
         _require(self.warmup_steps >= 0, f"optim.warmup_steps: must be >= 0, got {self.warmup_steps}")
+        _require(self.min_lr == 0 or self.lr_decay_style != "constant",
+                 f"optim.min_lr: {self.min_lr} is only used by a decaying schedule and "
+                 "optim.lr_decay_style is 'constant'; set lr_decay_style linear or cosine, or "
+                 "min_lr 0")
+        _require(0 <= self.optimizer_offload_fraction <= 1,
+                 f"optim.optimizer_offload_fraction: must be in [0, 1], got {self.optimizer_offload_fraction}")
+        for name in ("optimizer_cpu_offload", "use_precision_aware_optimizer"):
+            _require(not getattr(self, name) or self.use_distributed_optimizer,
+                     f"optim.{name}: needs optim.use_distributed_optimizer: true (Megatron offers "
+                     "it only inside the distributed optimizer)")
+        _require(not self.use_precision_aware_optimizer or self.optimizer == "adam",
+                 f"optim.use_precision_aware_optimizer: only with optim.optimizer adam, got "
+                 f"{self.optimizer!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -288,16 +445,41 @@ class RunSettings:
     batch in RL (global_batch_size / gspo.group_size prompts), which gspo.updates_per_rollout
     splits into mini-batches."""
     seq_length: int = 64
+    """Token positions of a training row (prompt + response, right-padded)."""
+    max_tokens_per_micro_batch: Optional[int] = None
+    """RL updates (and their log-prob recompute): pack whole sequences, without padding, into
+    micro-batches of at most this many tokens per GPU (per context-parallel rank; Megatron/slime's
+    "max tokens per GPU"), passed to Megatron as packed sequences (THD), with the same number of
+    micro-batches on every data-parallel rank and their token counts balanced (greedy LPT).
+    run.micro_batch_size is then unused by RL. null: right-padded rows of run.seq_length,
+    run.micro_batch_size per micro-batch. Must be at least the longest sequence (prompt +
+    response) once padded for context parallelism. SFT always uses padded rows."""
     log_interval: int = 1
+    """Print a progress line every this many steps (and at the last); metrics.jsonl and
+    TensorBoard get every step."""
     save_interval: int = 0
+    """Write a checkpoint (model, optimizer, LR schedule, RNG, data position) every this many
+    steps and at the last step; ``--resume`` continues from the newest. RL also checkpoints on
+    SIGTERM / SIGUSR1 and at the end when it is 0; SFT with 0 writes none (its result is the
+    Hugging Face export)."""
     eval_interval: int = 0
+    """Evaluate on the held-out prompts every this many steps (and at the start and the end);
+    0: RL never evaluates, SFT only at the start and the end."""
 
     def __post_init__(self) -> None:
         for name in ("num_steps", "micro_batch_size", "global_batch_size", "seq_length", "log_interval"):
             _require(getattr(self, name) >= 1, f"run.{name}: must be >= 1, got {getattr(self, name)}")
+        _require(bool(self.output_dir.strip()),
+                 "run.output_dir: empty; name the run directory (checkpoints, metrics, logs)")
+        _require(self.init_from is None or bool(self.init_from.strip()),
+                 "run.init_from: empty; name a Hugging Face directory or a Megatron checkpoint, "
+                 "or null for random weights from run.seed")
         _require(self.global_batch_size % self.micro_batch_size == 0,
                  f"run.global_batch_size: {self.global_batch_size} is not a multiple of "
                  f"run.micro_batch_size {self.micro_batch_size}")
+        _require(self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 1,
+                 f"run.max_tokens_per_micro_batch: must be >= 1 (or null for padded rows), got "
+                 f"{self.max_tokens_per_micro_batch}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -308,11 +490,14 @@ class DataConfig:
     datasets are built by ``pipeline.data.build_datasets``.
     """
 
-    task: Optional[Literal["addition"]] = "addition"
-    """Synthetic task: "addition" = exact sums "a+b=" -> "c" (byte-level tokens); null with
+    task: Optional[Literal["addition", "carry_addition"]] = "addition"
+    """Synthetic task (byte-level tokens): "addition" = exact sums "a+b=" -> "c";
+    "carry_addition" = the same sums with a digit-by-digit carry trace before the answer (long
+    responses, ~10 tokens per column; the reward checks the final answer only); null with
     data.train_path."""
     digits: int = 2
-    """Addition operands have up to this many digits."""
+    """addition: operands have up to this many digits; carry_addition: the number of columns is
+    drawn from [ceil(digits / 4), digits] (digits 24: responses of 62-243 tokens)."""
     num_eval_prompts: Optional[int] = 64
     """Held-out prompts evaluated every run.eval_interval steps (and at the start and the end):
     the task's "eval" split, or the first this many rows of data.eval_path (null: all rows)."""
@@ -341,7 +526,7 @@ class DataConfig:
     """Count and report malformed rows instead of stopping at the first one (never silent)."""
 
     def __post_init__(self) -> None:
-        _require(1 <= self.digits <= 9, f"data.digits: must be in [1, 9], got {self.digits}")
+        _require(1 <= self.digits <= 32, f"data.digits: must be in [1, 32], got {self.digits}")
         _require(self.num_eval_prompts is None or self.num_eval_prompts >= 1,
                  f"data.num_eval_prompts: must be >= 1 (or null for all rows of data.eval_path), "
                  f"got {self.num_eval_prompts}")
@@ -362,16 +547,18 @@ class DataConfig:
                  f"data.label_key: must name a field or be null, got {self.label_key!r}")
 
 
-REWARD_KINDS = ("exact_match", "math", "addition", "function", "http")
+RewardKind = Literal["exact_match", "math", "addition", "carry_addition", "function", "http"]
+REWARD_KINDS: tuple[str, ...] = typing.get_args(RewardKind)
 
 
 @dataclass(kw_only=True, slots=True)
 class RewardConfig:
     """How a response is scored (``pipeline.rewards.build_reward``)."""
 
-    kind: Optional[Literal["exact_match", "math", "addition", "function", "http"]] = None
+    kind: Optional[RewardKind] = None
     """exact_match: stripped response == label; math: equivalence through math-verify;
-    addition: the synthetic task's exact match (up to the end token); function: reward.function;
+    addition: the synthetic task's exact match (up to the end token); carry_addition: exact
+    match of the final segment (the answer after the carry trace); function: reward.function;
     http: a reward service at reward.url. null: the reward of data.task (required with files)."""
     function: Optional[str] = None
     """kind function: "package.module:function" or "path/to/file.py:function", called as
@@ -419,7 +606,11 @@ class Config:
 
     def __post_init__(self) -> None:
         validate_model_parallel(self.model, self.parallel)
+        validate_parallel_optim(self.parallel, self.optim)
         validate_data_reward(self.data, self.reward)
+        validate_batches(self.run, self.gspo)
+        validate_schedule(self.optim, self.run)
+        validate_weight_sync(self.rollout, self.model)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: _to_plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -429,13 +620,25 @@ def validate_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> Non
     """Check that every parallel size divides what it splits; the error names both fields."""
     tp, pp, ep = parallel.tensor, parallel.pipeline, parallel.expert
     etp = parallel.expert_tensor_size()
+    stage_error = None
+    try:
+        stages = pipeline_stage_layers(model, parallel)
+    except ConfigError as err:
+        stage_error, stages = str(err), None
+    if stages is not None and model.recompute_method == "uniform":
+        # Megatron checkpoints chunks [i, i + n) of each stage's layers and indexes past the
+        # stage when n does not divide its layer count
+        uneven = sorted({n for n in stages if n % model.recompute_num_layers})
+        if uneven:
+            stage_error = (f"model.recompute_num_layers: {model.recompute_num_layers} does not "
+                           f"divide the {uneven} layers of a pipeline stage (recompute_method "
+                           "uniform recomputes chunks of that many layers)")
     checks = [
         (model.num_query_groups % tp == 0,
          f"parallel.tensor: {tp} does not divide model.num_query_groups {model.num_query_groups}"),
         (model.num_attention_heads % tp == 0,
          f"parallel.tensor: {tp} does not divide model.num_attention_heads {model.num_attention_heads}"),
-        (model.num_layers % pp == 0,
-         f"parallel.pipeline: {pp} does not divide model.num_layers {model.num_layers}"),
+        (stage_error is None, stage_error),
         (model.num_experts % ep == 0,
          f"parallel.expert: {ep} does not divide model.num_experts {model.num_experts}"),
         (model.moe_ffn_hidden_size % etp == 0,
@@ -447,16 +650,136 @@ def validate_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> Non
         raise ConfigError("; ".join(errors))
 
 
+def pipeline_stage_layers(model: ModelConfig, parallel: ParallelConfig) -> list[int]:
+    """Transformer layers on each pipeline stage (Megatron's uneven-stage rule: the first / last
+    stage hold parallel.num_layers_in_{first,last}_pipeline_stage when set, the stages between
+    share the rest evenly)."""
+    pp, total = parallel.pipeline, model.num_layers
+    first, last = (parallel.num_layers_in_first_pipeline_stage,
+                   parallel.num_layers_in_last_pipeline_stage)
+    if first is None and last is None:
+        _require(total % pp == 0,
+                 f"parallel.pipeline: {pp} does not divide model.num_layers {total} (or set "
+                 "parallel.num_layers_in_first/last_pipeline_stage for uneven stages)")
+        return [total // pp] * pp
+    middle_stages = pp - (first is not None) - (last is not None)
+    middle_layers = total - (first or 0) - (last or 0)
+    fields = "parallel.num_layers_in_first_pipeline_stage / _last_pipeline_stage"
+    _require(middle_layers >= 0, f"{fields}: {first} + {last} exceed model.num_layers {total}")
+    _require(bool(middle_layers) == bool(middle_stages),
+             f"{fields}: leave {middle_layers} layers for {middle_stages} middle stages of "
+             f"parallel.pipeline {pp}; each stage needs at least one layer")
+    _require(middle_stages == 0 or middle_layers % middle_stages == 0,
+             f"{fields}: the {middle_layers} remaining layers do not split evenly over the "
+             f"{middle_stages} other stages of parallel.pipeline {pp}")
+    each = middle_layers // middle_stages if middle_stages else 0
+    return ([first] if first is not None else []) + [each] * middle_stages + (
+        [last] if last is not None else [])
+
+
+def validate_parallel_optim(parallel: ParallelConfig, optim: OptimConfig) -> None:
+    _require(not (parallel.overlap_param_gather and not optim.use_distributed_optimizer),
+             "parallel.overlap_param_gather: needs optim.use_distributed_optimizer: true (it "
+             "overlaps the distributed optimizer's parameter all-gather)")
+
+
+def validate_recompute(model: ModelConfig) -> None:
+    """Megatron's recompute rules, as ConfigErrors naming the field (and no silently ignored
+    field: method / num_layers / modules need the granularity that reads them)."""
+    g = model.recompute_granularity
+    if g is None:
+        for name in ("recompute_method", "recompute_num_layers", "recompute_modules"):
+            _require(getattr(model, name) is None,
+                     f"model.{name}: only with model.recompute_granularity (full or selective); "
+                     "unset it or set the granularity")
+        return
+    if g == "full":
+        _require(model.recompute_method is not None,
+                 "model.recompute_method: required with model.recompute_granularity full "
+                 "(uniform or block)")
+        _require(model.recompute_num_layers is not None and model.recompute_num_layers >= 1,
+                 f"model.recompute_num_layers: must be >= 1 with full recompute, got "
+                 f"{model.recompute_num_layers}")
+        _require(model.recompute_modules is None,
+                 "model.recompute_modules: only with model.recompute_granularity selective")
+        return
+    _require(model.recompute_method is None and model.recompute_num_layers is None,
+             "model.recompute_method / model.recompute_num_layers: only with "
+             "model.recompute_granularity full (selective recomputes recompute_modules in every "
+             "layer)")
+    allowed = ("core_attn", "layernorm", "moe_act", "moe")
+    bad = [m for m in (model.recompute_modules or []) if m not in allowed]
+    _require(not bad, f"model.recompute_modules: {bad} not among {list(allowed)} (Qwen3-MoE has "
+                      "no MLA, dense MLP or shared experts)")
+    _require(model.recompute_modules is None or len(model.recompute_modules) > 0,
+             "model.recompute_modules: empty; list at least one module or unset recompute")
+
+
 def validate_data_reward(data: DataConfig, reward: RewardConfig) -> None:
     """The reward must fit the prompts: files need an explicit kind, labels where it reads them."""
     _require(not (reward.kind is None and data.train_path is not None),
              f"reward.kind: required with data.train_path (one of {', '.join(REWARD_KINDS)})")
-    _require(not (reward.kind in ("exact_match", "math", "addition") and data.task is None
-                  and data.label_key is None),
+    _require(not (reward.kind in ("exact_match", "math", "addition", "carry_addition")
+                  and data.task is None and data.label_key is None),
              f"data.label_key: reward.kind {reward.kind!r} compares with a label; set the label field")
-    _require(not (reward.kind == "addition" and data.tokenizer_dir is not None),
-             "reward.kind: 'addition' reads byte-level responses; with data.tokenizer_dir use "
-             "exact_match")
+    _require(not (reward.kind in ("addition", "carry_addition") and data.tokenizer_dir is not None),
+             f"reward.kind: {reward.kind!r} reads byte-level responses; with data.tokenizer_dir "
+             "use exact_match")
+
+
+def validate_batches(run: RunSettings, gspo: GSPOConfig) -> None:
+    """The rollout batch must split into groups and into k mini-batches of whole micro-batches.
+
+    One file serves SFT and RL alike (``megatron-gspo config`` cannot know which will read it),
+    so these hold for every config; SFT itself only splits run.global_batch_size into
+    micro-batches.
+    """
+    g, gbs, k, mbs = gspo.group_size, run.global_batch_size, gspo.updates_per_rollout, run.micro_batch_size
+    _require(gbs % g == 0,
+             f"run.global_batch_size: {gbs} is not a multiple of gspo.group_size {g}")
+    _require(gbs % k == 0,
+             f"run.global_batch_size: {gbs} does not split into gspo.updates_per_rollout = {k} "
+             "mini-batches")
+    _require((gbs // k) % mbs == 0,
+             f"run.global_batch_size: a mini-batch of {gbs} / gspo.updates_per_rollout {k} = "
+             f"{gbs // k} sequences is not a multiple of run.micro_batch_size {mbs}")
+
+
+def validate_schedule(optim: OptimConfig, run: RunSettings) -> None:
+    """Megatron's scheduler needs the warmup to end before the run does."""
+    _require(optim.warmup_steps < run.num_steps,
+             f"optim.warmup_steps: {optim.warmup_steps} must be < run.num_steps {run.num_steps} "
+             "(the warmup has to end before the run)")
+
+
+def validate_sft_context_parallel(parallel: ParallelConfig) -> None:
+    """SFT's rows are not split over context-parallel ranks (the RL trainer's are: zigzag rows or
+    packed sequences, ``train.batching``); called by the SFT trainer."""
+    _require(parallel.context == 1,
+             f"parallel.context: {parallel.context}: SFT does not split its rows over "
+             "context-parallel ranks (GSPO training does); run SFT with parallel.context 1")
+
+
+def validate_weight_sync(rollout: RolloutConfig, model: ModelConfig) -> None:
+    """A delta sync compares bf16 bits: the wire dtype must be bfloat16."""
+    wire = rollout.weight_sync_dtype or model.params_dtype
+    _require(not rollout.weight_sync_delta or wire == "bfloat16",
+             f"rollout.weight_sync_delta: needs bf16 weights on the wire (rollout.weight_sync_dtype "
+             f"resolves to {wire}); set rollout.weight_sync_dtype: bfloat16")
+
+
+def validate_data_parallel(cfg: Config, data_parallel_size: int) -> None:
+    """The check that needs the world: a mini-batch (run.global_batch_size /
+    gspo.updates_per_rollout rows) must split into data-parallel size x run.micro_batch_size rows.
+    SFT, whose step is the whole global batch, applies the same rule, so that a file accepted for
+    one program is accepted for the other (as in :func:`validate_batches`). Called by both
+    trainers and by ``megatron-gspo config --world-size``; the message names the fields."""
+    dp, mbs, k = data_parallel_size, cfg.run.micro_batch_size, cfg.gspo.updates_per_rollout
+    gbs = cfg.run.global_batch_size
+    _require((gbs // k) % (dp * mbs) == 0,
+             f"run.global_batch_size: a mini-batch of {gbs} / gspo.updates_per_rollout {k} = "
+             f"{gbs // k} sequences does not split into data-parallel size {dp} x "
+             f"run.micro_batch_size {mbs}")
 
 
 def padded_vocab_size(model: ModelConfig, tensor_parallel: int) -> int:
@@ -523,6 +846,9 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
                 pass
         _require(isinstance(value, (int, float)) and not isinstance(value, bool),
                  f"{path}: expected a number, got {value!r}")
+        # no field means anything by inf or nan (YAML's .inf / .nan); they would pass the range
+        # checks below or turn every loss into nan much later
+        _require(math.isfinite(value), f"{path}: must be a finite number, got {value!r}")
         return float(value)
     if tp is str:
         _require(isinstance(value, str), f"{path}: expected a string, got {value!r}")
@@ -563,7 +889,12 @@ def apply_override(data: dict, override: str) -> None:
         node = node.setdefault(key, {})
         if not isinstance(node, dict):
             raise ConfigError(f"--set {override!r}: {key} is not a section")
-    node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"--set {override!r}: the value is not valid YAML ({problem}); quote it "
+                          "to pass a string") from None
 
 
 def config_from_dict(data: dict, overrides: Optional[list[str]] = None) -> Config:

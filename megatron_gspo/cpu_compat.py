@@ -14,12 +14,15 @@ Use::
 Megatron module is built. On a GPU machine it does nothing at all, so the Transformer Engine spec,
 the distributed optimizer and gradient clipping run exactly as Megatron intends.
 
-The accommodations (measured facts in ../shared/docs/megatron_on_cpu.md):
+The accommodations (docs/cpu_accommodations.md tells why each is needed and what it meets):
 
 1. ``CudaDeviceToCpu``: a ``TorchFunctionMode`` that rewrites every CUDA device argument
    (``device="cuda"``, ``device=0``, ``.to("cuda")``, ``.cuda()``) to the CPU. Megatron creates
    tensors with an explicit CUDA device in the default causal mask, the schedules' token counters,
    the optimizer's scale tensors, p2p shape buffers and RoPE (``device=torch.cuda.current_device()``).
+   It also drops ``pin_memory=True`` from factory calls, which needs an accelerator: Megatron's
+   context-parallel RoPE slice (``rope_utils.get_pos_emb_on_this_cp_rank``) builds its chunk
+   index with it.
 2. Stand-ins for ``torch.cuda.current_device/synchronize/current_stream/default_stream/Stream/
    stream/Event``: p2p communication synchronises, the token dispatchers and DDP record streams and
    events. On the CPU all work is synchronous, so each is a no-op.
@@ -38,6 +41,18 @@ The accommodations (measured facts in ../shared/docs/megatron_on_cpu.md):
 6. ``maybe_move_tensor_to_cpu`` (token dispatcher): returns numpy split sizes on the CPU too.
 7. Uneven all-gather / reduce-scatter (expert-tensor parallelism): gloo accepts only equal sizes;
    the replacements pad (gather) or all-reduce and slice (reduce-scatter).
+8. Activation recompute: ``tensor_parallel.checkpoint`` saves and restores the CUDA generator's
+   state around the recomputed forward (``random._get_cuda_rng_state`` asserts "Torch not
+   compiled with CUDA"; ``_set_cuda_rng_state`` would queue a lazy CUDA call per layer forever).
+   There is no CUDA generator to keep: the stand-ins return an empty state and set nothing. The
+   CPU generator and the tracker's states are still saved and restored by Megatron itself. The
+   recomputed forward runs inside the backward pass, where accommodation 1's mode is not active
+   (Megatron's default causal mask is built there with ``device="cuda"``): the recompute entry
+   points (``CheckpointFunction.backward``, ``CheckpointWithoutOutput._recompute``) re-enter it.
+   ``CheckpointWithoutOutput`` (selective layernorm recompute) sets ``self.fp8 = fp8 is not None``,
+   True for its default ``fp8=False``, and then takes Transformer Engine's FP8 path, a NameError
+   without TE: after Megatron's ``__init__`` the flag is set from the argument itself (there is no
+   FP8 without a GPU).
 
 Sequence parallelism without Transformer Engine needs a norm that accepts it (Megatron's
 ``WrappedTorchNorm`` refuses); that is not a CUDA accommodation but a module of ours, in
@@ -80,6 +95,8 @@ class CudaDeviceToCpu(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = torch.device("cpu")
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False  # pinned host memory exists only for an accelerator
         if func is torch.Tensor.cuda:
             # ``tensor.cuda()``: the tensor already lives where the work happens.
             return args[0]
@@ -245,6 +262,32 @@ def _patch_uneven_collectives() -> None:
     mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
 
 
+def _patch_recompute_rng() -> None:
+    """Accommodation 8: no CUDA generator state to save / restore around a recomputed forward."""
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random._get_cuda_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
+    tp_random._set_cuda_rng_state = lambda *a, **k: None
+
+    def in_mode(fn):
+        def wrapped(*args, **kwargs):
+            with CudaDeviceToCpu():
+                return fn(*args, **kwargs)
+        return wrapped
+
+    tp_random.CheckpointFunction.backward = staticmethod(
+        in_mode(tp_random.CheckpointFunction.backward))
+    tp_random.CheckpointWithoutOutput._recompute = in_mode(
+        tp_random.CheckpointWithoutOutput._recompute)
+    original_init = tp_random.CheckpointWithoutOutput.__init__
+
+    def init(self, fp8=False):
+        original_init(self, fp8)
+        self.fp8 = fp8 not in (None, False)
+
+    tp_random.CheckpointWithoutOutput.__init__ = init
+
+
 def seed_rng_tracker() -> None:
     """Accommodation 5: an RNG tracker that needs no CUDA generator (exact with dropout 0)."""
     from megatron.core import tensor_parallel
@@ -264,6 +307,7 @@ def apply() -> bool:
         _patch_moe_utils()
         _patch_grad_clipping()
         _patch_uneven_collectives()
+        _patch_recompute_rng()
         _mode = CudaDeviceToCpu()
         _mode.__enter__()  # stays active for the life of the process
         _applied = True

@@ -12,6 +12,7 @@ import datetime
 import math
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -58,20 +59,64 @@ def derive_layout(parallel: ParallelConfig, world_size: int) -> Layout:
                   expert_tensor=etp, data=world_size // dense, expert_data=world_size // expert)
 
 
-def init_distributed(timeout_minutes: int = 10) -> None:
-    """Start torch.distributed from the usual env (torchrun, srun, or a single process)."""
-    if dist.is_initialized():
-        return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
-    world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(minutes=timeout_minutes))
+def default_backend(cuda: bool) -> str:
+    """The default group's backend: NCCL for CUDA tensors AND gloo for CPU tensors on GPUs.
+
+    Megatron's subgroups inherit it, so a small host-side all-reduce (a stop flag, a count made
+    on the CPU) works on every group instead of failing with "No backend type associated with
+    device type cpu"; CUDA tensors still go through NCCL. Object collectives pick the CPU (gloo)
+    backend of a group that has one. Without CUDA, gloo alone."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
+def collective_device() -> torch.device:
+    """Where the tensors of a training collective live: this rank's GPU, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def local_device_index(env=None, device_count: Optional[int] = None) -> int:
+    """This task's GPU: LOCAL_RANK (torchrun), else SLURM_LOCALID (srun), else 0. A site that binds
+    one GPU per task shows every task a single device 0: the launcher then exports LOCAL_RANK=0
+    (``launch slurm --gpu-binding per-task``)."""
+    env = os.environ if env is None else env
+    index = int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", 0)))
+    count = torch.cuda.device_count() if device_count is None else device_count
+    if index >= count:
+        raise RuntimeError(
+            f"local rank {index} but this task sees {count} GPU(s) (CUDA_VISIBLE_DEVICES="
+            f"{env.get('CUDA_VISIBLE_DEVICES', 'unset')}); on a site that binds one GPU per task "
+            "launch with `launch slurm --gpu-binding per-task` (or set LOCAL_RANK=0)")
+    return index
+
+
+def init_distributed(parallel: Optional[ParallelConfig] = None):
+    """Start torch.distributed from the usual env (torchrun, srun, or a single process) and return
+    the host-side control group.
+
+    Timeouts come from ``parallel`` (defaults of :class:`ParallelConfig` without one): every
+    training group gets ``distributed_timeout_minutes`` (NCCL's watchdog on GPUs); the control
+    group, gloo over the whole world, gets ``control_timeout_minutes``. Rank 0's rollout batches,
+    outcomes and the stop flag travel on it (``pipeline.loop.LoopContext.control_group``), so
+    ranks 1..N wait for rank 0's long rollouts, evaluations and disk syncs in gloo, never inside
+    an NCCL collective. When torch.distributed is already up (tests), only the control group is
+    created. Collective: every rank calls it.
+    """
+    parallel = parallel or ParallelConfig()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+        world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(local_device_index())
+        dist.init_process_group(
+            backend=default_backend(cuda), rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(minutes=parallel.distributed_timeout_minutes))
+    return dist.new_group(backend="gloo",
+                          timeout=datetime.timedelta(minutes=parallel.control_timeout_minutes))
 
 
 def initialize(parallel: ParallelConfig, *, seed: int = 1234):
@@ -94,6 +139,7 @@ def initialize(parallel: ParallelConfig, *, seed: int = 1234):
         expert_model_parallel_size=layout.expert,
         expert_tensor_parallel_size=layout.expert_tensor,
         create_gloo_process_groups=False,
+        distributed_timeout_minutes=parallel.distributed_timeout_minutes,
     )
     torch.manual_seed(seed)
     if cpu_compat.is_applied():

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
 
-from pipeline.tasks import EOS_ID, AdditionTask
+from pipeline.tasks import EOS_ID, TASKS, AdditionTask, CarryAdditionTask
 from pipeline.tasks import decode as byte_decode
 from pipeline.tasks import encode as byte_encode
 
@@ -343,11 +343,12 @@ class PromptDataset:
 class TaskPromptDataset:
     """A synthetic task's split as a dataset: prompt ``i`` is ``task.problem(i, split=split)``."""
 
-    def __init__(self, task: AdditionTask, *, split: str = "train", size: int = TASK_TRAIN_SIZE):
+    def __init__(self, task: AdditionTask | CarryAdditionTask, *, split: str = "train",
+                 size: int = TASK_TRAIN_SIZE):
         if size < 1:
             raise DataError(f"{split} split of the synthetic task: size must be >= 1, got {size}")
         self.task, self.split, self.size = task, split, size
-        self.name = f"addition/{split}"
+        self.name = f"{task.name}/{split}"
         self.encoder: PromptEncoder = ByteEncoder()
 
     def __len__(self) -> int:
@@ -364,7 +365,7 @@ class TaskPromptDataset:
 def build_datasets(data: "DataConfig", *, seed: int) -> tuple[PromptSource, Optional[PromptSource]]:
     """(training prompts, held-out prompts or None) for the ``data:`` section of a config."""
     if data.task is not None:
-        task = AdditionTask(digits=data.digits, seed=seed)
+        task = TASKS[data.task](digits=data.digits, seed=seed)
         return (TaskPromptDataset(task, split="train"),
                 TaskPromptDataset(task, split="eval", size=data.num_eval_prompts))
     encoder = load_encoder(data.tokenizer_dir, apply_chat_template=data.apply_chat_template)

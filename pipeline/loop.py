@@ -1,4 +1,4 @@
-"""The GSPO loop, top to bottom: generate, score, train, sync weights, evaluate, save.
+"""The GSPO loop: rollout -> (release) -> train -> (resume) -> sync -> eval -> log -> save.
 
 Every training rank runs :func:`run`. Global rank 0 talks to the rollout servers and the reward
 function, builds the rollout batch and broadcasts it; then every rank trains on its share
@@ -8,105 +8,133 @@ function, builds the rollout batch and broadcasts it; then every rank trains on 
 One step::
 
     prompts   = P prompts from the sampler (deterministic, part of the checkpoint)
-    rollouts  = G samples per prompt from the servers (sampling seeds from (run.seed, step))
+    rollouts  = G samples per prompt from the servers (seeds: pipeline.rollout.rollout_seed)
     rewards   = reward(prompt, response) per sample; non-finite or failing -> error (or 0, counted)
     [dynamic sampling: drop groups whose rewards are all equal, sample more prompts]
-    advantages= group-relative (gspo_math.md)
+    advantages= group-relative (docs/gspo_math.md)
+    (release) = colocated servers give their memory back to training
     train     = k GSPO mini-batch updates on Megatron
-    sync      = weights -> every rollout server, weight_version = step
+    (resume)  = colocated servers take their weight memory back
+    sync      = weights -> every rollout server, weight_version = step (then the KV cache back)
     eval      = every run.eval_interval steps: mean reward and pass@1 over n samples per prompt
-    save      = every run.save_interval steps, and on SIGTERM / SIGUSR1 (then stop)
+    log       = metrics.jsonl / TensorBoard / one progress line
+    save      = every run.save_interval steps, at the last step, and on SIGTERM / SIGINT / SIGUSR1
+                (then stop)
+
+What a failure or a stop signal does is decided in one place, :class:`StepGuard`.
 """
 
 from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.config import Config
 from megatron_gspo.loss.advantages import group_advantages, is_zero_std_group
 from megatron_gspo.train.batching import rl_batch
 from pipeline.metrics import MetricsLogger
 
+if TYPE_CHECKING:
+    from pipeline.data import Prompt, PromptSampler
+    from pipeline.rewards import RewardFn
+    from pipeline.rollout import RolloutClient, RolloutResult
+    from pipeline.weight_push import WeightPusher
+
 PREEMPTED_EXIT_CODE = 75
-"""Exit status of a run stopped by SIGTERM / SIGUSR1 after saving a checkpoint (EX_TEMPFAIL):
+"""Exit status of a run stopped by SIGTERM / SIGINT / SIGUSR1 after saving a checkpoint (EX_TEMPFAIL):
 "requeue me". A finished run exits 0, a failed one with another non-zero status."""
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+"""The signals a training rank checkpoints and stops on (:class:`StopFlag`)."""
+
+MAX_DYNAMIC_SAMPLING_ROUNDS = 8
+"""Extra rounds of prompts dynamic sampling may draw in one step before it tops the batch up
+with zero-std groups."""
 
 
 class Trainer(Protocol):
     def train_rollout(self, batch: dict, step: int) -> dict: ...
 
-    def sync_weights(self, version: str) -> dict: ...
+    def hf_buckets(self) -> Any:
+        """Collective: the policy as full HF tensor buckets (every rank iterates them)."""
 
     def save(self, run_dir: str, step: int, run_state: dict) -> Any: ...
 
 
 @dataclass
 class StopFlag:
-    """Set by SIGTERM / SIGUSR1: finish the current step, save, exit with PREEMPTED_EXIT_CODE."""
+    """Set by SIGTERM / SIGINT / SIGUSR1: finish the current step, save, exit with
+    PREEMPTED_EXIT_CODE. SIGINT (Ctrl-C; what torchrun passes on from the launcher) counts as a
+    stop request too: the checkpoint is written first. A second signal changes nothing (the stop
+    is under way; SIGKILL aborts it)."""
 
     signum: Optional[int] = None
+    group: Any = None
+    """The group of the all-reduce: the host-side control group (gloo); None: the default."""
     _previous: dict = field(default_factory=dict)
 
     def install(self) -> "StopFlag":
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
+    def uninstall(self) -> None:
+        """Give the stop signals back to the handlers ``install`` replaced."""
+        while self._previous:
+            sig, handler = self._previous.popitem()
+            signal.signal(sig, handler)
+
     def _handle(self, signum, frame) -> None:
-        self.signum = signum
+        if self.signum is None:  # the first one names the stop
+            self.signum = signum
 
     def any_rank(self) -> bool:
         """True on every rank if any rank was signalled (one tiny all-reduce)."""
         flag = torch.tensor([1.0 if self.signum is not None else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LoopContext:
-    """What the loop needs besides the trainer; built by launch/train.py."""
+    """What the loop needs besides the trainer; built by ``launch.rl_session.RLSession``.
 
-    cfg: Any  # megatron_gspo.config.Config
+    The fields marked "rank 0" are used on global rank 0 only (None / empty elsewhere)."""
+
+    cfg: Config
     run_dir: str
-    sampler: Any  # pipeline.data.PromptSampler (rank 0 uses it; its state is checkpointed)
-    eval_prompts: list  # list[pipeline.data.Prompt]
-    reward_fn: Any
-    client: Any  # pipeline.rollout.RolloutClient (rank 0)
-    decode: Any  # ids -> text
-    stop_token_ids: list[int]
     logger: MetricsLogger
+    """Rank 0 writes; the other ranks hold a disabled logger."""
     stop: StopFlag
-    server_urls: list = field(default_factory=list)  # rank 0: every rollout server (colocated)
+    weights: Optional[WeightPusher] = None
+    """Every rank: pushes the trainer's HF buckets to every rollout server."""
+    control_group: Optional[dist.ProcessGroup] = None
+    """gloo, long timeout: rank 0's broadcasts (None: the default group)."""
+    sampler: Optional[PromptSampler] = None
+    """Rank 0: the training prompts; its state is checkpointed (the data position)."""
+    eval_prompts: list[Prompt] = field(default_factory=list)
+    """Rank 0: the held-out prompts."""
+    reward_fn: Optional[RewardFn] = None
+    """Rank 0."""
+    client: Optional[RolloutClient] = None
+    """Rank 0: /generate through the router (or straight to the servers)."""
+    decode: Optional[Callable[[Sequence[int]], str]] = None
+    """Rank 0: token ids -> text, for the reward function."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Rank 0: extra stop tokens of every request."""
+    server_urls: list[str] = field(default_factory=list)
+    """Rank 0: every rollout server (release / resume of colocated servers' memory)."""
 
 
-def _score(ctx: LoopContext, prompts: list, groups: list[list]) -> tuple[list[float], int]:
-    """Rewards of every sample, prompt-major; returns (rewards, number of failures counted as 0)."""
-    from pipeline.rewards import RewardSample, compute_rewards
-
-    samples = []
-    for p_i, (prompt, group) in enumerate(zip(prompts, groups)):
-        for s_i, result in enumerate(group):
-            samples.append(RewardSample(prompt=prompt, sample_index=s_i,
-                                        response_ids=list(result.output_ids),
-                                        response_text=ctx.decode(result.output_ids)))
-    result = compute_rewards(ctx.reward_fn, samples, on_error=ctx.cfg.reward.on_error)
-    return list(result.rewards), result.num_failures
-
-
-def _generate_groups(ctx: LoopContext, prompts: list, step: int, salt: int) -> list[list]:
-    cfg = ctx.cfg
-    from pipeline.rollout import SamplingParams
-
-    sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                              top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens,
-                              stop_token_ids=ctx.stop_token_ids)
-    return ctx.client.generate_groups([p.prompt_ids for p in prompts], cfg.gspo.group_size,
-                                      sampling, seed=(cfg.run.seed * 1_000_003 + step) * 7 + salt)
+# ------------------------------------------------------------------------------------------------
+# The phases (rank 0 unless said otherwise)
 
 
 def rollout_phase(ctx: LoopContext, step: int) -> tuple[dict, dict]:
@@ -150,55 +178,77 @@ def rollout_phase(ctx: LoopContext, step: int) -> tuple[dict, dict]:
     return batch, metrics
 
 
-def _fill_with_informative_groups(ctx, step, prompts, groups, rewards, zero_std, num_prompts,
-                                  max_rounds: int = 8):
-    """Dynamic sampling: keep groups with reward variance, sample more prompts until P remain."""
+def _generate_groups(ctx: LoopContext, prompts: list[Prompt], step: int,
+                     round_: int) -> list[list[RolloutResult]]:
+    from pipeline.rollout import rollout_seed, sampling_params
+
+    cfg = ctx.cfg
+    return ctx.client.generate_groups([p.prompt_ids for p in prompts], cfg.gspo.group_size,
+                                      sampling_params(cfg.rollout, ctx.stop_token_ids),
+                                      seed=rollout_seed(cfg.run.seed, step, round_))
+
+
+def _score(ctx: LoopContext, prompts: list[Prompt],
+           groups: list[list[RolloutResult]]) -> tuple[list[float], int]:
+    """Rewards of every sample, prompt-major; returns (rewards, number of failures counted as 0)."""
+    from pipeline.rewards import RewardSample, compute_rewards
+
+    samples = [RewardSample(prompt=prompt, sample_index=s_i, response_ids=list(result.output_ids),
+                            response_text=ctx.decode(result.output_ids))
+               for prompt, group in zip(prompts, groups) for s_i, result in enumerate(group)]
+    result = compute_rewards(ctx.reward_fn, samples, on_error=ctx.cfg.reward.on_error)
+    return list(result.rewards), result.num_failures
+
+
+def _fill_with_informative_groups(ctx: LoopContext, step: int, prompts: list[Prompt],
+                                  groups: list[list[RolloutResult]], rewards: list[float],
+                                  zero_std: torch.Tensor, num_prompts: int,
+                                  max_rounds: int = MAX_DYNAMIC_SAMPLING_ROUNDS):
+    """Dynamic sampling: keep groups with reward variance, sample more prompts until P remain.
+
+    Returns (prompts, groups, rewards, rounds) of the batch: at most ``max_rounds`` extra rounds,
+    then zero-std groups of the first round fill what is still missing."""
     G = ctx.cfg.gspo.group_size
-    keep = [i for i in range(len(prompts)) if not bool(zero_std[i])]
-    kept_p = [prompts[i] for i in keep]
-    kept_g = [groups[i] for i in keep]
-    kept_r = [r for i in keep for r in rewards[i * G:(i + 1) * G]]
+    chosen_prompts: list[Prompt] = []
+    chosen_groups: list[list[RolloutResult]] = []
+    chosen_rewards: list[float] = []
+
+    def choose(prompt: Prompt, group: list[RolloutResult], group_rewards: list[float]) -> None:
+        chosen_prompts.append(prompt)
+        chosen_groups.append(group)
+        chosen_rewards.extend(group_rewards)
+
+    for i in range(len(prompts)):
+        if not bool(zero_std[i]):
+            choose(prompts[i], groups[i], rewards[i * G:(i + 1) * G])
     rounds = 0
-    while len(kept_p) < num_prompts and rounds < max_rounds:
+    while len(chosen_prompts) < num_prompts and rounds < max_rounds:
         rounds += 1
         more = ctx.sampler.next_batch(num_prompts)
         more_groups = _generate_groups(ctx, more, step, rounds)
         more_rewards, _ = _score(ctx, more, more_groups)
-        more_zero = is_zero_std_group(torch.tensor(more_rewards, dtype=torch.float64), G)
+        more_zero_std = is_zero_std_group(torch.tensor(more_rewards, dtype=torch.float64), G)
         for i in range(len(more)):
-            if not bool(more_zero[i]) and len(kept_p) < num_prompts:
-                kept_p.append(more[i])
-                kept_g.append(more_groups[i])
-                kept_r += more_rewards[i * G:(i + 1) * G]
-    if len(kept_p) < num_prompts:  # not enough informative groups: top up with zero-std ones
-        for i in range(len(prompts)):
-            if bool(zero_std[i]) and len(kept_p) < num_prompts:
-                kept_p.append(prompts[i])
-                kept_g.append(groups[i])
-                kept_r += rewards[i * G:(i + 1) * G]
-    return kept_p, kept_g, kept_r, rounds
+            if not bool(more_zero_std[i]) and len(chosen_prompts) < num_prompts:
+                choose(more[i], more_groups[i], more_rewards[i * G:(i + 1) * G])
+    for i in range(len(prompts)):  # not enough informative groups: top up with zero-std ones
+        if bool(zero_std[i]) and len(chosen_prompts) < num_prompts:
+            choose(prompts[i], groups[i], rewards[i * G:(i + 1) * G])
+    return chosen_prompts, chosen_groups, chosen_rewards, rounds
 
 
 def evaluate(ctx: LoopContext, step: int) -> dict:
     """Rank 0: mean reward and pass@1 (fraction of correct samples) over n samples per prompt."""
-    cfg = ctx.cfg
-    from pipeline.rollout import SamplingParams
+    from pipeline.rollout import eval_seed, sampling_params
 
-    n = cfg.rollout.eval_samples_per_prompt
-    sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                              top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens,
-                              stop_token_ids=ctx.stop_token_ids)
-    groups = ctx.client.generate_groups([p.prompt_ids for p in ctx.eval_prompts], n, sampling,
-                                        seed=cfg.run.seed * 31 + 17)
+    cfg = ctx.cfg
+    groups = ctx.client.generate_groups([p.prompt_ids for p in ctx.eval_prompts],
+                                        cfg.rollout.eval_samples_per_prompt,
+                                        sampling_params(cfg.rollout, ctx.stop_token_ids),
+                                        seed=eval_seed(cfg.run.seed))
     rewards, _ = _score(ctx, ctx.eval_prompts, groups)
     r = torch.tensor(rewards, dtype=torch.float64)
     return {"eval/reward_mean": float(r.mean()), "eval/pass_at_1": float((r >= 1.0).double().mean())}
-
-
-def _broadcast(obj):
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _release_servers(ctx: LoopContext) -> None:
@@ -215,6 +265,22 @@ def _resume_servers(ctx: LoopContext, tags: list[str]) -> None:
         control(url, "/resume_memory_occupation", {"tags": tags}, timeout_s=120.0)
 
 
+def sync_weights(ctx: LoopContext, trainer: Trainer, version: str) -> dict:
+    """Every rank: the trainer's HF buckets, pushed to every rollout server by the pusher."""
+    return ctx.weights.push(trainer.hf_buckets(), version).metrics()
+
+
+# ------------------------------------------------------------------------------------------------
+# Rank 0's outcomes on every rank, and the failure / preemption rules
+
+
+def _broadcast(obj, group=None):
+    """Rank 0's ``obj`` on every rank."""
+    payload = [obj]
+    dist.broadcast_object_list(payload, src=0, group=group)
+    return payload[0]
+
+
 def _on_main(ctx: LoopContext, fn, *args):
     """Run ``fn`` on rank 0 and broadcast ("ok", result) or ("error", message) to every rank, so
     that a failure there (a rollout server gone) reaches all ranks instead of hanging them."""
@@ -222,115 +288,197 @@ def _on_main(ctx: LoopContext, fn, *args):
     if dist.get_rank() == 0:
         try:
             outcome = ("ok", fn(*args))
-        except Exception as err:  # noqa: BLE001 - re-raised on every rank below (or preempted)
+        except Exception as err:  # noqa: BLE001 - re-raised on every rank (or preempted)
             outcome = ("error", f"{type(err).__name__}: {err}")
-    return _broadcast(outcome)
+    return _broadcast(outcome, ctx.control_group)
 
 
 class Preempted(Exception):
-    """Stop requested (SIGTERM / SIGUSR1) and a consistent checkpoint was written."""
+    """Stop requested (SIGTERM / SIGINT / SIGUSR1) and a consistent checkpoint was written."""
+
+
+class PhaseFailed(Exception):
+    """A phase failed on EVERY rank alike: rank 0's broadcast outcome, or a collective that
+    raises the same error everywhere (the weight sync). ``cause``: the collective's own error."""
+
+    def __init__(self, message: str, cause: Optional[BaseException] = None):
+        super().__init__(message)
+        self.message, self.cause = message, cause
+
+
+def on_main(ctx: LoopContext, fn, *args, what: Optional[str] = None):
+    """``fn(*args)`` on rank 0, its result on every rank; :class:`PhaseFailed` on every rank if
+    it raised there (the message prefixed by ``what``)."""
+    status, value = _on_main(ctx, fn, *args)
+    if status == "ok":
+        return value
+    raise PhaseFailed(f"{what}: {value}" if what else value)
+
+
+def everywhere(fn, *args, what: str):
+    """``fn(*args)`` on this rank, where ``fn`` is a collective that fails on all ranks alike."""
+    try:
+        return fn(*args)
+    except Exception as err:  # noqa: BLE001 - the same error on every rank
+        raise PhaseFailed(f"{what}: {err}", cause=err) from err
+
+
+class StepGuard:
+    """What a failure or a stop signal does, depending on where in the step it happens.
+
+    Slurm's requeue and preemption send SIGTERM to every task at once, so the rollout servers may
+    already be gone when the trainer notices. The rule is: on a signal, save the last CONSISTENT
+    state without needing the servers, then stop (:class:`Preempted`):
+
+    * ``begin(step)``: a signal since the last step -> the checkpoint of step - 1, stop;
+    * ``with before_update():`` a :class:`PhaseFailed` before step k's optimizer update (rollout,
+      releasing the servers' memory) while signalled -> the checkpoint of step k - 1, with the data
+      position from before step k drew its prompts; stop;
+    * ``with after_update():`` a :class:`PhaseFailed` after the update (resuming the servers'
+      memory, the weight sync, the evaluation) while signalled -> the rest of the block is
+      skipped, and ``end`` saves step k (logged, without the sync: a resumed run syncs the
+      servers first anyway) and stops;
+    * ``end(save_due=...)``: saves when due, at the last step, or when signalled; then stops if
+      signalled (at the last step the run simply finishes).
+
+    A failure without a signal is an error on every rank: ``RuntimeError("step k: ...")``, or the
+    collective's own exception. A step is never saved twice, nor is the step the run started
+    from (its checkpoint exists; for step 0 a fresh start is the same). Anything but
+    :class:`PhaseFailed` passes through untouched (it need not have happened on every rank, so
+    no collective may run on its behalf). Collective: every rank makes the same calls.
+    """
+
+    def __init__(self, stop: StopFlag, *, save: Callable[[int, Optional[dict]], None],
+                 data_position: Callable[[], Optional[dict]], start_step: int):
+        self.stop = stop
+        self._save = save
+        self._data_position = data_position
+        self.saved_step = start_step
+        """The newest step whose state a checkpoint holds (or the run's start)."""
+        self.step = start_step + 1
+        """The step in progress (before ``begin`` of the first step: the initial sync)."""
+        self.interrupted: Optional[str] = None
+        self._position_before: Optional[dict] = None
+
+    def begin(self, step: int) -> None:
+        self.step, self.interrupted = step, None
+        self._position_before = self._data_position()  # what a checkpoint of step - 1 holds
+        if self.stop.any_rank():
+            self._stop("signal between steps", self.step - 1, self._position_before)
+
+    @contextmanager
+    def before_update(self) -> Iterator[None]:
+        try:
+            yield
+        except PhaseFailed as failed:
+            if not self.stop.any_rank():
+                raise self._error(failed) from None
+            self._stop(failed.message, self.step - 1, self._position_before)
+
+    @contextmanager
+    def after_update(self) -> Iterator[None]:
+        try:
+            yield
+        except PhaseFailed as failed:
+            if not self.stop.any_rank():
+                raise self._error(failed) from None
+            self.interrupted = failed.message
+
+    def end(self, *, save_due: bool, last: bool) -> None:
+        stop_now = self.interrupted is not None or self.stop.any_rank()
+        if save_due or last or stop_now:
+            self._checkpoint(self.step, self._data_position())
+        if stop_now and not last:
+            raise Preempted(self.interrupted or "signal")
+
+    def _error(self, failed: PhaseFailed) -> BaseException:
+        return failed.cause if failed.cause is not None else RuntimeError(
+            f"step {self.step}: {failed.message}")
+
+    def _checkpoint(self, step: int, data_position: Optional[dict]) -> None:
+        self._save(step, data_position)
+        self.saved_step = step
+
+    def _stop(self, reason: str, done_step: int, data_position: Optional[dict]) -> None:
+        if done_step > self.saved_step:
+            self._checkpoint(done_step, data_position)
+        raise Preempted(reason)
+
+
+# ------------------------------------------------------------------------------------------------
+# The loop
 
 
 def run(ctx: LoopContext, trainer: Trainer, *, start_step: int) -> dict:
     """Run steps start_step+1 .. run.num_steps; returns {"status", "history"}.
 
-    Preemption. Slurm's requeue and preemption send SIGTERM to every task at once, so the
-    rollout servers may already be gone when the trainer notices. The loop therefore saves the
-    last CONSISTENT state without needing the servers and returns status "preempted":
-    * a signal (or a failed rollout while signalled) before step k's optimizer update: the
-      checkpoint of step k-1, with the data position from before step k drew its prompts;
-    * a failed weight sync or evaluation after step k's update while signalled: step k is logged
-      and checkpointed without the sync (a resumed run syncs the servers first anyway).
-    A failure without a signal is an error on every rank.
-    """
+    Status "finished", or "preempted" after a stop signal (a consistent checkpoint is saved:
+    :class:`StepGuard`). A failure without a signal is an error on every rank."""
     cfg = ctx.cfg
     is_main = dist.get_rank() == 0
+    colocated = cfg.rollout.colocated
     history: dict[str, list] = {"eval/reward_mean": []}
-    sampler_state = lambda: ctx.sampler.state_dict() if is_main else None  # noqa: E731
 
-    def checkpoint(step: int, sampler: Optional[dict]) -> None:
-        trainer.save(ctx.run_dir, step, _broadcast({"sampler": sampler} if is_main else None))
+    def save(step: int, data_position: Optional[dict]) -> None:
+        run_state = _broadcast({"sampler": data_position} if is_main else None, ctx.control_group)
+        trainer.save(ctx.run_dir, step, run_state)
 
-    def checked(outcome, step_done: int, sampler: Optional[dict]):
-        if outcome[0] == "ok":
-            return outcome[1]
-        if ctx.stop.any_rank():
-            checkpoint(step_done, sampler)
-            raise Preempted(outcome[1])
-        raise RuntimeError(f"step {step_done + 1}: {outcome[1]}")
-
+    guard = StepGuard(ctx.stop, save=save, start_step=start_step,
+                      data_position=lambda: ctx.sampler.state_dict() if is_main else None)
     try:
-        try:
-            trainer.sync_weights(version=str(start_step))  # the servers serve exactly this policy
-        except Exception:  # noqa: BLE001 - raised on every rank
-            if ctx.stop.any_rank():
-                raise Preempted("signal before the first step") from None
-            raise
-        if cfg.run.eval_interval and start_step == 0:
-            ev = checked(_on_main(ctx, evaluate, ctx, 0), start_step, sampler_state())
-            if is_main:
-                history["eval/reward_mean"].append((0, ev["eval/reward_mean"]))
-                ctx.logger.log(0, ev, progress=f"step 0/{cfg.run.num_steps}  held-out reward "
-                                               f"{ev['eval/reward_mean']:.3f}  pass@1 "
-                                               f"{ev['eval/pass_at_1']:.3f}")
+        with guard.before_update():  # the servers serve exactly the policy we start from
+            everywhere(sync_weights, ctx, trainer, str(start_step), what="weight sync")
+            if cfg.run.eval_interval and start_step == 0:
+                evaluation = on_main(ctx, evaluate, ctx, 0, what="evaluation")
+                if is_main:
+                    history["eval/reward_mean"].append((0, evaluation["eval/reward_mean"]))
+                    ctx.logger.log(0, evaluation, progress=f"step 0/{cfg.run.num_steps}  "
+                                   f"{_eval_progress(evaluation)}")
         for step in range(start_step + 1, cfg.run.num_steps + 1):
             t0 = time.monotonic()
-            before = sampler_state()  # the data position a checkpoint of step - 1 must hold
-            if ctx.stop.any_rank():
-                if step > start_step + 1:
-                    checkpoint(step - 1, before)
-                raise Preempted("signal between steps")
-            batch, rollout_metrics = checked(_on_main(ctx, rollout_phase, ctx, step), step - 1,
-                                             before)
-            if cfg.rollout.colocated:  # the servers give the GPUs back to training
-                checked(_on_main(ctx, _release_servers, ctx), step - 1, before)
+            guard.begin(step)
+            with guard.before_update():
+                batch, rollout_metrics = on_main(ctx, rollout_phase, ctx, step)
+                if colocated:  # the servers give the memory back to training
+                    on_main(ctx, _release_servers, ctx, what="release server memory")
+
             train_metrics = trainer.train_rollout(batch, step)
-            if cfg.rollout.colocated:  # weights first, then the sync fills them, then the cache
-                checked(_on_main(ctx, _resume_servers, ctx, ["weights"]), step - 1, before)
+
             metrics = {f"train/{k}": v for k, v in {**rollout_metrics, **train_metrics}.items()}
             progress = (f"step {step}/{cfg.run.num_steps}  reward "
                         f"{rollout_metrics['reward_mean']:.3f}"
                         f"  clip {train_metrics.get('clip_frac', 0.0):.3f}"
                         f"  len {rollout_metrics['response_length_mean']:.1f}")
-            interrupted = None
-            try:
-                sync = trainer.sync_weights(version=str(step))
+            with guard.after_update():
+                if colocated:  # weights first, then the sync fills them, then the KV cache
+                    on_main(ctx, _resume_servers, ctx, ["weights"], what="resume server memory")
+                sync = everywhere(sync_weights, ctx, trainer, str(step), what="weight sync")
                 metrics.update({f"sync/{k}": v for k, v in (sync or {}).items()})
-            except Exception as err:  # noqa: BLE001 - the sync raises the same error on all ranks
-                if not ctx.stop.any_rank():
-                    raise
-                interrupted = f"weight sync: {err}"
-            if interrupted is None and cfg.rollout.colocated:
-                outcome = _on_main(ctx, _resume_servers, ctx, ["kv_cache", "cuda_graph"])
-                if outcome[0] != "ok":
-                    if not ctx.stop.any_rank():
-                        raise RuntimeError(f"step {step}: resume server memory: {outcome[1]}")
-                    interrupted = f"resume server memory: {outcome[1]}"
-            if interrupted is None and cfg.run.eval_interval and (
-                    step % cfg.run.eval_interval == 0 or step == cfg.run.num_steps):
-                outcome = _on_main(ctx, evaluate, ctx, step)
-                if outcome[0] == "ok":
-                    if is_main:
-                        metrics.update(outcome[1])
-                        history["eval/reward_mean"].append((step, outcome[1]["eval/reward_mean"]))
-                        progress += f"  held-out reward {outcome[1]['eval/reward_mean']:.3f}"
-                elif ctx.stop.any_rank():
-                    interrupted = f"evaluation: {outcome[1]}"
-                else:
-                    raise RuntimeError(f"step {step}: evaluation: {outcome[1]}")
+                if colocated:
+                    on_main(ctx, _resume_servers, ctx, ["kv_cache", "cuda_graph"],
+                            what="resume server memory")
+                if cfg.run.eval_interval and (step % cfg.run.eval_interval == 0
+                                              or step == cfg.run.num_steps):
+                    evaluation = on_main(ctx, evaluate, ctx, step, what="evaluation")
+                    metrics.update(evaluation)
+                    history["eval/reward_mean"].append((step, evaluation["eval/reward_mean"]))
+                    progress += f"  {_eval_progress(evaluation, pass_at_1=False)}"
+
             metrics["train/step_s"] = time.monotonic() - t0
             progress += f"  {metrics['train/step_s']:.1f}s/step"
             if is_main:
-                ctx.logger.log(step, metrics, progress=progress if step % cfg.run.log_interval == 0
-                               or step == cfg.run.num_steps else None)
-            stop_now = interrupted is not None or ctx.stop.any_rank()
-            due = cfg.run.save_interval and step % cfg.run.save_interval == 0
-            if due or stop_now or step == cfg.run.num_steps:
-                checkpoint(step, sampler_state())
-            if stop_now and step < cfg.run.num_steps:
-                raise Preempted(interrupted or "signal")
+                shown = step % cfg.run.log_interval == 0 or step == cfg.run.num_steps
+                ctx.logger.log(step, metrics, progress=progress if shown else None)
+
+            guard.end(save_due=bool(cfg.run.save_interval) and step % cfg.run.save_interval == 0,
+                      last=step == cfg.run.num_steps)
     except Preempted as why:
         if is_main:
             print(f"stopping on signal ({why}); checkpoint saved", flush=True)
         return {"status": "preempted", "history": history}
     return {"status": "finished", "history": history}
+
+
+def _eval_progress(evaluation: dict, *, pass_at_1: bool = True) -> str:
+    text = f"held-out reward {evaluation['eval/reward_mean']:.3f}"
+    return (text + f"  pass@1 {evaluation['eval/pass_at_1']:.3f}") if pass_at_1 else text

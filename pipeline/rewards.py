@@ -17,6 +17,8 @@ Built-ins (``reward.kind``):
   "\\boxed{1/2}" all match the label "1/2".
 - ``addition``: the synthetic task's exact match of the answer up to the end token
   (``AdditionTask.reward``).
+- ``carry_addition``: the long-response task's exact match of the final segment, the answer
+  after the carry trace (``CarryAdditionTask.reward``).
 - ``function``: a user function, "package.module:function" or "path/to/file.py:function".
 - ``http``: a reward service (``HTTPReward``).
 
@@ -43,7 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Protocol, Sequence
 
 from pipeline.data import Prompt
-from pipeline.tasks import AdditionTask, Problem
+from pipeline.tasks import AdditionTask, CarryAdditionTask, Problem
 
 if TYPE_CHECKING:
     from megatron_gspo.config import DataConfig, RewardConfig
@@ -166,6 +168,13 @@ def addition(prompt: Prompt, response_ids: list[int], response_text: str) -> flo
     return AdditionTask.reward(problem, list(response_ids))
 
 
+def carry_addition(prompt: Prompt, response_ids: list[int], response_text: str) -> float:
+    """The long-response task's reward: exact match of the final segment (the answer after the
+    carry trace, up to the end token) with the label's."""
+    problem = Problem(prompt=prompt.text, answer=_label(prompt, "carry_addition"))
+    return CarryAdditionTask.reward(problem, list(response_ids))
+
+
 @lru_cache(maxsize=65536)
 def _parse_gold(label: str, timeout: Optional[int]):
     from math_verify import parse
@@ -202,6 +211,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "exact_match": exact_match,
     "math": math_equal,
     "addition": addition,
+    "carry_addition": carry_addition,
 }
 
 

@@ -2,7 +2,7 @@
 
 Talks to the real ``sglang-router`` (``router_url``) or to a list of servers directly
 (``server_urls``): SGLang servers on GPUs, or ``megatron-gspo serve`` on CPUs - the same protocol
-(``../shared/docs/sglang_protocol.md``), the same code.
+(``docs/sglang_protocol.md``), the same code.
 
     client = RolloutClient(router_url="http://127.0.0.1:30000")
     groups = client.generate_groups(prompts, group_size=8, sampling=SamplingParams(max_new_tokens=64),
@@ -37,7 +37,10 @@ import urllib.request
 import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
+
+if TYPE_CHECKING:
+    from megatron_gspo.config import RolloutConfig
 
 RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
 FinishReason = Literal["stop", "length", "abort"]
@@ -157,6 +160,39 @@ def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     """A deterministic, well-mixed 63-bit sampling_seed for (seed, prompt, sample)."""
     digest = hashlib.blake2b(f"{seed}/{prompt_index}/{sample_index}".encode(), digest_size=8)
     return int.from_bytes(digest.digest(), "little") >> 1
+
+
+# The base seeds of the RL loop's requests (``generate_groups(..., seed=...)``; each sample's
+# sampling_seed is then ``sample_seed(base, prompt, sample)``). A base seed names one stream of
+# samples by what it is for: hashing the tuple gives distinct tuples unrelated seeds with no
+# arithmetic ranges to respect (an affine formula such as (run_seed * P + step) * R + round reuses
+# a seed as soon as round reaches R or step reaches P). Nothing depends on wall time or on which
+# rank asks, so a resumed run draws exactly the samples of an uninterrupted one.
+
+
+def rollout_seed(run_seed: int, step: int, round_: int = 0) -> int:
+    """Base seed of step ``step``'s rollouts: round 0 samples the step's prompts, rounds 1, 2, ...
+    the extra prompts of dynamic sampling (each round new prompts, so a new stream)."""
+    return _stream_seed("rollout", run_seed, step, round_)
+
+
+def eval_seed(run_seed: int) -> int:
+    """Base seed of every evaluation of a run: the same at every step (common random numbers), so
+    a change of the held-out reward between steps measures the policy, not the sampling noise."""
+    return _stream_seed("eval", run_seed)
+
+
+def _stream_seed(*parts) -> int:
+    digest = hashlib.blake2b("/".join(str(p) for p in parts).encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") >> 2  # 62 bits, as a random base is
+
+
+def sampling_params(rollout: RolloutConfig, stop_token_ids: Sequence[int]) -> SamplingParams:
+    """The sampling parameters of the RL loop's requests (training rollouts and evaluation alike:
+    the held-out reward is measured under the distribution that is trained) from ``rollout``."""
+    return SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p,
+                          top_k=rollout.top_k, max_new_tokens=rollout.max_new_tokens,
+                          stop_token_ids=list(stop_token_ids))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -9,9 +9,13 @@ Each server is ``python -m launch.cli serve ...`` (``megatron-gspo serve``); the
 ``python -m sglang_router.launch_router`` (sglang-router's own CLI) with ``--model-path`` set to
 the local model directory (it loads the tokenizer from there and must never reach for the Hub),
 and the servers are registered through its ``POST /workers`` API, as slime does. Every process is
-started in a new session (its own process group) and logs to ``log_dir/<name>.log``; ``stop()``
-(also on an error during start, on ``KeyboardInterrupt`` and at interpreter exit) ends exactly the
-process groups this object started: SIGTERM, then SIGKILL after a grace period.
+started in a new session (its own process group), with the stop signals blocked
+(``megatron_gspo.lifetime.shielded_helper``: a SIGTERM / SIGINT / SIGUSR1 / SIGHUP that reaches
+every process of the job, as Slurm's scancel and systemd's stop do, must leave the servers to the
+training rank that saves its preemption checkpoint), and logs to ``log_dir/<name>.log``.
+``stop()`` (also on an error during start, on ``KeyboardInterrupt`` and at interpreter exit) ends
+exactly the process groups this object started, with SIGKILL (they hold no state worth a graceful
+exit, and they would not see a SIGTERM); a SIGKILLed owner takes them along (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -26,8 +30,12 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from megatron_gspo.lifetime import die_with_parent
+from megatron_gspo.lifetime import shielded_helper
 from pipeline.rollout import RolloutError, http_json, router_workers, wait_healthy
+
+# Set by torchrun / launch.local for training ranks; a server must not inherit them (launch.cli
+# would take it for a rank and redirect its output to the rank's log).
+_RANK_ONLY_ENV = ("RANK", "LOCAL_RANK", "MEGATRON_GSPO_RANK_LOG_DIR", "MEGATRON_GSPO_STATUS_DIR")
 
 ROUTER_DEFAULT_ARGS = (
     # Notice a dead worker within seconds (defaults: 60 s health checks, 10 failures to open
@@ -107,18 +115,14 @@ class LocalRolloutCluster:
             self.stop()
             raise
 
-    def stop(self, grace_s: float = 5.0) -> None:
-        """End every process this cluster started (their process groups), whatever happens."""
+    def stop(self) -> None:
+        """End every process this cluster started (their process groups), whatever happens:
+        SIGKILL, the one signal they do not block (``shielded_helper``)."""
         procs, self._procs = self._procs, {}
         for proc in procs.values():
-            self._signal(proc, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
+            self._signal(proc, signal.SIGKILL)
         for proc in procs.values():
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self._signal(proc, signal.SIGKILL)
-                proc.wait(timeout=10)
+            proc.wait(timeout=30)
         if self._atexit:
             atexit.unregister(self.stop)
             self._atexit = False
@@ -134,15 +138,21 @@ class LocalRolloutCluster:
 
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
         log_path = self.log_dir / f"{name}.log"
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.cpu_threads),
+        # A server is ``launch.cli serve``: cli.main silences the benign third-party warnings
+        # (launch/benign_warnings.py) unless MEGATRON_GSPO_SHOW_WARNINGS is set in this
+        # environment, which the server inherits. It is no rank of ours: RANK and the rank-log
+        # switch are dropped, so a server started by training rank 1 logs to its own file only.
+        env = {k: v for k, v in os.environ.items() if k not in _RANK_ONLY_ENV}
+        env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.cpu_threads),
                    TOKENIZERS_PARALLELISM="false")
         with open(log_path, "ab") as log:
             log.write(f"$ {' '.join(cmd)}\n".encode())
             log.flush()
-            # die_with_parent: a SIGKILLed owner (e.g. a training rank) leaves no server behind
+            # a SIGKILLed owner (e.g. a training rank) leaves no server behind; the job's stop
+            # signals do not reach them (the owner stops them, see the module docstring)
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True, env=env,
-                                    preexec_fn=die_with_parent)
+                                    preexec_fn=shielded_helper)
         self._procs[name] = proc
         self._logs[name] = log_path
         return proc

@@ -3,6 +3,10 @@
 ``AdditionTask``: "a+b=" -> "c" with exact answers, in a byte-level vocabulary (token id = byte,
 end of answer = "\n"). Problems are drawn from a seeded generator, so the same (seed, index) gives
 the same problem on every rank and after a resume. The reward is exact match of the answer.
+
+``CarryAdditionTask``: the same sums written out column by column before the answer, a long
+response (64-256 tokens at ``digits`` 6-22) whose only checked part is its final segment, so
+that sequence length, packing and context parallelism matter (``data.task: carry_addition``).
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ class AdditionTask:
     digits: int = 2
     seed: int = 0
 
+    name = "addition"
+
     def is_held_out(self, a: int, b: int) -> bool:
         """One pair in 8 belongs to the held-out split; training never sees those pairs."""
         return random.Random(f"{self.seed}:pair:{a}:{b}").random() < 0.125
@@ -71,6 +77,92 @@ class AdditionTask:
     def max_length(self) -> int:
         """Prompt + answer + end token of the longest problem."""
         return 2 * self.digits + 2 + (self.digits + 1) + 1
+
+
+@dataclass(frozen=True)
+class CarryAdditionTask:
+    """Multi-digit addition with a written-out digit-by-digit carry trace before the answer.
+
+    Prompt ``"478+96="``; response (the label, what SFT trains on) one segment per column,
+    least significant first, ``x+y+c=ss`` (the column's digits, the incoming carry, the two-digit
+    column sum whose first digit is the next carry), then the answer, ``;``-separated, then the
+    end token ``"\n"`` (which ends generation, so segments cannot be lines)::
+
+        8+6+0=14;7+9+1=17;4+0+1=05;=574
+
+    A problem has n columns, n uniform in ``[ceil(digits / 4), digits]`` (a 4x spread of
+    lengths); the first operand has exactly n digits, the second up to n. A response is
+    ``10 n + 2`` or ``10 n + 3`` tokens with the end token: 62-63 at n = 6, 242-243 at n = 24
+    (``digits: 24`` spans 62-243). The reward is exact match of the FINAL segment (``=574``)
+    only: the trace is the model's scratch work.
+    """
+
+    digits: int = 24
+    seed: int = 0
+
+    name = "carry_addition"
+
+    def is_held_out(self, a: int, b: int) -> bool:
+        return random.Random(f"{self.seed}:carry-pair:{a}:{b}").random() < 0.125
+
+    def problem(self, index: int, *, split: str = "train") -> Problem:
+        if split not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        rng = random.Random(f"{self.seed}:carry:{split}:{index}")
+        while True:
+            columns = rng.randint(-(-self.digits // 4), self.digits)
+            a = rng.randint(10 ** (columns - 1) if columns > 1 else 0, 10 ** columns - 1)
+            b = rng.randint(0, 10 ** rng.randint(1, columns) - 1)
+            if self.is_held_out(a, b) == (split == "eval"):
+                return Problem(prompt=f"{a}+{b}=", answer=self.response(a, b))
+
+    def problems(self, start: int, count: int, *, split: str = "train") -> list[Problem]:
+        return [self.problem(i, split=split) for i in range(start, start + count)]
+
+    @staticmethod
+    def response(a: int, b: int) -> str:
+        """The reference response: the carry trace and the answer (without the end token)."""
+        xs, ys = str(a)[::-1], str(b)[::-1]
+        carry, segments = 0, []
+        for i in range(max(len(xs), len(ys))):
+            x = int(xs[i]) if i < len(xs) else 0
+            y = int(ys[i]) if i < len(ys) else 0
+            total = x + y + carry
+            segments.append(f"{x}+{y}+{carry}={total:02d}")
+            carry = total // 10
+        segments.append(f"={a + b}")
+        return ";".join(segments)
+
+    @staticmethod
+    def final_segment(text: str) -> str:
+        return text.rsplit(";", 1)[-1].strip()
+
+    @classmethod
+    def reward(cls, problem: Problem, response_ids: list[int]) -> float:
+        """1.0 if the response's final segment (up to the end token) is the answer's, else 0.0."""
+        text = decode(response_ids[:response_ids.index(EOS_ID)] if EOS_ID in response_ids
+                      else response_ids)
+        return 1.0 if cls.final_segment(text) == cls.final_segment(problem.answer) else 0.0
+
+    def max_length(self) -> int:
+        """Prompt + response + end token of the longest problem."""
+        return (2 * self.digits + 2) + (10 * self.digits + 3)
+
+
+TASKS = {"addition": AdditionTask, "carry_addition": CarryAdditionTask}
+"""``data.task`` name -> task class (constructed with ``digits`` and ``seed``)."""
+
+
+def write_sft_file(path, task, count: int, *, split: str = "train", start: int = 0) -> None:
+    """SFT data for a task as a JSONL file of ``{"prompt", "label"}`` rows (the reference
+    response as the label: the carry trace and the answer for ``CarryAdditionTask``), readable
+    with ``data.train_path`` and the default ``data.prompt_key`` / ``data.label_key``."""
+    import json
+    from pathlib import Path
+
+    with Path(path).open("w") as out:
+        for problem in task.problems(start, count, split=split):
+            out.write(json.dumps({"prompt": problem.prompt, "label": problem.answer}) + "\n")
 
 
 def _byte_token(b: int) -> str:

@@ -1,18 +1,39 @@
-"""Weight payloads shared by the trainer (megatron_gspo.hf.weight_sync) and the local rollout server.
+"""The wire formats and channels of the weight sync, shared by the pusher (``pipeline.weight_push``)
+and the local rollout server (``pipeline.local``). SGLang 0.5.23's formats unless said otherwise.
 
-* ``update_weights_from_tensor`` body: SGLang's request shape
-  ``{"serialized_named_tensors": [<base64 str per TP rank>], "load_format": ...}``, but each
-  entry is **base64 of safetensors bytes** (:func:`encode_named_tensors`), never a pickle.
-  *Deviation from SGLang*, whose entries are ``base64(ForkingPickler.dumps(list[(name, tensor)]))``
-  carrying CUDA-IPC handles: unpickling runs arbitrary code and IPC handles need a shared GPU.
-  A real SGLang server therefore cannot read these payloads; against real SGLang use the disk or
-  distributed transport (or a server-side custom ``load_format`` loader).
-* ``update_weights_from_distributed``: a process group of its own between trainer rank 0 (rank 0)
-  and each server (``rank_offset + tp_rank``), created by :func:`new_update_group` from a TCP
-  store, so it never touches a process's default ``torch.distributed`` group. NCCL on GPUs (what
-  SGLang uses), gloo on CPUs (what the local server implements).
+* **Flattened buckets** (:func:`flat_layout`, :func:`unflatten`): SGLang's
+  ``FlattenedTensorBucket`` (``sglang/srt/weight_sync/tensor_bucket.py``): the tensors' bytes back
+  to back, in order, no padding; a tensor whose byte offset is not a multiple of its item size is
+  refused (as ``FlattenedTensorBucket.empty`` does).
+* **Update groups** (:func:`init_custom_process_group`): the same steps as SGLang's helper of that
+  name (``sglang/srt/utils/common.py``, itself from PyTorch / OpenRLHF): ``rendezvous`` on
+  ``tcp://address:port`` (rank 0 hosts the TCP store), a ``PrefixStore(group_name)``, then
+  ``_new_process_group_helper`` (which prefixes ``group_name/`` and the device again). Both sides
+  must run these steps for their store keys to meet: the trainer's side of every group is built
+  here, the server's by SGLang itself (or, on the local server without the sglang package, by
+  this same function). World size ``1 + sum(tp_size)``, server i's ``rank_offset`` =
+  ``1 + sum(tp_size of servers before it)``, the trainer's sending rank is rank 0.
+* **Tensor payloads** (:func:`serialize_tensors`): SGLang's ``MultiprocessingSerializer``:
+  ``base64(ForkingPickler.dumps(obj))``, one entry per server TP rank. ``ForkingPickler`` turns
+  CUDA tensors into CUDA-IPC handles and CPU tensors into shared-memory handles (the
+  ``file_system`` strategy, so that an unrelated process - the server - can open them: the
+  ``file_descriptor`` strategy needs a multiprocessing authkey the server does not have).
+  Deserialising runs pickle, so the local server accepts such payloads only when started with
+  ``--allow-pickled-tensors`` on 127.0.0.1, and reads them with a restricted unpickler
+  (:func:`deserialize_tensors`: the torch rebuild functions of SGLang's allow-list, nothing else).
+  Without that option it accepts its own safe format only, base64 safetensors
+  (:func:`encode_named_tensors`).
+* **Bucket checksums** (:func:`bucket_checksum`): cheap enough to run after every sync on both
+  sides (one streaming pass, int64 sums per 4 KiB block, then sha256 over the block sums), and
+  position-sensitive at 4 KiB granularity (a transposed or shifted tensor changes it). A local-server
+  extension: real SGLang reports none.
+* **bf16 deltas** (:func:`delta_encode`, :func:`delta_apply`): the changed elements of a bf16
+  tensor as int32 indices + bf16 values, when that is smaller than the tensor. A local-server
+  extension (``"delta": true`` in ``update_weights_from_distributed`` / ``_tensor``).
+* **Safetensors shards** (:func:`write_shard`, :func:`read_shard`): a flattened bucket IS the data
+  section of a safetensors file (same layout), so a shard is a JSON header plus one write.
 * :func:`weights_checksum`: the digest ``/weights_checker {"action": "checksum"}`` returns on the
-  local server, so a test or a run can check server-side weights bit for bit.
+  local server (sha256 over every tensor).
 """
 
 from __future__ import annotations
@@ -20,15 +41,21 @@ from __future__ import annotations
 import base64
 import datetime
 import hashlib
+import io
 import ipaddress
+import json
+import pickle
 import socket
-from typing import Iterable
+import struct
+import urllib.parse
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
 
 import torch
 
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                "float64": torch.float64, "uint8": torch.uint8, "int64": torch.int64,
-               "int32": torch.int32}
+               "int32": torch.int32, "int16": torch.int16}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -37,11 +64,102 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def parse_dtype(name: str) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
     if name.startswith("torch."):
         name = name[len("torch."):]
     if name not in DTYPE_NAMES:
         raise ValueError(f"unsupported dtype {name!r} (expected one of {sorted(DTYPE_NAMES)})")
     return DTYPE_NAMES[name]
+
+
+# ------------------------------------------------------------------------------------------------
+# Flattened buckets (SGLang's FlattenedTensorBucket layout)
+
+
+def flat_layout(names: Sequence[str], dtypes: Sequence, shapes: Sequence
+                ) -> tuple[list[tuple[str, torch.dtype, tuple, int, int]], int]:
+    """[(name, dtype, shape, start, end)] byte ranges and the total size, as
+    ``FlattenedTensorBucket.empty`` computes them (and refusing what it refuses)."""
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise ValueError("names, dtypes and shapes must have the same length")
+    if not names:
+        raise ValueError("Cannot create empty tensor bucket")
+    out, offset = [], 0
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        dtype = parse_dtype(dtype)
+        shape = tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"Negative dimension in received tensor {name}: {list(shape)}")
+        if offset % dtype.itemsize:
+            raise ValueError(f"Unaligned received tensor {name}: byte offset {offset}, dtype {dtype}")
+        size = torch.Size(shape).numel() * dtype.itemsize
+        out.append((name, dtype, shape, offset, offset + size))
+        offset += size
+    return out, offset
+
+
+def unflatten(flat: torch.Tensor, layout) -> list[tuple[str, torch.Tensor]]:
+    """(name, view) of every tensor of a flat uint8 bucket (``reconstruct_tensors``)."""
+    return [(name, flat[start:end].view(dtype).reshape(shape))
+            for name, dtype, shape, start, end in layout]
+
+
+# ------------------------------------------------------------------------------------------------
+# Checksums
+
+
+_BLOCK = 512  # int64 words per checksum block (4 KiB)
+
+
+def _block_sums(data: torch.Tensor) -> bytes:
+    """Little-endian int64 sums of the 4 KiB blocks of ``data``'s bytes (the last block zero-padded).
+
+    One streaming pass on the tensor's own device; only the sums (1/512 of the bytes) come to
+    the host. Integer sums are exact and independent of the reduction order, so CPU and GPU,
+    trainer and server, agree bit for bit.
+    """
+    raw = data.detach().contiguous().reshape(-1).view(torch.uint8)
+    n = raw.numel()
+    full = n // (8 * _BLOCK) * (8 * _BLOCK)
+    parts = []
+    if full:
+        body = raw[:full]
+        if body.data_ptr() % 8:  # an unaligned view cannot be read as int64 words: copy it
+            body = body.clone()
+        parts.append(body.view(torch.int64).view(-1, _BLOCK).sum(dim=1))
+    if full < n:
+        tail = torch.zeros(8 * _BLOCK, dtype=torch.uint8, device=raw.device)
+        tail[: n - full] = raw[full:]
+        parts.append(tail.view(torch.int64).sum().reshape(1))
+    if not parts:
+        return b""
+    return torch.cat(parts).cpu().numpy().astype("<i8").tobytes()
+
+
+def bucket_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """Digest of a bucket: sha256 over, per tensor in name order (so a receiver need not know the
+    sender's order), ``name|dtype|shape|`` and the int64 sums of its 4 KiB blocks
+    (:func:`_block_sums`)."""
+    digest = hashlib.sha256()
+    for name, t in sorted(named, key=lambda item: item[0]):
+        digest.update(f"{name}|{dtype_name(t.dtype)}|{list(t.shape)}|".encode())
+        digest.update(_block_sums(t))
+    return digest.hexdigest()
+
+
+def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """sha256 over (name, dtype, shape, bytes) of every tensor, in name order."""
+    digest = hashlib.sha256()
+    for name, t in sorted(named, key=lambda item: item[0]):
+        t = t.detach().to("cpu").contiguous()
+        digest.update(f"{name}|{dtype_name(t.dtype)}|{list(t.shape)}|".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------
+# The local server's safe tensor format (base64 safetensors)
 
 
 def encode_named_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -63,60 +181,246 @@ def decode_named_tensors(payload: str) -> dict[str, torch.Tensor]:
         return load(raw)
     except Exception as err:  # safetensors raises its own error types
         raise ValueError(f"serialized_named_tensors: not safetensors bytes ({err}); the local "
-                         "server accepts base64 safetensors, never pickles") from None
+                         "server accepts base64 safetensors, and SGLang's pickled tensors only "
+                         "when started with --allow-pickled-tensors") from None
 
 
-def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """sha256 over (name, dtype, shape, bytes) of every tensor, in name order."""
-    digest = hashlib.sha256()
-    for name, t in sorted(named, key=lambda item: item[0]):
-        t = t.detach().to("cpu").contiguous()
-        digest.update(f"{name}|{dtype_name(t.dtype)}|{list(t.shape)}|".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return digest.hexdigest()
+# ------------------------------------------------------------------------------------------------
+# SGLang's tensor payloads (MultiprocessingSerializer)
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
+def looks_like_pickle(raw: bytes) -> bool:
+    """SGLang's ``_looks_like_pickle_payload``: a pickle protocol header."""
+    return len(raw) >= 2 and raw[0] == 0x80 and raw[1] <= pickle.HIGHEST_PROTOCOL
 
 
-def new_update_group(master_address: str, master_port: int, rank: int, world_size: int, *,
-                     group_name: str = "weight_update_group", backend: str = "gloo",
-                     timeout_s: float = 300.0):
-    """A process group of its own (not the default group): rank 0 hosts the TCP store.
+def serialize_tensors(obj) -> str:
+    """``MultiprocessingSerializer.serialize(obj, output_str=True)``: base64 of ForkingPickler bytes.
 
-    Blocks until all ``world_size`` ranks have joined (or ``timeout_s``). Returns ``(group, store)``;
-    keep both alive while the group is used.
+    CPU tensors must already live in shared memory of the ``file_system`` strategy
+    (:func:`share_cpu_tensor`), or ForkingPickler would move them there on every call.
     """
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing.reductions  # noqa: F401 - registers torch's reducers
+
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def share_cpu_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Move ``t``'s storage into shared memory an unrelated process can open (once; a storage
+    already shared this way is left alone)."""
+    import torch.multiprocessing as tmp
+
+    if t.device.type != "cpu" or t.is_shared():
+        return t
+    if tmp.get_sharing_strategy() != "file_system":
+        # file_descriptor handles are passed through a multiprocessing resource sharer that only
+        # processes with this process's authkey (its children) may connect to.
+        tmp.set_sharing_strategy("file_system")
+    return t.share_memory_()
+
+
+# The torch globals of SGLang's SafeUnpickler allow-list that tensor payloads need.
+_ALLOWED_GLOBALS = {
+    ("torch.multiprocessing.reductions", "rebuild_tensor"),
+    ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
+    ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
+    ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
+    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch.storage", "UntypedStorage"), ("torch", "UntypedStorage"), ("torch", "Tensor"),
+    ("torch", "Size"), ("torch", "device"), ("torch.nn.parameter", "Parameter"),
+    ("collections", "OrderedDict"), ("builtins", "list"), ("builtins", "tuple"),
+    ("builtins", "dict"), ("builtins", "slice"),
+} | {("torch", name) for name in ("float32", "bfloat16", "float16", "float64", "int64",
+                                  "int32", "int16", "uint8", "int8", "bool")}
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a tensor payload")
+
+
+def deserialize_tensors(data) -> object:
+    """``MultiprocessingSerializer.deserialize`` with an allow-list of torch rebuild functions."""
+    raw = base64.b64decode(data, validate=True) if isinstance(data, str) else bytes(data)
+    if not looks_like_pickle(raw):
+        raise ValueError("not a pickled tensor payload")
+    return _RestrictedUnpickler(io.BytesIO(raw)).load()
+
+
+# ------------------------------------------------------------------------------------------------
+# Update groups (SGLang's init_custom_process_group)
+
+
+def init_custom_process_group(backend=None, init_method=None, timeout=None, world_size=-1,
+                              rank=-1, store=None, group_name=None, pg_options=None,
+                              device_id=None):
+    """A process group outside the default world, made exactly as SGLang makes its side
+    (``sglang.srt.utils.common.init_custom_process_group`` in 0.5.23, Apache-2.0, itself copied
+    from PyTorch and OpenRLHF): the same rendezvous, prefix stores and helper, so both sides
+    write and read the same store keys."""
+    from torch.distributed.distributed_c10d import (Backend, PrefixStore,
+                                                    _new_process_group_helper, _world,
+                                                    default_pg_timeout, rendezvous)
+
+    assert (store is None) or (init_method is None), "Cannot specify both init_method and store."
+    if store is not None:
+        assert world_size > 0, "world_size must be positive if using store"
+        assert rank >= 0, "rank must be non-negative if using store"
+    elif init_method is None:
+        init_method = "env://"
+    backend = Backend(backend) if backend else Backend("undefined")
+    if timeout is None:
+        timeout = default_pg_timeout
+    if store is None:
+        rendezvous_iterator = rendezvous(init_method, rank, world_size, timeout=timeout)
+        store, rank, world_size = next(rendezvous_iterator)
+        store.set_timeout(timeout)
+        store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], backend, store,
+                                      group_name=group_name, backend_options=pg_options,
+                                      timeout=timeout, device_id=device_id)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def tcp_init_method(address: str, port: int) -> str:
+    """``tcp://host:port`` (IPv6 in brackets), as SGLang's ``NetworkAddress.to_tcp``."""
+    try:
+        wrapped = f"[{address}]" if ipaddress.ip_address(address).version == 6 else address
+    except ValueError:
+        wrapped = address
+    return f"tcp://{wrapped}:{int(port)}"
+
+
+def new_update_group(address: str, port: int, rank: int, world_size: int, *, group_name: str,
+                     backend: str = "gloo", timeout_s: float = 300.0):
+    """Join (rank 0: host) an update group; blocks until all ``world_size`` ranks joined."""
+    return init_custom_process_group(
+        backend=backend, init_method=tcp_init_method(address, port),
+        timeout=datetime.timedelta(seconds=timeout_s), world_size=world_size, rank=rank,
+        group_name=group_name)
+
+
+def destroy_group(group) -> None:
     import torch.distributed as dist
 
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0,
-                          timeout=timeout)
-    prefixed = dist.PrefixStore(group_name, store)
-    if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = timeout
-        if _is_loopback(master_address):
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        else:
-            options._devices = [dist.ProcessGroupGloo.create_default_device()]
-        group = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
-    elif backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-    else:
-        raise ValueError(f"backend {backend!r}: expected 'gloo' or 'nccl'")
-    return group, store
+    try:
+        dist.destroy_process_group(group)
+    except (ValueError, RuntimeError, AssertionError):
+        pass  # already gone (the peer died, or the group was never registered)
 
 
-def broadcast(group, tensor: torch.Tensor, src: int = 0) -> None:
+def routable_address(url: str) -> str:
+    """This machine's address on the interface that routes to ``url``'s host: an address that
+    host can reach back (no packet is sent; a UDP connect only picks the route)."""
+    host = urllib.parse.urlsplit(url).hostname or "127.0.0.1"
+    info = socket.getaddrinfo(host, 80, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(info[0], socket.SOCK_DGRAM) as sock:
+        sock.connect(info[4])
+        return sock.getsockname()[0]
+
+
+def free_port(address: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET,
+                       socket.SOCK_STREAM) as sock:
+        sock.bind((address, 0))
+        return sock.getsockname()[1]
+
+
+def broadcast(group, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False):
+    """Broadcast on ``group`` (a group's own rank numbers); returns the work if ``async_op``."""
     import torch.distributed as dist
 
     opts = dist.BroadcastOptions()
     opts.rootRank = src
-    group.broadcast([tensor], opts).wait()
+    work = group.broadcast([tensor], opts)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# bf16 deltas
+
+
+DELTA_INDEX, DELTA_VALUE = "::delta_index", "::delta_value"
+
+
+def delta_encode(name: str, new: torch.Tensor, old: torch.Tensor
+                 ) -> Optional[list[tuple[str, torch.Tensor]]]:
+    """The changed elements of ``new`` against ``old`` (same shape, 16-bit dtype) as
+    ``[(name + DELTA_INDEX, int32 flat indices), (name + DELTA_VALUE, values)]``, or None when
+    sending them would not be smaller than ``new`` itself (6 bytes per change vs 2 per element).
+    Compared bit for bit (int16 views), so -0.0 vs 0.0 and NaN payloads count as changes."""
+    if new.shape != old.shape or new.dtype != old.dtype or new.element_size() != 2:
+        raise ValueError(f"{name}: delta needs two 16-bit tensors of one shape")
+    if new.numel() >= 2**31:
+        return None
+    flat_new, flat_old = new.reshape(-1), old.reshape(-1)
+    changed = (flat_new.view(torch.int16) != flat_old.view(torch.int16)).nonzero().reshape(-1)
+    if changed.numel() * 6 >= flat_new.numel() * 2:
+        return None
+    return [(name + DELTA_INDEX, changed.to(torch.int32)), (name + DELTA_VALUE, flat_new[changed])]
+
+
+def delta_apply(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """target.flat[index] = values (in place)."""
+    target.view(-1)[index.long()] = values.to(target.dtype)
+
+
+def delta_pairs(named: Iterable[tuple[str, torch.Tensor]]
+                ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """Split a received bucket into full tensors and {name: (index, values)} deltas."""
+    full, idx, val = {}, {}, {}
+    for name, t in named:
+        if name.endswith(DELTA_INDEX):
+            idx[name[: -len(DELTA_INDEX)]] = t
+        elif name.endswith(DELTA_VALUE):
+            val[name[: -len(DELTA_VALUE)]] = t
+        else:
+            full[name] = t
+    if set(idx) != set(val):
+        raise ValueError(f"delta bucket: unpaired entries {sorted(set(idx) ^ set(val))[:5]}")
+    return full, {n: (idx[n], val[n]) for n in idx}
+
+
+# ------------------------------------------------------------------------------------------------
+# Safetensors shards
+
+
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+              torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+              torch.uint8: "U8"}
+_ST_FROM = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def write_shard(path: str | Path, layout, flat: torch.Tensor) -> None:
+    """A safetensors file from a flattened bucket: the header, then the bucket's bytes as they are
+    (safetensors' data section has the same layout). ``flat``: CPU uint8."""
+    header = {name: {"dtype": _ST_DTYPES[dtype], "shape": list(shape),
+                     "data_offsets": [start, end]} for name, dtype, shape, start, end in layout}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        f.write(memoryview(flat.numpy()))
+
+
+def read_shard_header(path: str | Path) -> tuple[list[tuple[str, torch.dtype, tuple, int, int]], int]:
+    """(layout in file order, byte offset of the data section) of a safetensors file."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    layout = sorted(((name, _ST_FROM[h["dtype"]], tuple(h["shape"]), *h["data_offsets"])
+                     for name, h in header.items()), key=lambda e: e[3])
+    return layout, 8 + size

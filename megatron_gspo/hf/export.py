@@ -1,6 +1,6 @@
 """A complete Hugging Face directory from the live, sharded policy.
 
-The full tensors come from the weight sync's gather (``weight_sync.iter_full_hf_tensors``: every
+The full tensors come from the weight sync's gather (``gather.iter_full_hf_tensors``: every
 region sent once to global rank 0, bucket by bucket, through the one HF mapping), so memory on rank
 0 is bounded by a bucket, not the model. Used to write the SFT result, the initial policy of the
 rollout servers and the final policy of a GSPO run.
@@ -71,7 +71,7 @@ def export_hf_dir(gpt, model: ModelConfig, pg_collection, out_dir: str | Path, *
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
     weight_map, total = {}, 0
-    from megatron_gspo.hf.weight_sync import iter_full_hf_tensors
+    from megatron_gspo.hf.gather import iter_full_hf_tensors
 
     for i, bucket in enumerate(iter_full_hf_tensors(gpt, model, pg_collection,
                                                     bucket_bytes=bucket_bytes)):

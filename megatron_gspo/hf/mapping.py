@@ -4,7 +4,7 @@ The single mapping used by initialisation (``load_hf_into_model``), checkpoint c
 rollout weight sync. Hugging Face names are the on-disk (safetensors) names, which
 transformers 4 and 5 share: ``model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight``.
 
-Layouts (../shared/docs/qwen3_moe_mapping.md; verified against transformers' logits in the tests):
+Layouts (docs/hf_mapping.md; verified against transformers' logits in the tests):
 
 * ``linear_qkv`` [(n_h + 2 n_g) d, H] is grouped: for each KV group g, its ``n_h/n_g`` query heads,
   then k_g, then v_g. TP rank r holds groups [r n_g/tp, (r+1) n_g/tp).

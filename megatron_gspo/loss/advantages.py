@@ -63,6 +63,8 @@ def group_advantages(
         raise ValueError(f"eps={eps} must be >= 0")
     if leave_one_out and group_size < 2:
         raise ValueError("leave_one_out needs group_size >= 2 (the baseline is the mean of the other responses)")
+    if rewards_PG.shape[0] == 0:  # no group: nothing to centre (torch.std would warn about 0 samples)
+        return rewards_PG.reshape(-1).clone()
 
     centered_PG = rewards_PG - rewards_PG.mean(dim=1, keepdim=True)
     if leave_one_out:

@@ -5,7 +5,7 @@ context-parallel group. GSPO's sequence ratio ``log s_i = sum_t (lp_it - old_lp_
 needs sums over ALL tokens of ``y_i``; instead of all-gathering per-token log-probs (O(tokens)),
 each rank sums its own tokens per sequence and one all-reduce of a ``[num_sequences, K]`` tensor
 (K = 2: log-ratio sum, token count) makes the sums exact on every rank: O(num_sequences) bytes.
-See ``docs/gspo_math.md``, "Splitting a sequence across ranks".
+See ``docs/gspo_math.md``, "Splitting the loss over ranks".
 
 Shape suffixes: B rows, T tokens of a full (padded) row, L tokens held by this CP rank,
 S sequences, K per-sequence statistics.

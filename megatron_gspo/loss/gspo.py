@@ -30,8 +30,11 @@ Variants (J_i is the per-sequence objective, maximised):
                                               sg[s_i] exp(lp_it - sg[lp_it]) A_it   otherwise ]
     token_ratio_seq_clip    J_i = clip(s_i) A_i if the sequence is cut by s_i, else (1/n_i) sum_t w_it A_i
     seq_ratio_unnormalized  J_i = PPO(S_i, A_i),  S_i = exp(sum_t (lp_it - old_it))   (no 1/n_i)
-The eps pair is whatever the caller passes: sequence-clip variants want the sequence range
-(paper: 3e-4 / 4e-4), token-clip variants (grpo, seq_ratio_token_clip) a token range (0.2 / 0.28).
+The eps pair is whatever the caller passes. Variants whose clipped ratio is a sequence ratio want
+the sequence range (paper: 3e-4 / 4e-4); those that clip the per-token w_it
+(``TOKEN_RATIO_CLIP_VARIANTS``: grpo, seq_ratio_token_clip) a token range (0.2 / 0.28). "Token-clip
+variant" (``TOKEN_CLIP_VARIANTS``) means the cut unit is the token, which includes gspo_token
+(clipped by s_i, so with the sequence range); see ``megatron_gspo.loss.variants``.
 
 Loss (minimised):
     loss = -(1/D) sum_{i: n_i > 0} [ m_i J_i - kl_coef KL_i + entropy_coef H_i ]
@@ -67,17 +70,18 @@ the loss or the gradient. Half-precision inputs are computed in float32.
 
 import math
 from collections.abc import Callable
-from typing import Literal, get_args
-
 import torch
 from torch import Tensor
 
 from megatron_gspo.loss.advantages import group_advantages
+from megatron_gspo.loss.variants import (SEQUENCE_CLIP_VARIANTS, TOKEN_CLIP_VARIANTS,
+                                         TOKEN_RATIO_CLIP_VARIANTS, VARIANTS, Variant)
 
 __all__ = [
     "LOG_RATIO_LIMIT",
     "SEQUENCE_CLIP_VARIANTS",
     "TOKEN_CLIP_VARIANTS",
+    "TOKEN_RATIO_CLIP_VARIANTS",
     "VARIANTS",
     "Variant",
     "group_advantages",
@@ -85,14 +89,7 @@ __all__ = [
     "sequence_log_ratio",
 ]
 
-Variant = Literal[
-    "gspo", "gspo_token", "grpo", "seq_ratio_token_clip", "token_ratio_seq_clip", "seq_ratio_unnormalized"
-]
-VARIANTS: tuple[str, ...] = get_args(Variant)
-# The cut unit is the whole sequence: these need one advantage per sequence.
-SEQUENCE_CLIP_VARIANTS: tuple[str, ...] = ("gspo", "token_ratio_seq_clip", "seq_ratio_unnormalized")
-# The cut unit is the token: these accept per-token advantages A_it.
-TOKEN_CLIP_VARIANTS: tuple[str, ...] = ("gspo_token", "grpo", "seq_ratio_token_clip")
+# The variant names and their two properties (cut unit, clipped ratio) live in one registry.
 
 LOG_RATIO_LIMIT = 20.0
 

@@ -11,7 +11,18 @@ Qwen3-MoE in Megatron terms (every layer is an MoE layer, no shared expert, no b
 * RMSNorm everywhere, tied or untied embeddings, vocabulary padded for tensor parallelism.
 
 Spec: Transformer Engine's when TE imports and CUDA is present; Megatron's local spec otherwise,
-with our sequence-parallel-capable :class:`~megatron_gspo.model.norm.RMSNorm`.
+with our sequence-parallel-capable :class:`~megatron_gspo.model.norm.RMSNorm` and our core
+attention (:class:`~megatron_gspo.model.attention.PackedCoreAttention`: packed sequences and
+context parallelism, which Megatron's local ``DotProductAttention`` refuses).
+
+Batch layouts (``forward_kwargs`` turns a micro-batch dict into the model's arguments): right-
+padded rows ``[b, s]``, or one packed row ``[1, t]`` of several sequences (THD) described by
+``cu_seqlens`` / ``cu_seqlens_padded``, passed to Megatron as ``PackedSeqParams``; under context
+parallelism every rank holds its zigzag share (``megatron_gspo.train.batching``). RoPE positions
+restart at every sequence: Megatron's THD RoPE reads them from ``cu_seqlens_q_padded`` and the CP
+rank, as TE's attention does. The policy class (:func:`policy_model_class`) can run the output
+layer on selected positions only (``logit_index``: the response tokens), so the prompt's logits
+are never formed.
 
 ``build_transformer_config`` is the ONE place where Megatron's ``TransformerConfig`` is built.
 """
@@ -24,7 +35,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_gspo.config import ModelConfig, ParallelConfig, padded_vocab_size
+from megatron_gspo.config import ConfigError, ModelConfig, ParallelConfig, padded_vocab_size
 
 
 def transformer_engine_available() -> bool:
@@ -37,6 +48,30 @@ def transformer_engine_available() -> bool:
     return True
 
 
+GPU_ONLY_MODEL_FIELDS = ("moe_permute_fusion", "gradient_accumulation_fusion", "apply_rope_fusion")
+"""ModelConfig kernel switches that need Transformer Engine on a GPU (Megatron has no CPU path)."""
+
+
+def check_kernel_support(model: ModelConfig, *, use_te: bool, on_gpu: bool) -> None:
+    """Refuse a GPU-only kernel switch where it cannot run, naming the field (Megatron would fail
+    later, deep inside a forward pass, or not at all on import)."""
+    for name in GPU_ONLY_MODEL_FIELDS:
+        if getattr(model, name) and not (on_gpu and use_te):
+            where = "this machine has no GPU" if not on_gpu else "Transformer Engine is not installed"
+            raise ConfigError(f"model.{name}: needs Transformer Engine on a GPU ({where}); set it "
+                              "to false")
+    modules = model.recompute_modules or [] if model.recompute_granularity == "selective" else []
+    if "moe_act" in modules and not use_te:
+        raise ConfigError("model.recompute_modules: moe_act needs Transformer Engine's grouped "
+                          "experts (a GPU with TE); use layernorm / core_attn / moe here")
+    if "layernorm" in modules and on_gpu and not use_te:
+        # megatron-core 0.16.1: CheckpointWithoutOutput calls TE's FP8 state manager whether or
+        # not FP8 is on (cpu_compat stands in for it on CPU only)
+        raise ConfigError("model.recompute_modules: layernorm needs Transformer Engine on a GPU "
+                          "(megatron-core 0.16.1 reads TE's FP8 state in that recompute); use "
+                          "core_attn / moe, or full recompute")
+
+
 def build_transformer_config(model: ModelConfig, parallel: ParallelConfig, *,
                              use_te: Optional[bool] = None):
     """Map (ModelConfig, ParallelConfig) to Megatron's TransformerConfig (the only such mapping)."""
@@ -44,6 +79,14 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig, *,
 
     use_te = transformer_engine_available() if use_te is None else use_te
     on_gpu = torch.cuda.is_available()
+    check_kernel_support(model, use_te=use_te, on_gpu=on_gpu)
+    recompute = {}
+    if model.recompute_granularity is not None:
+        recompute = dict(recompute_granularity=model.recompute_granularity,
+                         recompute_method=model.recompute_method,
+                         recompute_num_layers=model.recompute_num_layers)
+        if model.recompute_modules is not None:
+            recompute["recompute_modules"] = list(model.recompute_modules)
     bf16 = model.params_dtype == "bfloat16"
     params_dtype = torch.bfloat16 if bf16 else torch.float32
     return TransformerConfig(
@@ -74,10 +117,13 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig, *,
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
         moe_token_dispatcher_type=model.moe_token_dispatcher,
         moe_grouped_gemm=use_te,
-        moe_permute_fusion=False,
+        moe_permute_fusion=model.moe_permute_fusion,
+        moe_router_dtype=model.moe_router_dtype,
         # parallelism
         tensor_model_parallel_size=parallel.tensor,
         pipeline_model_parallel_size=parallel.pipeline,
+        num_layers_in_first_pipeline_stage=parallel.num_layers_in_first_pipeline_stage,
+        num_layers_in_last_pipeline_stage=parallel.num_layers_in_last_pipeline_stage,
         expert_model_parallel_size=parallel.expert,
         expert_tensor_parallel_size=parallel.expert_tensor_size(),
         context_parallel_size=parallel.context,
@@ -88,18 +134,25 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig, *,
         bf16=bf16,
         # kernels: fused paths need CUDA (and TE / apex); the plain paths compute the same thing
         use_cpu_initialization=not on_gpu,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=model.gradient_accumulation_fusion,
         masked_softmax_fusion=on_gpu and use_te,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=model.apply_rope_fusion,
         persist_layer_norm=False,
         calculate_per_token_loss=False,
+        # Packed micro-batches differ in length, and a CP rank holds 1/cp of a row: pipeline
+        # stages exchange activation shapes before the activations instead of deriving them
+        # from a fixed [seq_length, micro_batch_size].
+        variable_seq_lengths=parallel.pipeline > 1,
+        # activation recompute (Megatron's fields; validated in config.validate_recompute)
+        **recompute,
     )
 
 
-def build_layer_spec(config, *, use_te: bool):
-    """Megatron block spec for a Qwen3-MoE decoder on this machine."""
+def build_layer_spec(config, *, use_te: bool, pp_rank: Optional[int] = None):
+    """Megatron block spec for a Qwen3-MoE decoder on this machine: the layers of pipeline stage
+    ``pp_rank`` (uneven stages included: Megatron's get_num_layers_to_build)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
@@ -111,7 +164,8 @@ def build_layer_spec(config, *, use_te: bool):
 
     if use_te:
         return get_gpt_decoder_block_spec(config, use_transformer_engine=True,
-                                          normalization="RMSNorm")
+                                          normalization="RMSNorm", pp_rank=pp_rank)
+    from megatron_gspo.model.attention import PackedCoreAttention
     from megatron_gspo.model.norm import RMSNorm
 
     layer = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
@@ -122,24 +176,23 @@ def build_layer_spec(config, *, use_te: bool):
     sub.pre_mlp_layernorm = RMSNorm
     sub.self_attention.submodules.q_layernorm = RMSNorm
     sub.self_attention.submodules.k_layernorm = RMSNorm
-    num_local_layers = get_num_layers_to_build(config)
+    sub.self_attention.submodules.core_attention = PackedCoreAttention
+    num_local_layers = get_num_layers_to_build(config, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_local_layers, layer_norm=RMSNorm)
 
 
 def build_model(model: ModelConfig, parallel: ParallelConfig, pg_collection, *,
                 use_te: Optional[bool] = None):
     """Build this rank's stage of the policy (a Megatron ``GPTModel``) on the local device."""
-    from megatron.core.models.gpt import GPTModel
-
     use_te = transformer_engine_available() if use_te is None else use_te
     if use_te and not torch.cuda.is_available():
         raise RuntimeError("the Transformer Engine spec needs CUDA; this machine has none")
     config = build_transformer_config(model, parallel, use_te=use_te)
     pp_group = pg_collection.pp
     pp_rank, pp_size = pp_group.rank(), pp_group.size()
-    gpt = GPTModel(
+    gpt = policy_model_class()(
         config=config,
-        transformer_layer_spec=build_layer_spec(config, use_te=use_te),
+        transformer_layer_spec=build_layer_spec(config, use_te=use_te, pp_rank=pp_rank),
         vocab_size=padded_vocab_size(model, parallel.tensor),
         max_sequence_length=model.max_position_embeddings,
         pre_process=pp_rank == 0,
@@ -154,6 +207,117 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, pg_collection, *,
     if torch.cuda.is_available():
         gpt = gpt.cuda()
     return gpt
+
+
+_POLICY_MODEL_CLASS = None
+
+
+def policy_model_class():
+    """``PolicyGPTModel``: Megatron's ``GPTModel`` whose output layer can run on selected
+    positions only (defined on first use: Megatron is imported lazily in this module).
+
+    ``forward(..., logit_index=idx_N)``: ``idx_N`` are flat positions into this rank's ``[b, s]``
+    tokens (row-major; ``[1, t]`` for a packed row); the last stage then returns the
+    vocab-parallel logits ``[N, V/tp]`` of those positions instead of ``[b, s, V/tp]``.
+    Parameters, checkpoints and every other output are GPTModel's own.
+    """
+    global _POLICY_MODEL_CLASS
+    if _POLICY_MODEL_CLASS is None:
+        from megatron.core.models.gpt import GPTModel
+
+        class PolicyGPTModel(GPTModel):
+            _logit_index = None
+
+            def forward(self, *args, logit_index=None, **kwargs):
+                self._logit_index = logit_index
+                try:
+                    return super().forward(*args, **kwargs)
+                finally:
+                    self._logit_index = None
+
+            def _postprocess(self, hidden_states, *args, **kwargs):
+                index = self._logit_index
+                if index is None or not self.post_process:
+                    return super()._postprocess(hidden_states, *args, **kwargs)
+                if self.mtp_process or kwargs.get("inference_context") is not None:
+                    raise ValueError("logit_index: not supported with MTP or inference contexts")
+                return selected_logits(self, hidden_states, index)
+
+        PolicyGPTModel.__doc__ = policy_model_class.__doc__
+        _POLICY_MODEL_CLASS = PolicyGPTModel
+    return _POLICY_MODEL_CLASS
+
+
+def selected_logits(gpt, hidden_SBH: torch.Tensor, index_N: torch.Tensor) -> torch.Tensor:
+    """The output layer on positions ``index_N`` of the final hidden states: ``[N, V/tp]``.
+
+    Under sequence parallelism the hidden states are first gathered over the tensor-parallel
+    group (backward: reduce-scatter, which also SUMS the vocab shards' partial input gradients);
+    without it they enter the tensor-parallel region (backward: all-reduce), as in Megatron's
+    ``ColumnParallelLinear``. The product with this rank's vocab shard of the output weight (or
+    of the tied embedding) is then an ordinary matmul.
+    """
+    from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
+                                               gather_from_sequence_parallel_region)
+
+    tp = gpt.pg_collection.tp
+    if tp.size() > 1 and gpt.config.sequence_parallel:
+        hidden_SBH = gather_from_sequence_parallel_region(
+            hidden_SBH, tensor_parallel_output_grad=True, group=tp)
+    elif tp.size() > 1:
+        hidden_SBH = copy_to_tensor_model_parallel_region(hidden_SBH, group=tp)
+    hidden_NH = hidden_SBH.transpose(0, 1).reshape(-1, hidden_SBH.shape[-1]).index_select(0, index_N)
+    weight = (gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights
+              else gpt.output_layer.weight)
+    return torch.matmul(hidden_NH, weight.t())
+
+
+def forward_kwargs(batch: dict, pg_collection) -> dict:
+    """Keyword arguments of the model for a micro-batch, beyond tokens and position ids.
+
+    A packed micro-batch (``cu_seqlens_padded`` present; ``train.batching.pack_micro_batch``)
+    becomes Megatron's ``PackedSeqParams`` (``qkv_format="thd"``; ``max_seqlen`` the longest
+    padded sequence before the CP split, which Megatron's RoPE and TE expect); ``logit_index``
+    (response positions) passes through to :func:`policy_model_class`'s forward.
+    """
+    kwargs = {}
+    if "cu_seqlens_padded" in batch:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = batch["cu_seqlens"].to(torch.int32)
+        cu_padded = batch["cu_seqlens_padded"].to(torch.int32)
+        max_seqlen = int((cu_padded[1:] - cu_padded[:-1]).max())
+        kwargs["packed_seq_params"] = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
+            cu_seqlens_kv_padded=cu_padded, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
+            cp_group=pg_collection.cp)
+    if "logit_index" in batch:
+        kwargs["logit_index"] = batch["logit_index"]
+    return kwargs
+
+
+def micro_batch_log_probs(logits, batch: dict, model: ModelConfig, pg_collection, *,
+                          temperature: float = 1.0, with_entropy: bool = False):
+    """Per-token log-probs (and entropy) of ``batch["labels"]``, in the micro-batch's layout.
+
+    ``logits`` is the model's output for ``batch``: ``[b, s, V/tp]``, or ``[N, V/tp]`` at
+    ``batch["logit_index"]``; then the result is 0 at every other position (which the response
+    mask excludes) and gradients flow only into the computed positions.
+    """
+    labels = batch["labels"]
+    if "logit_index" not in batch:
+        return token_log_probs(logits, labels, model, pg_collection, temperature=temperature,
+                               with_entropy=with_entropy)
+    index_N = batch["logit_index"]
+    lp_N, ent_N = token_log_probs(logits, labels.reshape(-1).index_select(0, index_N), model,
+                                  pg_collection, temperature=temperature, with_entropy=with_entropy)
+
+    def scatter(values_N):
+        if values_N is None:
+            return None
+        return values_N.new_zeros(labels.numel()).index_put((index_N,), values_N).reshape(labels.shape)
+
+    return scatter(lp_N), scatter(ent_N)
 
 
 # ----------------------------------------------------------------------------------------------

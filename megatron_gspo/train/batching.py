@@ -1,13 +1,31 @@
 """Cutting a global batch into each data-parallel rank's micro-batches (pure torch).
 
 A batch is a dict of tensors whose first dimension is the sequence (row). The global batch of a
-step is the same on every rank (generated or loaded deterministically); each data-parallel rank
-takes a contiguous share of rows and cuts it into equal micro-batches for Megatron's schedule.
+step is the same on every rank (generated or loaded deterministically). Two micro-batch layouts:
+
+* padded rows (``split_for_rank``): each data-parallel rank takes a contiguous share of rows and
+  cuts it into equal micro-batches of ``[b, T]``; under context parallelism each row is then
+  zigzag-split over the CP ranks (``split_rows_for_context_parallel``);
+* packed sequences under a token budget (``packed_micro_batches``): whole sequences packed into
+  one row per micro-batch, balanced over the data-parallel ranks (``plan_micro_batches``), each
+  sequence zigzag-split on its own under CP (``pack_micro_batch``).
+
+The loss sees one row per sequence either way (``loss_rows``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+from megatron_gspo.loss.context_parallel import (
+    packed_to_rows,
+    per_sequence_sums,
+    segment_ids,
+    zigzag_positions,
+    zigzag_split,
+)
 
 
 def split_for_rank(batch: dict[str, torch.Tensor], dp_rank: int, dp_size: int,
@@ -39,7 +57,9 @@ def rl_batch(prompts: list[list[int]], outputs: list[list[int]], rollout_log_pro
 
     ``tokens = prompt + output`` (right-padded), ``labels`` the next tokens, ``response_mask`` True
     at label positions that are output tokens, ``rollout_log_probs`` the rollout engine's
-    log-probs at those positions (0 elsewhere). Raises ValueError if a sample does not fit.
+    log-probs at those positions (0 elsewhere), ``lengths`` the label positions of each sample
+    (``len(prompt) + len(output) - 1``, what a packed micro-batch keeps of the row). Raises
+    ValueError if a sample does not fit.
     """
     rows, masks, rollout = [], [], []
     for i, (prompt, output, lps) in enumerate(zip(prompts, outputs, rollout_log_probs)):
@@ -65,8 +85,243 @@ def rl_batch(prompts: list[list[int]], outputs: list[list[int]], rollout_log_pro
         "response_mask": right_pad(masks, seq_length, 0).bool(),
         "rollout_log_probs": rollout_t,
         "advantages": advantages.to(torch.float32).clone(),
+        "lengths": torch.tensor([max(1, len(r) - 1) for r in rows], dtype=torch.long),
     }
 
 
 def select_rows(batch: dict[str, torch.Tensor], index: torch.Tensor) -> dict[str, torch.Tensor]:
     return {k: v[index].clone() for k, v in batch.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed micro-batches under a token budget (THD), balanced over data-parallel ranks
+#
+# A packed micro-batch concatenates whole sequences into one row ``[1, t]``; Megatron receives
+# their boundaries as ``PackedSeqParams`` (``model.gpt.forward_kwargs``). Every sequence's length
+# is padded to a multiple of 2 * cp under context parallelism (the zigzag split cuts it into
+# 2 * cp chunks), and the last sequence further so that the pack splits evenly over cp x tp
+# (sequence parallelism cuts each CP rank's tokens over the tensor-parallel ranks). Padding slots
+# carry token 0, label 0 and ``response_mask`` False: they follow the real tokens of their own
+# sequence, so causal attention keeps them out of every real token's context, and the loss never
+# sees them. Suffixes: B rows of the padded batch, T tokens of a padded row, S sequences of a
+# micro-batch, L tokens this CP rank holds.
+
+BUDGET_FIELD = "run.max_tokens_per_micro_batch"
+
+
+def sequence_lengths(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``[B]`` tokens of each padded row that belong to its sequence (at least 1).
+
+    ``batch["lengths"]`` when present (``rl_batch`` writes it); otherwise up to the last True of
+    ``response_mask`` (or ``loss_mask``), which drops nothing a loss can see."""
+    if "lengths" in batch:
+        return batch["lengths"].to(torch.long).clamp(min=1)
+    mask = batch["response_mask"] if "response_mask" in batch else batch["loss_mask"]
+    positions = torch.arange(1, mask.shape[1] + 1).expand_as(mask)
+    return torch.where(mask.bool(), positions, 0).amax(dim=1).clamp(min=1)
+
+
+def sequence_multiple(cp_size: int) -> int:
+    """Every sequence's length is padded to a multiple of this (2 * cp, or 1 without CP)."""
+    return 2 * cp_size if cp_size > 1 else 1
+
+
+def pack_multiple(cp_size: int, tp_size: int) -> int:
+    """A whole pack is padded to a multiple of this (even zigzag chunks and SP shards)."""
+    return sequence_multiple(cp_size) * tp_size
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def pack_tokens(lengths: Sequence[int], cp_size: int = 1, tp_size: int = 1) -> int:
+    """Tokens of one pack of sequences of ``lengths``, all padding included (before the CP split)."""
+    per_sequence = sum(_round_up(int(n), sequence_multiple(cp_size)) for n in lengths)
+    return _round_up(max(per_sequence, 1), pack_multiple(cp_size, tp_size))
+
+
+def plan_micro_batches(lengths: Sequence[int], max_tokens: int, dp_size: int, *,
+                       cp_size: int = 1, tp_size: int = 1) -> list[list[list[int]]]:
+    """Which sequences go into which micro-batch of which data-parallel rank.
+
+    Returns ``plan[dp_rank][micro_batch] = sorted sequence indices``. Every rank gets the same
+    number M of micro-batches (Megatron's schedule and the gradient all-reduce need it), each
+    pack holds at most ``max_tokens`` tokens PER CONTEXT-PARALLEL RANK, i.e. ``pack_tokens`` of
+    its sequences is at most ``max_tokens * cp_size`` (the budget bounds what one GPU processes,
+    as Megatron/slime's "max tokens per GPU"). M is the smallest count for which the greedy
+    partition below fits; a sequence that alone exceeds the budget raises ValueError naming
+    ``run.max_tokens_per_micro_batch``.
+
+    Partition: longest-processing-time greedy. Sequences in decreasing length go to the lightest
+    of the ``dp_size * M`` packs where they fit; then the packs, heaviest first, go to the rank
+    with the fewest tokens among those still short of M packs. Both levels balance token counts
+    (LPT is within 4/3 of the optimal makespan). A pack may be empty when there are fewer
+    sequences than packs; :func:`pack_micro_batch` makes it a padding-only pack.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"{BUDGET_FIELD}: must be >= 1, got {max_tokens}")
+    if dp_size < 1:
+        raise ValueError(f"data-parallel size must be >= 1, got {dp_size}")
+    capacity = max_tokens * cp_size
+    lengths = [int(n) for n in lengths]
+    cost = [_round_up(n, sequence_multiple(cp_size)) for n in lengths]
+    for i, n in enumerate(lengths):
+        if pack_tokens([n], cp_size, tp_size) > capacity:
+            per_rank = pack_tokens([n], cp_size, tp_size) // cp_size
+            raise ValueError(
+                f"{BUDGET_FIELD}: sequence {i} has {n} tokens ({per_rank} per context-parallel "
+                f"rank once padded for cp={cp_size}, tp={tp_size}), more than the budget of "
+                f"{max_tokens} tokens per micro-batch per rank; raise {BUDGET_FIELD} to at least "
+                f"{per_rank} or shorten the sequences (run.seq_length, rollout.max_new_tokens)")
+    if not lengths:
+        raise ValueError("plan_micro_batches: no sequences")
+
+    def fits(load: int, extra: int) -> bool:
+        return _round_up(load + extra, pack_multiple(cp_size, tp_size)) <= capacity
+
+    order = sorted(range(len(lengths)), key=lambda i: (-cost[i], i))
+    num_per_rank = max(1, -(-sum(cost) // (dp_size * capacity)))
+    while True:
+        packs: list[list[int]] = [[] for _ in range(dp_size * num_per_rank)]
+        loads = [0] * len(packs)
+        for i in order:
+            fitting = [b for b in range(len(packs)) if fits(loads[b], cost[i])]
+            if not fitting:
+                break
+            b = min(fitting, key=lambda b: (loads[b], b))
+            packs[b].append(i)
+            loads[b] += cost[i]
+        else:
+            break
+        # With at least as many packs as sequences every sequence gets a pack of its own, and
+        # each fits alone (checked above), so this loop ends.
+        num_per_rank += 1
+    ranks: list[list[int]] = [[] for _ in range(dp_size)]
+    rank_loads = [0] * dp_size
+    for b in sorted(range(len(packs)), key=lambda b: (-loads[b], b)):
+        r = min((r for r in range(dp_size) if len(ranks[r]) < num_per_rank),
+                key=lambda r: (rank_loads[r], r))
+        ranks[r].append(b)
+        rank_loads[r] += loads[b]
+    return [[sorted(packs[b]) for b in ranks[r]] for r in range(dp_size)]
+
+
+def _is_per_token(value: torch.Tensor, rows: int, row_length: int) -> bool:
+    return value.dim() == 2 and tuple(value.shape) == (rows, row_length)
+
+
+def pack_micro_batch(batch: dict[str, torch.Tensor], indices: Sequence[int], *,
+                     cp_rank: int = 0, cp_size: int = 1, tp_size: int = 1) -> dict[str, torch.Tensor]:
+    """The packed micro-batch of rows ``indices`` of a padded batch, as CP rank ``cp_rank`` holds it.
+
+    Per-token tensors (``[B, T]``: tokens, labels, masks, log-probs, per-token advantages) become
+    ``[1, L]`` (this rank's zigzag share of the pack, ``L = pack / cp``); per-row tensors
+    (``[B]``, e.g. advantages) become ``[S]``. Added: ``position_ids`` (positions within each
+    sequence, restarting at 0), ``cu_seqlens`` (real lengths) and ``cu_seqlens_padded`` (the
+    layout, before the CP split; int32, as Megatron/TE take them) and ``cu_seqlens_local`` (this
+    rank's row, ``cu_seqlens_padded // cp``). An empty ``indices`` gives one padding-only
+    sequence (no response token: no loss unit).
+    """
+    rows, row_length = batch["tokens"].shape
+    lengths = sequence_lengths(batch)
+    indices = [int(i) for i in indices]
+    real = [min(int(lengths[i]), row_length) for i in indices] or [sequence_multiple(cp_size)]
+    padded = [_round_up(n, sequence_multiple(cp_size)) for n in real]
+    padded[-1] += pack_tokens(real, cp_size, tp_size) - sum(padded)
+    cu = torch.tensor([0] + real).cumsum(0)
+    cu_padded = torch.tensor([0] + padded).cumsum(0)
+    out: dict[str, torch.Tensor] = {}
+    for key, value in batch.items():
+        if key in ("lengths", "position_ids"):
+            continue
+        if _is_per_token(value, rows, row_length):
+            parts = []
+            for j, i in enumerate(indices):
+                seq = value[i, :real[j]]
+                parts += [seq, seq.new_zeros(padded[j] - real[j])]
+            if not indices:
+                parts = [value.new_zeros(padded[0])]
+            pack = torch.cat(parts)
+            out[key] = zigzag_split(pack, cp_rank, cp_size, dim=0,
+                                    cu_seqlens_padded=cu_padded)[None].clone()
+        elif value.dim() == 1 and value.shape[0] == rows:
+            out[key] = (value[indices].clone() if indices else value.new_zeros(1))
+        else:
+            raise ValueError(f"pack_micro_batch: {key!r} of shape {tuple(value.shape)} is neither "
+                             f"per token [{rows}, {row_length}] nor per row [{rows}]")
+    out["position_ids"] = zigzag_positions(cu_padded, cp_rank, cp_size)[None].clone()
+    out["cu_seqlens"] = cu.to(torch.int32)
+    out["cu_seqlens_padded"] = cu_padded.to(torch.int32)
+    out["cu_seqlens_local"] = (cu_padded // cp_size).to(torch.int32)
+    return out
+
+
+def packed_micro_batches(batch: dict[str, torch.Tensor], max_tokens: int, *, dp_rank: int,
+                         dp_size: int, cp_rank: int = 0, cp_size: int = 1,
+                         tp_size: int = 1) -> list[dict[str, torch.Tensor]]:
+    """This rank's packed micro-batches of a padded batch (:func:`plan_micro_batches`); the same
+    number on every data-parallel rank."""
+    plan = plan_micro_batches(sequence_lengths(batch).tolist(), max_tokens, dp_size,
+                              cp_size=cp_size, tp_size=tp_size)
+    return [pack_micro_batch(batch, indices, cp_rank=cp_rank, cp_size=cp_size, tp_size=tp_size)
+            for indices in plan[dp_rank]]
+
+
+def split_rows_for_context_parallel(micro_batch: dict[str, torch.Tensor], cp_rank: int,
+                                    cp_size: int, tp_size: int = 1) -> dict[str, torch.Tensor]:
+    """CP rank ``cp_rank``'s share of a padded-rows micro-batch ``[b, T]``: each row is one
+    sequence, right-padded to a multiple of 2 * cp * tp and zigzag-split (``[b, T' / cp]``), with
+    its positions; per-row tensors are kept whole. Without CP the rows are returned unchanged."""
+    if cp_size == 1:
+        return micro_batch
+    rows, row_length = micro_batch["tokens"].shape
+    target = _round_up(row_length, pack_multiple(cp_size, tp_size))
+    out = {}
+    for key, value in micro_batch.items():
+        if key == "position_ids":
+            continue
+        if _is_per_token(value, rows, row_length):
+            value = torch.cat([value, value.new_zeros(rows, target - row_length)], dim=1)
+            out[key] = zigzag_split(value, cp_rank, cp_size, dim=1).clone()
+        else:
+            out[key] = value.clone()
+    cu = torch.tensor([0, target])
+    out["position_ids"] = zigzag_positions(cu, cp_rank, cp_size).expand(rows, -1).clone()
+    return out
+
+
+def add_logit_index(micro_batch: dict[str, torch.Tensor], mask_key: str = "response_mask"):
+    """Set ``logit_index``: the flat positions (row-major over this rank's tokens) where
+    ``mask_key`` is True, so that the model computes the output layer there only. In place."""
+    micro_batch["logit_index"] = micro_batch[mask_key].reshape(-1).nonzero().squeeze(1)
+    return micro_batch
+
+
+# --------------------------------------------------------------------------------------------
+# The loss's view of a micro-batch: one row per sequence
+
+
+def is_packed(micro_batch: dict) -> bool:
+    return "cu_seqlens_local" in micro_batch
+
+
+def loss_rows(micro_batch: dict, values: torch.Tensor, *, fill_value: float | bool = 0) -> torch.Tensor:
+    """Per-token ``values`` in the micro-batch's layout -> one row per sequence ``[S, M]``.
+
+    Padded rows are rows already; a packed row ``[1, L]`` goes through ``packed_to_rows`` with
+    this rank's ``cu_seqlens_local`` (differentiable), so that GSPO sees each sequence's local
+    tokens as one row, in the same sequence order on every CP rank."""
+    if not is_packed(micro_batch):
+        return values
+    return packed_to_rows(values.reshape(-1), micro_batch["cu_seqlens_local"], fill_value=fill_value)
+
+
+def response_counts(micro_batch: dict) -> torch.Tensor:
+    """``[S]`` response tokens of each sequence held by this rank (``loss_scaling``'s input)."""
+    mask = micro_batch["response_mask"]
+    if not is_packed(micro_batch):
+        return mask.to(torch.int64).sum(-1)
+    cu_local = micro_batch["cu_seqlens_local"]
+    seg = segment_ids(cu_local, mask.numel())
+    return per_sequence_sums(mask.reshape(-1).to(torch.int64), seg, len(cu_local) - 1)

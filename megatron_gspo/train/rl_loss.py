@@ -9,7 +9,8 @@ A micro-batch (one row per sequence, prompt + response, right-padded to the sche
     old_log_probs   [b, s] float   log pi_old(labels)        (recomputed by Megatron, or rollout's)
     advantages      [b] or [b, s]  group-relative advantages
     rollout_log_probs [b, s]       optional: the rollout engine's log-probs (mismatch weight)
-    ref_log_probs   [b, s]         optional: reference policy (KL term)
+    ref_log_probs   [b, s]         with gspo.kl_coef > 0: log pi_ref of the frozen reference
+                                   policy (computed by Megatron, forward only; RLTrainer)
 
 ``make_gspo_loss_fn`` returns ``loss_fn(logits, batch) -> (sum over this rank's sequences of the
 per-sequence loss, metrics)``; ``train_step.forward_backward`` applies the scaling contract (divide
@@ -36,31 +37,45 @@ def count_sequences(response_mask: torch.Tensor) -> int:
 def make_gspo_loss_fn(model: ModelConfig, gspo_cfg: GSPOConfig, pg_collection, *,
                       temperature: float = 1.0,
                       sequence_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
-    """Build the Megatron loss function for the configured GSPO variant."""
-    from megatron_gspo.model.gpt import token_log_probs
+    """Build the Megatron loss function for the configured GSPO variant.
+
+    Any micro-batch layout of ``train.batching`` works: padded rows, zigzag rows, or a packed row
+    (turned into one row per sequence by ``batching.loss_rows``), with the logits of every
+    position or of ``logit_index`` only (``model.gpt.micro_batch_log_probs``).
+    """
+    from megatron_gspo.model.gpt import micro_batch_log_probs
+    from megatron_gspo.train.batching import loss_rows
 
     eps_low, eps_high = gspo_cfg.clip_range()
     need_entropy = gspo_cfg.entropy_coef > 0
 
     def loss_fn(logits: torch.Tensor, batch: dict):
-        log_probs, entropy = token_log_probs(logits, batch["labels"], model, pg_collection,
-                                             temperature=temperature, with_entropy=need_entropy)
+        log_probs, entropy = micro_batch_log_probs(logits, batch, model, pg_collection,
+                                                   temperature=temperature,
+                                                   with_entropy=need_entropy)
+
+        def rows(values, fill_value=0):
+            return None if values is None else loss_rows(batch, values, fill_value=fill_value)
+
+        advantages = batch["advantages"]
+        if advantages.dim() == 2:  # per token
+            advantages = rows(advantages)
         use_rollout = gspo_cfg.mismatch_correction
         loss_sum, metrics = gspo.gspo_loss(
-            log_probs,
-            batch["old_log_probs"],
-            batch["advantages"],
-            batch["response_mask"],
+            rows(log_probs),
+            rows(batch["old_log_probs"]),
+            advantages,
+            rows(batch["response_mask"], fill_value=False),
             eps_low=eps_low,
             eps_high=eps_high,
             variant=gspo_cfg.variant,
             loss_denominator=1.0,  # a SUM over sequences; train_step divides by the global N
             sequence_reduce=sequence_reduce,
-            ref_log_probs=batch.get("ref_log_probs") if gspo_cfg.kl_coef > 0 else None,
+            ref_log_probs=rows(batch.get("ref_log_probs")) if gspo_cfg.kl_coef > 0 else None,
             kl_coef=gspo_cfg.kl_coef,
-            entropy=entropy,
+            entropy=rows(entropy),
             entropy_coef=gspo_cfg.entropy_coef,
-            rollout_log_probs=batch.get("rollout_log_probs") if use_rollout else None,
+            rollout_log_probs=rows(batch.get("rollout_log_probs")) if use_rollout else None,
             mismatch_cap=gspo_cfg.mismatch_cap if use_rollout else None,
         )
         return loss_sum, metrics
@@ -72,15 +87,16 @@ def make_log_prob_fn(model: ModelConfig, pg_collection, *, key: str = "old_log_p
                      temperature: float = 1.0):
     """A forward-only ``loss_fn`` that stores this policy's per-token log-probs in ``batch[key]``.
 
-    Used to recompute log pi_old with Megatron before the updates of a rollout batch (on the last
-    pipeline stage, where the logits are).
+    Used to recompute log pi_old with Megatron before the updates of a rollout batch, and with
+    ``key="ref_log_probs"`` for the frozen reference policy's log pi_ref (on the last pipeline
+    stage, where the logits are). The values are stored in the micro-batch's own layout.
     """
-    from megatron_gspo.model.gpt import token_log_probs
+    from megatron_gspo.model.gpt import micro_batch_log_probs
 
     def loss_fn(logits: torch.Tensor, batch: dict):
         with torch.no_grad():
-            log_probs, _ = token_log_probs(logits, batch["labels"], model, pg_collection,
-                                           temperature=temperature)
+            log_probs, _ = micro_batch_log_probs(logits, batch, model, pg_collection,
+                                                 temperature=temperature)
         batch[key] = log_probs.detach()
         return log_probs.new_zeros(()), {}
 

@@ -4,14 +4,28 @@
 
 1. the global batch (every rank holds the same one, broadcast by the loop) is cut into
    k = ``gspo.updates_per_rollout`` mini-batches (a seeded permutation of its rows, then contiguous
-   slices), each mini-batch into this data-parallel rank's micro-batches;
+   slices), each mini-batch into this data-parallel rank's micro-batches: padded rows of
+   ``run.micro_batch_size``, or with ``run.max_tokens_per_micro_batch`` whole sequences packed
+   under that token budget (THD), balanced over the data-parallel ranks. Under context
+   parallelism each rank keeps its zigzag share of every row / sequence
+   (``megatron_gspo.train.batching``). The output layer runs on response positions only
+   (``logit_index``);
 2. log pi_old is recomputed by Megatron for EVERY mini-batch before the first update (forward only;
    with ``gspo.old_logprobs: rollout`` the rollout engine's log-probs are used instead and the
-   sequence-level mismatch weight of gspo_math.md applies), together with the policy's entropy;
+   sequence-level mismatch weight of docs/gspo_math.md applies), together with the policy's entropy;
+   With ``gspo.kl_coef > 0`` the frozen reference policy (a second copy of the INITIAL policy,
+   same layout, never updated) then computes log pi_ref for the same micro-batches, in the same
+   forward-only way, for the k3 KL term of ``gspo_loss``;
 3. k optimizer steps, each the gradient of ``(1/N_j) sum_i loss_i`` over mini-batch j
-   (``train_step`` documents the scaling contract).
+   (``train_step`` documents the scaling contract; N_j counted over DP x CP, each sequence once:
+   ``loss_scaling.global_num_sequences``; the per-sequence sums of GSPO all-reduced over the CP
+   group: ``context_parallel.make_sequence_reduce``); the LR schedule advances once per update and
+   ``lr`` reports the learning rate of the batch's last update.
 
-Metrics come back already reduced over all ranks.
+Metrics come back reduced over all micro-batches, mini-batches and ranks, each as its kind needs
+(token fractions weighted by tokens, sequence means by sequences, extremes as extremes:
+``megatron_gspo.train.metric_reduction``). ``entropy_mean`` and ``rollout_trainer_logprob_abs_diff``
+are those of pi_old over the whole rollout batch (the forward-only pass of step 2).
 """
 
 from __future__ import annotations
@@ -21,60 +35,42 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron_gspo.model import gpt as policy
-from megatron_gspo.config import Config
-from megatron_gspo.train.rl_loss import count_sequences, make_gspo_loss_fn
-from megatron_gspo.train.train_step import (build_train_state, forward_backward, global_unit_count,
-                                      train_step)
-from megatron_gspo.train.batching import select_rows, split_for_rank
+from megatron_gspo.config import Config, validate_data_parallel
+from megatron_gspo.train.initial_weights import is_mcore_checkpoint, load_initial_weights  # noqa: F401
+from megatron_gspo.loss.context_parallel import make_sequence_reduce
+from megatron_gspo.loss.loss_scaling import global_num_sequences
+from megatron_gspo.train.rl_loss import make_gspo_loss_fn, make_log_prob_fn
+from megatron_gspo.train.train_step import (TrainState, build_train_state, current_lr,
+                                            forward_backward, train_step)
+from megatron_gspo.train.batching import (add_logit_index, loss_rows, packed_micro_batches,
+                                          response_counts, select_rows, split_for_rank,
+                                          split_rows_for_context_parallel)
+from megatron_gspo.train.metric_reduction import reduce_metrics
 
-# Metric reduction over micro-batches and ranks: *_min -> min, *_max -> max, the rest are means
-# weighted by the number of sequences (GSPO metrics are per-sequence means).
-_SKIP = {"loss_sum"}
-
-
-def _is_metric_rank(pg) -> bool:
-    return (pg.pp.rank() == pg.pp.size() - 1 and pg.tp.rank() == 0 and pg.cp.rank() == 0)
-
-
-def reduce_metrics(per_microbatch: list[dict], pg, *, weight_key: str = "num_sequences") -> dict:
-    """Reduce per-micro-batch metric dicts of the last pipeline stage to global values.
-
-    Collective over the world: every rank must call it (ranks without metrics pass []).
-    """
-    local: dict[str, list] = {}
-    if _is_metric_rank(pg):
-        for m in per_microbatch:
-            w = float(m.get(weight_key, 1.0))
-            for key, value in m.items():
-                if key in _SKIP:
-                    continue
-                local.setdefault(key, []).append((float(value), w))
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
-    merged: dict[str, list] = {}
-    for part in gathered:
-        for key, values in part.items():
-            merged.setdefault(key, []).extend(values)
-    out = {}
-    for key, values in merged.items():
-        if key.endswith("_min"):
-            out[key] = min(v for v, _ in values)
-        elif key.endswith("_max"):
-            out[key] = max(v for v, _ in values)
-        elif key in (weight_key, "num_tokens"):
-            out[key] = sum(v for v, _ in values)
-        else:
-            total = sum(w for _, w in values)
-            out[key] = sum(v * w for v, w in values) / total if total > 0 else 0.0
-    return out
+_OLD_POLICY_METRICS = ("entropy_mean", "rollout_trainer_logprob_abs_diff")
 
 
-def is_mcore_checkpoint(path: str | Path) -> bool:
-    """A torch_dist directory (its ``.metadata`` file) rather than a Hugging Face one."""
-    return (Path(path) / ".metadata").is_file()
+def _policy_metrics(mb, log_probs, entropy, cp_group) -> dict:
+    """The forward-only pass's metrics of one micro-batch, with the counts they are weighted by
+    (``entropy_mean`` as ``gspo_loss`` defines it: the mean over sequences of H_i). Per-sequence
+    sums over this rank's tokens, all-reduced over the context-parallel group, so that every CP
+    rank reports the values of the whole sequences."""
+    mask = loss_rows(mb, mb["response_mask"], fill_value=False).bool()
+    entropy = loss_rows(mb, entropy)
+    diff = loss_rows(mb, (log_probs - mb["rollout_log_probs"]).abs())
+    sums = torch.stack([mask.sum(-1).to(entropy.dtype), torch.where(mask, entropy, 0.0).sum(-1),
+                        torch.where(mask, diff, 0.0).sum(-1)], dim=-1)  # [S, 3]
+    if cp_group is not None and cp_group.size() > 1:
+        torch.distributed.all_reduce(sums, group=cp_group)
+    n_i = sums[:, 0]
+    num_sequences, num_tokens = (n_i > 0).sum(), n_i.sum()
+    per_sequence_entropy = sums[:, 1] / n_i.clamp_min(1)  # H_i
+    abs_diff = sums[:, 2].sum()
+    return {"num_sequences": float(num_sequences), "num_tokens": float(num_tokens),
+            "entropy_mean": float(per_sequence_entropy.sum() / num_sequences.clamp_min(1)),
+            "rollout_trainer_logprob_abs_diff": float(abs_diff / num_tokens.clamp_min(1))}
 
 
 class RLTrainer:
@@ -83,42 +79,30 @@ class RLTrainer:
     def __init__(self, cfg: Config, pg_collection, *, init_hf_dir: Optional[str] = None):
         self.cfg = cfg
         self.pg = pg_collection
+        validate_data_parallel(cfg, pg_collection.dp.size())
         self.gpt = policy.build_model(cfg.model, cfg.parallel, pg_collection)
-        if init_hf_dir and is_mcore_checkpoint(init_hf_dir):
-            self.load_mcore(init_hf_dir)
-        elif init_hf_dir:
-            self.load_hf(init_hf_dir)
-        else:
-            policy.init_weights(self.gpt, cfg.model, pg_collection, seed=cfg.run.seed)
-        self.state = build_train_state(self.gpt, cfg, pg_collection)
+        load_initial_weights(self.gpt, cfg.model, pg_collection, init_hf_dir, seed=cfg.run.seed)
+        self.reference = self._build_reference() if cfg.gspo.kl_coef > 0 else None
+        self.state = build_train_state(self.gpt, cfg, pg_collection,
+                                       updates_per_step=cfg.gspo.updates_per_rollout)
 
-    # ---------------------------------------------------------------------------------------
-    def load_hf(self, hf_dir: str) -> None:
-        """Load weights from a Hugging Face directory (checked against the model config first)."""
-        from megatron_gspo.hf.hf_config import check_model_config
-        from megatron_gspo.hf.safetensors_io import HFCheckpoint
-
-        check_model_config(self.cfg.model, hf_dir)
-        with HFCheckpoint(hf_dir) as ckpt:
-            policy.load_hf_weights(self.gpt, self.cfg.model, self.pg, ckpt.read)
-
-    def load_mcore(self, ckpt_dir: str) -> None:
-        """Load a Megatron torch_dist checkpoint (``convert hf-to-mcore`` or a trainer checkpoint's
-        ``model_optim``), under this run's layout whatever layout wrote it."""
-        from megatron_gspo.hf.hf_config import check_model_config
-        from megatron_gspo.hf.mcore_checkpoint import load_model
-
-        hf_config = Path(ckpt_dir) / "hf_config"
-        if hf_config.is_dir():
-            check_model_config(self.cfg.model, hf_config)
-        load_model(self.gpt, ckpt_dir)
+    def _build_reference(self) -> TrainState:
+        """The frozen reference policy: a second model chunk in the same layout holding a copy of
+        the initial weights (so resuming a run keeps the reference of its start). No DDP, no
+        optimizer, no gradients; it runs in the policy's (train) mode, so that at the first update
+        pi_ref equals the recomputed pi_old bit for bit."""
+        reference = policy.build_model(self.cfg.model, self.cfg.parallel, self.pg)
+        reference.load_state_dict(self.gpt.state_dict(), strict=True)
+        reference.requires_grad_(False)
+        return TrainState(model=[reference], optimizer=None, pg_collection=self.pg, config=self.cfg)
 
     def _num_microbatches(self, rows: int) -> int:
         dp = self.pg.dp.size()
         mbs = self.cfg.run.micro_batch_size
         if rows % (dp * mbs) != 0:
             raise ValueError(f"a mini-batch of {rows} sequences does not split into data-parallel "
-                             f"size {dp} x run.micro_batch_size {mbs}")
+                             f"size {dp} x run.micro_batch_size {mbs} (run.global_batch_size / "
+                             "gspo.updates_per_rollout rows per mini-batch)")
         return rows // (dp * mbs)
 
     def minibatches(self, batch: dict, step: int) -> list[list[dict]]:
@@ -131,71 +115,114 @@ class RLTrainer:
         gen = torch.Generator().manual_seed(self.cfg.run.seed * 100_003 + step)
         order = torch.randperm(rows, generator=gen)
         size = rows // k
-        out = []
-        for j in range(k):
-            mini = select_rows(batch, order[j * size:(j + 1) * size])
-            out.append(split_for_rank(mini, self.pg.dp.rank(), self.pg.dp.size(),
-                                      self._num_microbatches(size)))
-        return out
+        return [self.micro_batches(select_rows(batch, order[j * size:(j + 1) * size]))
+                for j in range(k)]
 
-    def _recompute_old_log_probs(self, minis: list[list[dict]]) -> dict:
-        """Forward only: log pi_old and entropy for every micro-batch (stored in the dicts)."""
+    def micro_batches(self, mini: dict) -> list[dict]:
+        """This rank's micro-batches of one mini-batch (padded rows: the same layout for every
+        parallel configuration; packed: the same plan on every rank), its CP share, and the
+        response positions where the output layer runs."""
+        pg = self.pg
+        cp_rank, cp, tp = pg.cp.rank(), pg.cp.size(), pg.tp.size()
+        budget = self.cfg.run.max_tokens_per_micro_batch
+        if budget is not None:
+            mbs = packed_micro_batches(mini, budget, dp_rank=pg.dp.rank(), dp_size=pg.dp.size(),
+                                       cp_rank=cp_rank, cp_size=cp, tp_size=tp)
+        else:
+            rows = mini["tokens"].shape[0]
+            mbs = [split_rows_for_context_parallel(mb, cp_rank, cp, tp)
+                   for mb in split_for_rank(mini, pg.dp.rank(), pg.dp.size(),
+                                            self._num_microbatches(rows))]
+        return [add_logit_index(mb) for mb in mbs]
+
+    def _recompute_old_log_probs(self, minibatches: list[list[dict]]) -> dict:
+        """Forward only: log pi_old for every micro-batch (stored in the dicts); returns the
+        reduced ``entropy_mean`` and ``rollout_trainer_logprob_abs_diff`` of pi_old."""
         temperature = self.cfg.rollout.temperature
 
         def loss_fn(logits, mb):
             with torch.no_grad():
-                log_probs, entropy = policy.token_log_probs(
-                    logits, mb["labels"], self.cfg.model, self.pg, temperature=temperature,
+                log_probs, entropy = policy.micro_batch_log_probs(
+                    logits, mb, self.cfg.model, self.pg, temperature=temperature,
                     with_entropy=True)
-            mask = mb["response_mask"]
             if self.cfg.gspo.old_logprobs == "recompute":
                 mb["old_log_probs"] = log_probs.detach()
             else:
                 mb["old_log_probs"] = mb["rollout_log_probs"]
-            n_tok = mask.sum().clamp_min(1)
-            diff = ((log_probs - mb["rollout_log_probs"]).abs() * mask).sum() / n_tok
-            ent = (entropy * mask).sum() / n_tok
-            return log_probs.new_zeros(()), {"num_sequences": float(count_sequences(mask)),
-                                             "entropy_mean": float(ent),
-                                             "rollout_trainer_logprob_abs_diff": float(diff)}
+            return log_probs.new_zeros(()), _policy_metrics(mb, log_probs, entropy, self.pg.cp)
 
         collected = []
-        for mbs in minis:
-            collected += forward_backward(self.state, mbs, loss_fn, num_units_global=1,
+        for microbatches in minibatches:
+            collected += forward_backward(self.state, microbatches, loss_fn, num_units_global=1,
                                           forward_only=True)
         return reduce_metrics(collected, self.pg)
+
+    def _reference_log_probs(self, minibatches: list[list[dict]]) -> None:
+        """Forward only on the frozen reference: log pi_ref for every micro-batch, stored as
+        ``ref_log_probs`` in the dicts (last pipeline stage), at the rollout temperature like
+        pi_old."""
+        loss_fn = make_log_prob_fn(self.cfg.model, self.pg, key="ref_log_probs",
+                                   temperature=self.cfg.rollout.temperature)
+        for microbatches in minibatches:
+            forward_backward(self.reference, microbatches, loss_fn, num_units_global=1,
+                             forward_only=True)
 
     def train_rollout(self, batch: dict, step: int) -> dict:
         """The k GSPO updates of one rollout batch; returns reduced metrics."""
         start = time.monotonic()
-        minis = self.minibatches(batch, step)
-        old = self._recompute_old_log_probs(minis)
+        minibatches = self.minibatches(batch, step)
+        old_policy_metrics = self._recompute_old_log_probs(minibatches)
+        if self.reference is not None:
+            self._reference_log_probs(minibatches)
         loss_fn = make_gspo_loss_fn(self.cfg.model, self.cfg.gspo, self.pg,
-                                    temperature=self.cfg.rollout.temperature)
-        per_mb, grad_norms = [], []
-        for mbs in minis:
-            n_global = global_unit_count(
-                sum(count_sequences(mb["response_mask"]) for mb in mbs), self.pg)
+                                    temperature=self.cfg.rollout.temperature,
+                                    sequence_reduce=make_sequence_reduce(self.pg.cp))
+        update_metrics, grad_norms, lr = [], [], None
+        for microbatches in minibatches:
+            n_global = global_num_sequences([response_counts(mb) for mb in microbatches],
+                                            dp_group=self.pg.dp, cp_group=self.pg.cp)
             if n_global == 0:
                 continue
-            out = train_step(self.state, mbs, loss_fn, num_units_global=n_global)
-            per_mb += out["per_microbatch"]
+            out = train_step(self.state, microbatches, loss_fn, num_units_global=n_global)
+            update_metrics += out["per_microbatch"]
+            lr = out["lr"]
             grad_norms.append(float(out["grad_norm"]) if out["grad_norm"] is not None else 0.0)
-        metrics = reduce_metrics(per_mb, self.pg)
-        metrics.update({f"old_{k}" if k == "num_sequences" else k: v for k, v in old.items()})
+        metrics = reduce_metrics(update_metrics, self.pg)
+        # One meaning per name: entropy_mean is the policy's BEFORE this step's updates (the
+        # forward-only pass), also when gspo.entropy_coef > 0 makes the loss report its own.
+        metrics.update({k: old_policy_metrics[k] for k in _OLD_POLICY_METRICS})
         metrics["grad_norm"] = max(grad_norms) if grad_norms else 0.0
+        metrics["lr"] = lr if lr is not None else current_lr(self.state)
         elapsed = time.monotonic() - start
-        metrics["train_tokens_per_s"] = float(batch["tokens"].numel()) / max(elapsed, 1e-9)
+        # the sequences' own tokens (prompt + response), not the padding of the rows
+        num_tokens = batch["lengths"].sum() if "lengths" in batch else batch["tokens"].numel()
+        metrics["train_tokens_per_s"] = float(num_tokens) / max(elapsed, 1e-9)
         metrics["train_s"] = elapsed
         return metrics
 
     # ---------------------------------------------------------------------------------------
+    def hf_buckets(self):
+        """Collective: the live policy as a stream of full Hugging Face tensor buckets
+        (``megatron_gspo.hf.gather.BucketStream``) on their sending ranks; every rank iterates it
+        to the end. Bucket size ``rollout.weight_sync_bucket_mb``, dtype
+        ``rollout.weight_sync_dtype``; the plan and the buffers are made once and kept."""
+        if getattr(self, "_hf_gather", None) is None:
+            from megatron_gspo.hf.gather import HFGather
+
+            rollout = self.cfg.rollout
+            dtype = getattr(torch, rollout.weight_sync_dtype) if rollout.weight_sync_dtype else None
+            self._hf_gather = HFGather(self.cfg.model, bucket_bytes=rollout.weight_sync_bucket_mb << 20,
+                                       dtype=dtype)
+        return self._hf_gather.buckets(self.gpt, self.pg)
+
     def save(self, run_dir: str | Path, step: int, run_state: dict) -> Path:
         from megatron_gspo.train.checkpoint import save_checkpoint
 
-        return save_checkpoint(run_dir, step, self.state.model, self.state.optimizer, run_state)
+        return save_checkpoint(run_dir, step, self.state.model, self.state.optimizer, run_state,
+                               scheduler=self.state.scheduler)
 
     def load(self, path: str | Path) -> dict:
         from megatron_gspo.train.checkpoint import load_checkpoint
 
-        return load_checkpoint(path, self.state.model, self.state.optimizer)
+        return load_checkpoint(path, self.state.model, self.state.optimizer,
+                               scheduler=self.state.scheduler)

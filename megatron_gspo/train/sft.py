@@ -6,16 +6,23 @@ Megatron side: :class:`SFTTrainer` builds the policy and its optimizer and train
 (prompt ids, response ids) pairs it is given; the loop that samples them from the data and logs
 lives in ``pipeline/sft_loop.py``. Every rank is given the same global batch for a step, and each
 data-parallel rank trains on its share, so a run is deterministic and independent of the layout.
+
+The initial weights are ``run.init_from`` (a Hugging Face directory or a Megatron checkpoint) or
+the ``run.seed`` initialisation, loaded as the RL trainer loads them
+(``megatron_gspo.train.initial_weights``); checkpoints (``save`` / ``load``) hold the model, the
+optimizer, the LR schedule and the RNG (``megatron_gspo.train.checkpoint``).
 """
 
 from __future__ import annotations
 
-import time
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
 from megatron_gspo.model import gpt as policy
-from megatron_gspo.config import Config
+from megatron_gspo.config import Config, validate_data_parallel, validate_sft_context_parallel
+from megatron_gspo.train.initial_weights import load_initial_weights
 from megatron_gspo.train.train_step import (TrainState, build_train_state, forward_backward,
                                       global_unit_count, train_step)
 from megatron_gspo.train.batching import right_pad, split_for_rank
@@ -63,7 +70,9 @@ def global_loss(per_microbatch: list[dict], pg_collection, num_units: float) -> 
     counts = (pg_collection.pp.rank() == pg_collection.pp.size() - 1
               and pg_collection.tp.rank() == 0 and pg_collection.cp.rank() == 0)
     local = sum(float(m["loss_sum"]) for m in per_microbatch) if counts else 0.0
-    total = torch.tensor([local], dtype=torch.float64)
+    from megatron_gspo.parallel import collective_device
+
+    total = torch.tensor([local], dtype=torch.float64, device=collective_device())
     dist.all_reduce(total)
     return float(total.item()) / num_units
 
@@ -74,23 +83,39 @@ class SFTTrainer:
 
     def __init__(self, cfg: Config, pg_collection, *, pad_id: int):
         self.cfg, self.pg, self.pad_id = cfg, pg_collection, pad_id
+        validate_data_parallel(cfg, pg_collection.dp.size())
+        validate_sft_context_parallel(cfg.parallel)
         self.gpt = policy.build_model(cfg.model, cfg.parallel, pg_collection)
-        policy.init_weights(self.gpt, cfg.model, pg_collection, seed=cfg.run.seed)
+        load_initial_weights(self.gpt, cfg.model, pg_collection, cfg.run.init_from,
+                             seed=cfg.run.seed)
         self.state: TrainState = build_train_state(self.gpt, cfg, pg_collection)
-        gbs, mbs_size, dp_size = cfg.run.global_batch_size, cfg.run.micro_batch_size, self.pg.dp.size()
-        if gbs % (mbs_size * dp_size) != 0:
-            raise ValueError(f"run.global_batch_size {gbs} is not a multiple of run.micro_batch_size "
-                             f"{mbs_size} x data-parallel size {dp_size}")
-        self.num_microbatches = gbs // (mbs_size * dp_size)
+        self.num_microbatches = cfg.run.global_batch_size // (cfg.run.micro_batch_size
+                                                              * pg_collection.dp.size())
 
     def train_batch(self, pairs: list[tuple[list[int], list[int]]]) -> dict[str, float]:
-        """One optimizer step on the global batch ``pairs``: ``{"loss", "grad_norm"}``."""
+        """One optimizer step on the global batch ``pairs``: ``{"loss", "grad_norm", "lr"}``
+        (``lr``: the learning rate of this step)."""
         pg = self.pg
         batch = sft_batch(pairs, self.cfg.run.seq_length, pad_id=self.pad_id)
         mbs = split_for_rank(batch, pg.dp.rank(), pg.dp.size(), self.num_microbatches)
         units = global_unit_count(sum(float(mb["loss_mask"].sum()) for mb in mbs), pg)
         out = train_step(self.state, mbs, nll_loss_fn(self.cfg.model, pg), num_units_global=units)
-        return {"loss": global_loss(out["per_microbatch"], pg, units), "grad_norm": out["grad_norm"]}
+        return {"loss": global_loss(out["per_microbatch"], pg, units), "grad_norm": out["grad_norm"],
+                "lr": out["lr"]}
+
+    def save(self, run_dir: str | Path, step: int, run_state: dict) -> Path:
+        """Collective: checkpoint after ``step`` (model, optimizer, LR schedule, RNG, run_state)."""
+        from megatron_gspo.train.checkpoint import save_checkpoint
+
+        return save_checkpoint(run_dir, step, self.state.model, self.state.optimizer, run_state,
+                               scheduler=self.state.scheduler)
+
+    def load(self, path: str | Path) -> dict:
+        """Collective: restore a checkpoint written by :meth:`save`; returns its run state."""
+        from megatron_gspo.train.checkpoint import load_checkpoint
+
+        return load_checkpoint(path, self.state.model, self.state.optimizer,
+                               scheduler=self.state.scheduler)
 
     def eval_loss(self, pairs: list[tuple[list[int], list[int]]]) -> float:
         """Mean response-token NLL on held-out ``pairs`` (forward only)."""

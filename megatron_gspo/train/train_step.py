@@ -29,6 +29,14 @@ losses and need no factor. ``tests/distributed/test_layouts.py`` checks the cont
 every layout's gradients with the single-process run.
 
 The MoE load-balancing loss keeps Megatron's own scaling (mean over micro-batches, DP-averaged).
+
+Learning-rate schedule
+----------------------
+``build_train_state`` builds Megatron-Core's ``OptimizerParamScheduler`` from ``optim`` (warmup,
+constant / linear / cosine decay to ``min_lr``; formulas in ``config.OptimConfig``) over the run's
+optimizer steps, ``run.num_steps x updates_per_step`` (RL: ``gspo.updates_per_rollout``; SFT: 1).
+``train_step`` advances it by one after every successful optimizer step (as Megatron's own
+training loop does) and reports the LR the step used; the checkpoint saves and restores it.
 """
 
 from __future__ import annotations
@@ -39,17 +47,19 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from megatron_gspo.config import Config, OptimConfig
+from megatron_gspo.config import Config, ConfigError, OptimConfig
 
 
 @dataclass
 class TrainState:
-    """What a training rank holds: the wrapped model chunks, the optimizer, the groups."""
+    """What a training rank holds: the wrapped model chunks, the optimizer, its LR schedule, the
+    groups. A forward-only model (the frozen reference policy) has no optimizer and no schedule."""
 
     model: list  # Megatron DDP-wrapped model chunks (one without virtual pipelining)
     optimizer: object
     pg_collection: object
     config: Config
+    scheduler: object = None  # megatron.core.optimizer_param_scheduler.OptimizerParamScheduler
 
     @property
     def transformer_config(self):
@@ -61,11 +71,23 @@ class TrainState:
 def build_optimizer_config(optim: OptimConfig, params_dtype: str):
     from megatron.core.optimizer import OptimizerConfig
 
+    for name in ("optimizer_cpu_offload", "use_precision_aware_optimizer"):
+        if getattr(optim, name) and not torch.cuda.is_available():
+            raise ConfigError(f"optim.{name}: a GPU-only Megatron optimizer option (CUDA "
+                              "optimizer kernels and host/GPU state copies); set it to false on CPU")
     if optim.use_distributed_optimizer and not torch.cuda.is_available():
         raise RuntimeError(
             "optim.use_distributed_optimizer: Megatron's distributed optimizer needs CUDA tensors; "
             "set it to false on a machine without a GPU")
+    offload = {}
+    if optim.optimizer_cpu_offload:
+        # Megatron's HybridDeviceOptimizer: the host part steps while the next D2H/H2D copies run
+        offload = dict(optimizer_cpu_offload=True,
+                       optimizer_offload_fraction=optim.optimizer_offload_fraction,
+                       overlap_cpu_optimizer_d2h_h2d=True)
     return OptimizerConfig(
+        use_precision_aware_optimizer=optim.use_precision_aware_optimizer,
+        **offload,
         optimizer=optim.optimizer,
         lr=optim.lr,
         min_lr=optim.min_lr,
@@ -86,7 +108,8 @@ def wrap_model(gpt, config: Config, pg_collection) -> list:
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=config.parallel.overlap_grad_reduce,
+        overlap_param_gather=config.parallel.overlap_param_gather,
         use_distributed_optimizer=config.optim.use_distributed_optimizer,
     )
     ddp = DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=gpt,
@@ -94,8 +117,46 @@ def wrap_model(gpt, config: Config, pg_collection) -> list:
     return [ddp]
 
 
-def build_train_state(gpt, config: Config, pg_collection) -> TrainState:
-    """DDP + Megatron optimizer around an already built (and loaded) model chunk."""
+def build_scheduler(optimizer, optim: OptimConfig, num_steps: int, updates_per_step: int = 1):
+    """Megatron's ``OptimizerParamScheduler`` over ``num_steps x updates_per_step`` optimizer steps.
+
+    The config is the truth on resume (``override_opt_param_scheduler``): a checkpoint restores
+    the position (optimizer steps taken), the shape comes from this run's ``optim`` section.
+    Weight decay stays constant (Megatron multiplies it by each group's ``wd_mult``).
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    total = num_steps * updates_per_step
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,  # the warmup starts at 0 (Megatron's lr_warmup_init default)
+        max_lr=optim.lr,
+        min_lr=optim.min_lr,
+        lr_warmup_steps=optim.warmup_steps * updates_per_step,
+        lr_decay_steps=total,
+        lr_decay_style=optim.lr_decay_style,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=total,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
+    )
+
+
+def current_lr(state: TrainState) -> float:
+    """The LR the next optimizer step uses (Megatron's canonical group, as its logging reads it)."""
+    from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
+
+    lr = get_canonical_lr_for_logging(state.optimizer.param_groups)
+    return float(lr if lr is not None else state.optimizer.param_groups[0]["lr"])
+
+
+def build_train_state(gpt, config: Config, pg_collection, *, updates_per_step: int = 1) -> TrainState:
+    """DDP + Megatron optimizer + LR schedule around an already built (and loaded) model chunk.
+
+    ``updates_per_step``: optimizer steps per run step (RL: ``gspo.updates_per_rollout``), so
+    that the schedule spans the run's ``run.num_steps x updates_per_step`` optimizer steps."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import get_megatron_optimizer
 
@@ -107,7 +168,9 @@ def build_train_state(gpt, config: Config, pg_collection) -> TrainState:
     tcfg.grad_scale_func = optimizer.scale_loss
     tcfg.no_sync_func = model[0].no_sync
     tcfg.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=pg_collection)
-    return TrainState(model=model, optimizer=optimizer, pg_collection=pg_collection, config=config)
+    scheduler = build_scheduler(optimizer, config.optim, config.run.num_steps, updates_per_step)
+    return TrainState(model=model, optimizer=optimizer, pg_collection=pg_collection, config=config,
+                      scheduler=scheduler)
 
 
 def loss_scale(num_microbatches: int, num_units_global: float, pg_collection) -> float:
@@ -122,9 +185,39 @@ def global_unit_count(local_count: float, pg_collection) -> float:
 
     With context parallelism a sequence's tokens sit on several CP ranks; count it once with
     ``loss_scaling.global_num_sequences`` (it reduces the counts over CP first)."""
-    count = torch.tensor([float(local_count)], dtype=torch.float64)
+    from megatron_gspo.parallel import collective_device
+
+    count = torch.tensor([float(local_count)], dtype=torch.float64, device=collective_device())
     torch.distributed.all_reduce(count, group=pg_collection.dp)
     return float(count.item())
+
+
+def model_device(model) -> torch.device:
+    """Where the model chunk's parameters live: this rank's GPU, or the CPU."""
+    return next(model.parameters()).device
+
+
+def batch_to_device(batch: dict, device: torch.device) -> dict:
+    """Move every tensor of a micro-batch to ``device`` IN PLACE and return the same dict.
+
+    The one place where batches meet the device (RL and SFT): micro-batches are built on the
+    host (``batching``), and the dict is the one the loss function reads and writes, e.g. the
+    RL trainer's recompute pass stores ``old_log_probs`` in it for the update that follows."""
+    for key, value in batch.items():
+        if torch.is_tensor(value) and value.device != device:
+            batch[key] = value.to(device, non_blocking=True)
+    return batch
+
+
+def forward_step(data_iterator, model, *, device: torch.device, loss_func, pg_collection=None):
+    """Megatron's ``forward_step_func``: next micro-batch, onto the device, through the model
+    (packed sequences and response-only logits: ``model.gpt.forward_kwargs``)."""
+    from megatron_gspo.model.gpt import forward_kwargs
+
+    batch = batch_to_device(next(data_iterator), device)
+    output = model(batch["tokens"], batch["position_ids"], None,
+                   **forward_kwargs(batch, pg_collection))
+    return output, partial(loss_func, batch)
 
 
 # A micro-batch is a dict with at least "tokens" and "position_ids" ([b, s] int64); the loss
@@ -143,7 +236,10 @@ def forward_backward(state: TrainState, microbatches: list[dict], loss_fn: LossF
     seq_length = microbatches[0]["tokens"].shape[1]
     micro_batch_size = microbatches[0]["tokens"].shape[0]
     for mb in microbatches:
-        if tuple(mb["tokens"].shape) != (micro_batch_size, seq_length):
+        # packed micro-batches differ in length (pipeline stages exchange shapes first:
+        # variable_seq_lengths in model.gpt.build_transformer_config)
+        if "cu_seqlens_padded" not in mb and tuple(mb["tokens"].shape) != (micro_batch_size,
+                                                                            seq_length):
             raise ValueError("every micro-batch must have the same [micro_batch_size, seq_length] "
                              f"shape for the pipeline schedule; got {tuple(mb['tokens'].shape)} and "
                              f"{(micro_batch_size, seq_length)}")
@@ -154,13 +250,9 @@ def forward_backward(state: TrainState, microbatches: list[dict], loss_fn: LossF
         metrics["loss_sum"] = local_sum.detach()
         return local_sum * scale, torch.ones((), dtype=torch.int), metrics
 
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator)
-        output = model(batch["tokens"], batch["position_ids"], None)
-        return output, partial(loss_func, batch)
-
     return get_forward_backward_func()(
-        forward_step_func=forward_step,
+        forward_step_func=partial(forward_step, device=model_device(state.model[0]),
+                                  loss_func=loss_func, pg_collection=state.pg_collection),
         data_iterator=iter(microbatches),
         model=state.model,
         num_microbatches=num_microbatches,
@@ -172,13 +264,20 @@ def forward_backward(state: TrainState, microbatches: list[dict], loss_fn: LossF
 
 def train_step(state: TrainState, microbatches: list[dict], loss_fn: LossFn, *,
                num_units_global: float) -> dict:
-    """Zero grads, forward/backward over the micro-batches, optimizer step. Returns metrics."""
+    """Zero grads, forward/backward over the micro-batches, optimizer step, LR schedule step.
+
+    Returns ``per_microbatch`` (the loss function's metrics), ``grad_norm``,
+    ``update_successful`` and ``lr`` (the learning rate this step used)."""
     for chunk in state.model:
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
     losses = forward_backward(state, microbatches, loss_fn, num_units_global=num_units_global)
+    lr = current_lr(state)
     update_successful, grad_norm, _ = state.optimizer.step()
-    return {"per_microbatch": losses, "grad_norm": grad_norm, "update_successful": update_successful}
+    if update_successful and state.scheduler is not None:
+        state.scheduler.step(1)  # as Megatron's loop: a skipped (inf/NaN) update does not count
+    return {"per_microbatch": losses, "grad_norm": grad_norm, "update_successful": update_successful,
+            "lr": lr}
 
 
 def sum_metric(per_microbatch: Iterable[dict], key: str) -> Optional[float]:

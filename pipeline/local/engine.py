@@ -151,9 +151,13 @@ class WeightTable:
         return tuple(view.t().shape) if transposed else tuple(view.shape)
 
     def get(self, name: str) -> torch.Tensor:
+        return self.view(name).clone()
+
+    def view(self, name: str) -> torch.Tensor:
+        """The live weight in HF layout (a view of the parameter: writes go to the model)."""
         param, index, transposed = self._resolve(name)
         view = param.data[index]
-        return (view.t() if transposed else view).clone()
+        return view.t() if transposed else view
 
     def check(self, tensors: dict[str, torch.Tensor]) -> list[str]:
         """Every problem that would stop ``tensors`` from being loaded (empty: loadable)."""
@@ -610,6 +614,83 @@ class LocalEngine:
 
         return weights_checksum((n, self.weights.get(n)) for n in self.weights.names())
 
+    def apply_update(self, full: dict[str, torch.Tensor],
+                     deltas: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Full tensors and bf16 deltas (``weight_transport.delta_apply``); checked first, so a
+        bad update changes nothing."""
+        from pipeline.weight_transport import delta_apply
+
+        problems = self.weights.check(full)
+        for name, (index, values) in deltas.items():
+            try:
+                numel = torch.Size(self.weights.shape(name)).numel()
+            except KeyError:
+                problems.append(f"{name}: no such parameter in the served model")
+                continue
+            if index.numel() != values.numel() or (index.numel() and (
+                    int(index.min()) < 0 or int(index.max()) >= numel)):
+                problems.append(f"{name}: delta indices out of range or unpaired")
+        if problems:
+            raise ValueError("; ".join(problems[:10]) + (
+                f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""))
+        self.weights.load(full)
+        for name, (index, values) in deltas.items():
+            target = self.weights.view(name)
+            if target.is_contiguous():
+                delta_apply(target, index, values)
+            else:  # a transposed fused-expert view: apply on a copy, write it back
+                work = target.contiguous()
+                delta_apply(work, index, values)
+                target.copy_(work)
+
+    def bucket_checksum(self, names_dtypes: list[tuple[str, torch.dtype]]) -> str:
+        """``weight_transport.bucket_checksum`` of the live weights ``names``, each read in the
+        dtype it was sent in."""
+        from pipeline.weight_transport import bucket_checksum
+
+        return bucket_checksum((n, self.weights.view(n).to(d)) for n, d in names_dtypes)
+
+    def load_shards(self, path: str | Path) -> dict[str, str]:
+        """``update_weights_from_disk``: read every safetensors file of ``path`` straight into
+        the parameters (``readinto`` where the weight is contiguous and of the file's dtype);
+        returns {file name: bucket checksum of what is now loaded}. Every header is checked
+        first, so a bad directory changes nothing."""
+        from pipeline.weight_transport import bucket_checksum, read_shard_header
+
+        headers = {}
+        for f in shard_files(path):
+            layout, data_start = read_shard_header(Path(path) / f)
+            headers[f] = (layout, data_start)
+        problems = []
+        for f, (layout, _) in headers.items():
+            for name, dtype, shape, _, _ in layout:
+                try:
+                    want = self.weights.shape(name)
+                except KeyError:
+                    problems.append(f"{f}: {name}: no such parameter in the served model")
+                    continue
+                if tuple(shape) != tuple(want):
+                    problems.append(f"{f}: {name}: shape {list(shape)} does not match the "
+                                    f"model's {list(want)}")
+        if problems:
+            raise ValueError("; ".join(problems[:10]))
+        sums = {}
+        for f, (layout, data_start) in headers.items():
+            with open(Path(path) / f, "rb", buffering=0) as fh:
+                for name, dtype, shape, start, end in layout:
+                    target = self.weights.view(name)
+                    fh.seek(data_start + start)
+                    if target.is_contiguous() and target.dtype == dtype:
+                        dst = target.view(-1).view(torch.uint8) if target.numel() else None
+                    else:
+                        dst = torch.empty(end - start, dtype=torch.uint8)
+                    if dst is not None and _read_into(fh, memoryview(dst.numpy())) != end - start:
+                        raise ValueError(f"{f}: {name}: file ends early")
+                    if dst is not None and dst.data_ptr() != target.data_ptr():
+                        target.copy_(dst.view(dtype).view(shape))
+            sums[f] = bucket_checksum((n, self.weights.view(n).to(d)) for n, d, *_ in layout)
+        return sums
+
 
 def _truncate(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """Zero the probabilities outside top-k, the top-p nucleus and the min-p floor (one row)."""
@@ -624,6 +705,32 @@ def _truncate(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> to
     if min_p > 0.0:
         probs = torch.where(probs >= probs.max() * min_p, probs, torch.zeros_like(probs))
     return probs
+
+
+def _read_into(fh, buf: memoryview) -> int:
+    """readinto until ``buf`` is full or the file ends (one read may return less)."""
+    got = 0
+    while got < len(buf):
+        n = fh.readinto(buf[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
+def shard_files(path: str | Path) -> list[str]:
+    """The safetensors files of a directory (those of its index, if it has one)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: not a directory")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files")
+    return files
 
 
 def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:

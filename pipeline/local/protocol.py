@@ -1,6 +1,6 @@
 """SGLang's ``/generate`` contract on the local rollout server's side: parse, validate, answer.
 
-Follows ``../shared/docs/sglang_protocol.md`` (sglang 0.5.23) §1:
+Follows SGLang 0.5.23's ``/generate`` contract (``docs/sglang_protocol.md``):
 
 * unknown top-level keys are ignored; unknown ``sampling_params`` keys and wrong JSON types are a
   *contract* violation (400 ``{"error": "<string>"}``, serde's wording);

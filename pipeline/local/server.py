@@ -1,7 +1,7 @@
 """The local rollout server's HTTP side: SGLang's native API over :class:`LocalEngine`.
 
 Started by ``megatron-gspo serve`` (``launch/serve.py``). Follows the "minimum behaviour" list of
-``../shared/docs/sglang_protocol.md``: single / batch / ``n`` / streamed ``/generate`` with
+``docs/sglang_protocol.md``: single / batch / ``n`` / streamed ``/generate`` with
 SGLang's ids, ordering, finish reasons, logprob triples and three error shapes; health, info and
 load endpoints; flush (400 while busy); abort by rid prefix; pause / continue (new generates block
 while paused); release / resume memory (no-ops returning ``null``); the weight endpoints with
@@ -9,9 +9,13 @@ while paused); release / resume memory (no-ops returning ``null``); the weight e
 
 Deviations (all documented in docs/rollout.md):
 
-* ``update_weights_from_tensor`` takes base64 safetensors bytes, never pickles
-  (:mod:`pipeline.weight_transport`);
-* ``init_weights_update_group`` / ``update_weights_from_distributed`` run over gloo (CPU);
+* ``update_weights_from_tensor`` takes SGLang's pickled payloads (shared-memory handles) only with
+  ``--allow-pickled-tensors`` on 127.0.0.1, else base64 safetensors (:mod:`pipeline.weight_transport`);
+* ``init_weights_update_group`` / ``update_weights_from_distributed`` run over gloo (CPU), with
+  SGLang's own group code when the ``sglang`` package is importable; ``--tp-size N`` joins N group
+  ranks (:mod:`pipeline.local.tp_ranks`);
+* extensions: per-bucket ``checksums`` (per TP rank) in every weight-update answer, ``"delta":
+  true`` bf16 deltas, ``weight_sync_impl`` in ``/server_info``;
 * ``/weights_checker {"action": "checksum"}`` returns :func:`weights_checksum` (sha256 over the HF
   names, dtypes, shapes and bytes), not SGLang's per-engine digest;
 * weight updates are applied between two decoding steps; running requests continue on the new
@@ -21,8 +25,12 @@ Deviations (all documented in docs/rollout.md):
 from __future__ import annotations
 
 import asyncio
+import base64
+import concurrent.futures
+import ipaddress
 import json
 import logging
+import pickle
 import sys
 import threading
 import time
@@ -33,10 +41,11 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from pipeline import weight_transport as wt
 from pipeline.local import protocol as proto
-from pipeline.local.engine import EngineRequest, LocalEngine, read_safetensors_dir
-from pipeline.weight_transport import (broadcast, decode_named_tensors, new_update_group,
-                                       parse_dtype)
+from pipeline.local.engine import EngineRequest, LocalEngine
+from pipeline.local.tp_ranks import TPWorkers, join_group, receive, sglang_impl, wire_dtypes
+from pipeline.weight_transport import decode_named_tensors
 
 log = logging.getLogger("megatron_gspo.serve")
 
@@ -44,6 +53,15 @@ PROTOCOL_VERSION = "0.5.23"  # the SGLang release whose HTTP contract this serve
 HEALTH_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT
 FLUSH_OK = ("Cache flushed.\nPlease check backend logs for more details. (When there are running "
             "or waiting requests, the operation will not be performed.)\n")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _json(content: Any, status: int = 200):
@@ -72,6 +90,14 @@ class LocalRolloutServer:
 
     def __init__(self, args):
         self.args = args
+        self.tp_size = int(getattr(args, "tp_size", 1) or 1)
+        if self.tp_size < 1:
+            raise ValueError(f"--tp-size: must be >= 1, got {self.tp_size}")
+        self.args_allow_pickle = bool(getattr(args, "allow_pickled_tensors", False))
+        if self.args_allow_pickle and not _is_loopback(args.host):
+            raise ValueError(f"--allow-pickled-tensors: only with --host 127.0.0.1 (got "
+                             f"{args.host}): deserialising a pickle runs code, so such payloads "
+                             "must never come from the network")
         self.engine = LocalEngine(
             args.model_path, random_seed=args.random_seed,
             max_running_requests=args.max_running_requests,
@@ -82,9 +108,19 @@ class LocalRolloutServer:
         self.paused = False
         self.shutting_down = False
         self._not_paused: Optional[asyncio.Event] = None
-        self._groups: dict[str, tuple] = {}  # group_name -> (group, store, rank)
+        self._groups: dict[str, Any] = {}  # group_name -> rank 0's update group
         self._group_lock = threading.Lock()
+        self.impl = sglang_impl()  # SGLang's own weight-update code where it is installed
+        self.tp_workers = TPWorkers(self.tp_size, args.model_path, args.dtype)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 * self.tp_size + 2)
         self.app = self._build_app()
+
+    def shutdown(self) -> None:
+        """Stop the engine thread and the TP rank processes."""
+        self.shutting_down = True
+        self.engine.stop()
+        self.tp_workers.stop()
+        self._pool.shutdown(wait=False)
 
     # ------------------------------------------------------------------ helpers
     def _loop_event(self) -> asyncio.Event:
@@ -267,7 +303,7 @@ class LocalRolloutServer:
             running, waiting = eng.counts()
             return {
                 "model_path": str(eng.model_path), "tokenizer_path": str(eng.model_path),
-                "host": a.host, "port": a.port, "tp_size": 1, "dp_size": 1, "ep_size": 1,
+                "host": a.host, "port": a.port, "tp_size": self.tp_size, "dp_size": 1, "ep_size": 1,
                 "pp_size": 1, "attn_dp_size": 1, "random_seed": a.random_seed,
                 "skip_tokenizer_init": eng.tokenizer is None, "device": "cpu",
                 "dtype": a.dtype, "load_format": "auto", "context_length": eng.context_length,
@@ -282,6 +318,8 @@ class LocalRolloutServer:
                 "version": PROTOCOL_VERSION, "implementation": "megatron-gspo local rollout server",
                 "startup_time": self.startup_time, "frontend": "python",
                 "launch_command": " ".join(sys.argv), "kv_events": None,
+                "weight_sync_impl": self.impl.origin,
+                "allow_pickled_tensors": self.args_allow_pickle,
             }
 
         app.get("/server_info")(server_info)
@@ -381,6 +419,25 @@ class LocalRolloutServer:
                     eng.weight_version = str(version)
             await asyncio.wrap_future(eng.call(load))
 
+        async def apply_and_check(named: list, delta: bool, version: Optional[str]) -> str:
+            """Load a received bucket (full tensors and, with ``delta``, bf16 deltas) on the
+            engine thread; returns rank 0's bucket checksum of what it now holds."""
+            full, deltas = wt.delta_pairs(named) if delta else (dict(named), {})
+
+            def load():
+                eng.apply_update(full, deltas)
+                if version is not None:
+                    eng.weight_version = str(version)
+                return eng.bucket_checksum(wire_dtypes(full, deltas))
+            return await asyncio.wrap_future(eng.call(load))
+
+        def on_workers(cmd: str, kws: list[dict]) -> list[concurrent.futures.Future]:
+            """Start ``cmd`` on TP ranks 1.. (one kwargs dict each); futures of their results."""
+            return [self._pool.submit(self.tp_workers.call, i, cmd, kw) for i, kw in enumerate(kws)]
+
+        async def results(futures) -> list:
+            return [await asyncio.wrap_future(f) for f in futures]
+
         @app.post("/update_weights_from_disk")
         async def update_weights_from_disk(request: Request):
             try:
@@ -396,16 +453,25 @@ class LocalRolloutServer:
                               "local server (auto / safetensors)", num_paused_requests=0)
             if body.get("abort_all_requests"):
                 eng.abort(abort_all=True)
+
+            def load():
+                sums = eng.load_shards(path)
+                if version is not None:
+                    eng.weight_version = str(version)
+                return sums
             try:
-                tensors = await asyncio.to_thread(read_safetensors_dir, path)
-                await apply(tensors, version)
+                others = on_workers("disk", [{"path": path}] * len(self.tp_workers))
+                sums = await asyncio.wrap_future(eng.call(load))
+                sums_others = await results(others)
             except (OSError, ValueError, RuntimeError) as err:
                 return failed(f"Failed to update weights: {err}. Rolling back to the previous "
                               "weights.", num_paused_requests=0)
             msg = "Succeeded to update model weights."
             if version is not None:
                 msg += f" Weight version updated to {version}."
-            return {"success": True, "message": msg, "num_paused_requests": 0}
+            checksums = {f: [d, *(o[f] for o in sums_others)] for f, d in sums.items()}
+            return {"success": True, "message": msg, "num_paused_requests": 0,
+                    "checksums": checksums}
 
         @app.post("/update_weights_from_tensor")
         async def update_weights_from_tensor(request: Request):
@@ -418,18 +484,40 @@ class LocalRolloutServer:
                 payloads = [payloads]
             if not isinstance(payloads, list) or not payloads or not isinstance(payloads[0], str):
                 return failed("serialized_named_tensors: expected a list with one base64 "
-                              "safetensors string per TP rank")
+                              "string per TP rank")
+            delta = bool(body.get("delta"))
+            try:
+                raw = base64.b64decode(payloads[0], validate=True)
+            except (ValueError, TypeError) as err:
+                return failed(f"serialized_named_tensors: not base64 ({err})")
+            pickled = wt.looks_like_pickle(raw)
+            if pickled and not self.args_allow_pickle:
+                return failed("serialized_named_tensors: a pickled payload (SGLang's "
+                              "MultiprocessingSerializer) is refused: this server reads base64 "
+                              "safetensors unless started with --allow-pickled-tensors "
+                              "(127.0.0.1 only)")
             if body.get("load_format") not in (None, "direct"):
                 return failed(f"load_format {body['load_format']!r}: the local server reads "
-                              "base64 safetensors payloads (load_format null or 'direct')")
+                              "named tensors (load_format null or 'direct')")
+            if pickled and len(payloads) != self.tp_size:
+                return failed(f"serialized_named_tensors: {len(payloads)} entries for a server "
+                              f"with tp_size {self.tp_size} (one per TP rank)")
             if body.get("abort_all_requests"):
                 eng.abort(abort_all=True)
             try:
-                tensors = await asyncio.to_thread(decode_named_tensors, payloads[0])  # TP rank 0
-                await apply(tensors, body.get("weight_version"))
-            except (ValueError, RuntimeError) as err:
+                if pickled:  # each TP rank deserialises its own entry, as SGLang's do
+                    others = on_workers("tensor", [{"payload": payloads[i + 1], "delta": delta}
+                                                   for i in range(len(self.tp_workers))])
+                    named = await asyncio.to_thread(lambda: list(self.impl.deserialize(payloads[0])))
+                else:
+                    named = list((await asyncio.to_thread(decode_named_tensors, payloads[0])).items())
+                    others = on_workers("named", [{"named": named, "delta": delta}]
+                                        * len(self.tp_workers))
+                checksum = await apply_and_check(named, delta, body.get("weight_version"))
+                checksums = [checksum, *(await results(others))]
+            except (ValueError, RuntimeError, KeyError, TypeError, pickle.UnpicklingError) as err:
                 return failed(f"Failed to update weights: {err}")
-            return {"success": True, "message": "Success"}
+            return {"success": True, "message": "Success", "checksums": checksums}
 
         @app.post("/init_weights_update_group")
         async def init_weights_update_group(request: Request):
@@ -445,13 +533,18 @@ class LocalRolloutServer:
                 return failed(f"backend {backend!r}: the local server runs on the CPU, use 'gloo'")
             if name in self._groups:
                 return failed(f"Failed to initialize custom process group: {name!r} exists")
-            try:
-                group, store = await asyncio.to_thread(
-                    new_update_group, addr, port, rank, world, group_name=name, backend=backend,
-                    timeout_s=self.args.weight_update_timeout)
+            timeout = self.args.weight_update_timeout
+            try:  # rank_offset + tp_rank for every TP rank, all at once (they meet in one group)
+                others = on_workers("init_group", [
+                    {"address": addr, "port": port, "rank": rank + i + 1, "world": world,
+                     "name": name, "backend": backend, "timeout_s": timeout}
+                    for i in range(len(self.tp_workers))])
+                group = await asyncio.to_thread(join_group, self.impl, addr, port, rank, world,
+                                                name, backend, timeout)
+                await results(others)
             except Exception as err:  # noqa: BLE001 - reported in the body
                 return failed(f"Failed to initialize custom process group: {err}")
-            self._groups[name] = (group, store, rank)
+            self._groups[name] = group
             return {"success": True, "message": "Succeeded to initialize custom process group."}
 
         @app.post("/update_weights_from_distributed")
@@ -461,44 +554,37 @@ class LocalRolloutServer:
                 names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
                 if not (len(names) == len(dtypes) == len(shapes)):
                     raise ValueError("names, dtypes and shapes must have the same length")
+                for d in dtypes:
+                    wt.parse_dtype(d)
             except (KeyError, TypeError, ValueError) as err:
                 return failed(f"Failed to update parameter online: bad request ({err})")
             name = body.get("group_name") or "weight_update_group"
             if name not in self._groups:
                 return failed(f"Failed to update parameter online: no group {name!r}; call "
                               "/init_weights_update_group first")
-            group = self._groups[name][0]
-            flattened = body.get("load_format") == "flattened_bucket"
+            group = self._groups[name]
+            load_format = body.get("load_format")
+            delta = bool(body.get("delta"))
             if body.get("abort_all_requests"):
                 eng.abort(abort_all=True)
 
-            def receive() -> dict:
-                with self._group_lock:  # one collective at a time on a group
-                    metas = [(n, parse_dtype(d), tuple(int(x) for x in s))
-                             for n, d, s in zip(names, dtypes, shapes)]
-                    if flattened:
-                        sizes = [torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
-                                 for _, d, s in metas]
-                        buf = torch.empty(sum(sizes), dtype=torch.uint8)
-                        broadcast(group, buf, 0)
-                        out, off = {}, 0
-                        for (n, d, s), size in zip(metas, sizes):
-                            out[n] = buf[off:off + size].view(d).reshape(s)
-                            off += size
-                        return out
-                    out = {}
-                    for n, d, s in metas:
-                        t = torch.empty(s, dtype=d)
-                        broadcast(group, t, 0)
-                        out[n] = t
-                    return out
+            def receive_all():
+                # One broadcast at a time, in arrival order (SGLang's writer lock). The lock is
+                # held for the receive only: loading bucket k overlaps receiving bucket k+1.
+                with self._group_lock:
+                    others = on_workers("distributed", [
+                        {"name": name, "names": names, "dtypes": dtypes, "shapes": shapes,
+                         "load_format": load_format, "delta": delta}] * len(self.tp_workers))
+                    return receive(self.impl, group, names, dtypes, shapes, load_format), others
 
             try:
-                tensors = await asyncio.to_thread(receive)
-                await apply(tensors, body.get("weight_version"))
+                named, others = await asyncio.to_thread(receive_all)
+                checksum = await apply_and_check(named, delta, body.get("weight_version"))
+                checksums_others = await results(others)
             except Exception as err:  # noqa: BLE001 - reported in the body
                 return failed(f"Failed to update parameter online: {err}")
-            return {"success": True, "message": "Succeeded to update parameter online."}
+            return {"success": True, "message": "Succeeded to update parameter online.",
+                    "checksums": [checksum, *checksums_others]}
 
         @app.post("/destroy_weights_update_group")
         async def destroy_weights_update_group(request: Request):
@@ -507,8 +593,11 @@ class LocalRolloutServer:
             except ValueError as err:
                 return error_response(err)
             name = body.get("group_name") or "weight_update_group"
-            if self._groups.pop(name, None) is None:
+            group = self._groups.pop(name, None)
+            if group is None:
                 return failed(f"no group {name!r}")
+            await results(on_workers("destroy_group", [{"name": name}] * len(self.tp_workers)))
+            wt.destroy_group(group)
             return {"success": True, "message": "Succeeded to destroy custom process group."}
 
         @app.post("/update_weight_version")
@@ -548,9 +637,11 @@ class LocalRolloutServer:
             action = body.get("action", "checksum")
             if action != "checksum":
                 return failed(f"action {action!r}: the local server implements 'checksum'")
+            others = on_workers("checksum", [{}] * len(self.tp_workers))
             digest = await asyncio.wrap_future(eng.call(eng.checksum))
             return {"success": True, "message": digest, "checksum": digest,
-                    "per_engine_checksum": [digest]}
+                    "per_engine_checksum": [digest],
+                    "per_tp_rank_checksum": [digest, *(await results(others))]}
 
         return app
 
@@ -621,6 +712,5 @@ def serve(args) -> int:
     try:
         uvicorn.Server(config).run()
     finally:
-        server.shutting_down = True
-        server.engine.stop()
+        server.shutdown()
     return 0

@@ -65,3 +65,29 @@ def test_sft_from_a_jsonl_file_and_a_malformed_row(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert proc.returncode != 0
     assert f"{bad}:4" in proc.stderr and "response" in proc.stderr
+
+
+def test_sft_checkpoints_and_resume_from_the_command_line(tmp_path):
+    run_dir = tmp_path / "run"
+    base = [sys.executable, "-m", "launch.cli", "sft", "--config", "launch/configs/tiny_cpu_sft.yaml",
+            "--nproc", "1", "--set", "parallel.expert=1", "--set", f"run.output_dir={run_dir}",
+            "--set", "run.eval_interval=0", "--set", "run.save_interval=2",
+            "--set", "data.num_eval_prompts=4"]
+
+    def sft(*extra):
+        return subprocess.run([*base, *extra], cwd=ROOT, capture_output=True, text=True, timeout=400)
+
+    proc = sft("--set", "run.num_steps=3")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step_000003"
+    assert (run_dir / "checkpoints" / "step_000002").is_dir()
+    # the same directory again without --resume: refused, naming the field and the fix
+    proc = sft("--set", "run.num_steps=5")
+    assert proc.returncode == 2
+    assert "run.output_dir" in proc.stderr and "pass --resume" in proc.stderr
+    proc = sft("--set", "run.num_steps=5", "--resume")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "(step 3)" in proc.stdout
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "train/loss" in r] == [1, 2, 3, 4, 5]
+    assert all(r["train/lr"] == 3e-3 for r in records if "train/loss" in r)  # constant schedule

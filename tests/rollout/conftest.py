@@ -1,10 +1,20 @@
-"""Fixtures of the rollout tests: SGLang's own JSON schema, a tiny model, an in-process server.
+"""Fixtures of the rollout tests: SGLang's own code, a tiny model, an in-process server.
 
-SGLang's schema: ``sglang/api/v1/api_types.py`` from the sglang 0.5.23 wheel (it needs only
-msgspec). The wheel is fetched once with ``pip download --no-deps sglang==0.5.23`` into
-``$MEGATRON_GSPO_CACHE`` (default ``~/.cache/megatron-gspo``), never installed, and the module is
-loaded by path. Without network access and without a cached wheel the schema tests are skipped
-with that reason.
+SGLang's code comes from the sglang 0.5.23 wheel, fetched once with ``pip download --no-deps
+sglang==0.5.23`` into ``$MEGATRON_GSPO_CACHE`` (default ``~/.cache/megatron-gspo``) and never
+installed (it needs CUDA-only packages):
+
+* ``api_types``: its JSON schema module ``sglang/api/v1/api_types.py`` (needs only msgspec),
+  loaded by path;
+* ``sglang_subset``: a directory to put on ``PYTHONPATH`` that makes ``import sglang`` give
+  SGLang's own weight-update pieces: ``sglang/srt/weight_sync/tensor_bucket.py`` as it is in the
+  wheel, and ``sglang.srt.utils`` holding ``init_custom_process_group``,
+  ``MultiprocessingSerializer``, ``SafeUnpickler`` and ``_safe_load_torch_storage`` cut out of
+  ``sglang/srt/utils/common.py`` with ``ast`` (their source text unchanged; that module's other
+  imports - triton, PIL, ... - are not needed by them and not importable here). The one
+  substitution: ``pybase64`` (a faster drop-in of ``base64``, not installed) is ``base64``.
+
+Without network access and without a cached wheel these tests are skipped with that reason.
 """
 
 from __future__ import annotations
@@ -31,10 +41,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MEGATRON_GSPO_CACHE", Path.home() / ".cache" / "megatron-gspo"))
 
 
-def _schema_path() -> Path:
-    target = cache_dir() / f"sglang-{SGLANG_VERSION}-api_types.py"
-    if target.is_file():
-        return target
+def _wheel() -> Path:
     wheels = cache_dir() / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     found = sorted(wheels.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
@@ -44,11 +51,74 @@ def _schema_path() -> Path:
                               capture_output=True, text=True, timeout=600)
         found = sorted(wheels.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
         if not found:
-            pytest.skip(f"cannot fetch the sglang {SGLANG_VERSION} wheel for its JSON schema "
+            pytest.skip(f"cannot fetch the sglang {SGLANG_VERSION} wheel for its code "
                         f"(pip download failed: {proc.stderr.strip()[-300:]})")
-    with zipfile.ZipFile(found[0]) as wheel:
+    return found[0]
+
+
+def _schema_path() -> Path:
+    target = cache_dir() / f"sglang-{SGLANG_VERSION}-api_types.py"
+    if target.is_file():
+        return target
+    with zipfile.ZipFile(_wheel()) as wheel:
         target.write_bytes(wheel.read(SCHEMA_MEMBER))
     return target
+
+
+SUBSET_FROM_COMMON = ("torch_release", "init_custom_process_group", "MultiprocessingSerializer",
+                      "_safe_load_torch_storage", "SafeUnpickler")
+SUBSET_HEADER = '''"""SGLang {version}'s weight-update pieces, cut out of sglang/srt/utils/common.py of its
+wheel by tests/rollout/conftest.py (source unchanged; pybase64 is base64)."""
+import base64 as pybase64
+import binascii
+import io
+import pickle
+from multiprocessing.reduction import ForkingPickler
+
+import torch
+from packaging import version as pkg_version
+
+'''
+
+
+def _cut(source: str, names: tuple[str, ...]) -> str:
+    """The top-level definitions ``names`` of ``source``, verbatim, in the order given."""
+    import ast
+
+    tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    found = {}
+    for node in tree.body:
+        targets = [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else [
+            t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
+        for name in targets:
+            if name in names and name not in found:
+                start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+                found[name] = "".join(lines[start - 1:node.end_lineno])
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise RuntimeError(f"sglang {SGLANG_VERSION}: {missing} not found in utils/common.py")
+    return "\n\n".join(found[n] for n in names) + "\n"
+
+
+@pytest.fixture(scope="session")
+def sglang_subset() -> Path:
+    """A PYTHONPATH entry whose ``sglang`` package is SGLang's own weight-update code."""
+    root = cache_dir() / f"sglang-{SGLANG_VERSION}-subset"
+    marker = root / "sglang" / "srt" / "utils" / "__init__.py"
+    if not marker.is_file():
+        with zipfile.ZipFile(_wheel()) as wheel:
+            common = wheel.read("sglang/srt/utils/common.py").decode()
+            bucket = wheel.read("sglang/srt/weight_sync/tensor_bucket.py")
+        tmp = root.with_name(root.name + ".tmp")
+        for pkg in ("sglang", "sglang/srt", "sglang/srt/utils", "sglang/srt/weight_sync"):
+            (tmp / pkg).mkdir(parents=True, exist_ok=True)
+            (tmp / pkg / "__init__.py").write_text("")
+        (tmp / "sglang/srt/weight_sync/tensor_bucket.py").write_bytes(bucket)
+        (tmp / "sglang/srt/utils/__init__.py").write_text(
+            SUBSET_HEADER.format(version=SGLANG_VERSION) + _cut(common, SUBSET_FROM_COMMON))
+        tmp.rename(root)
+    return root
 
 
 @pytest.fixture(scope="session")
@@ -102,7 +172,7 @@ class InProcessServer:
     def close(self) -> None:
         self._uvicorn.should_exit = True
         self._thread.join(10)
-        self.server.engine.stop()
+        self.server.shutdown()
 
 
 @pytest.fixture(scope="module")

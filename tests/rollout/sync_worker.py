@@ -6,11 +6,13 @@
    server for samples with log-probs (T = 1 and T = 0.7 with top-p 0.9) and recomputes the
    log-probs of the sampled tokens with Megatron (``token_log_probs`` at the same temperature);
 2. for each transport: draws new weights (``init_weights`` with a new seed), calls
-   ``sync_weights`` on both ranks, and checks on the servers: every local HF piece is bit-equal to
+   ``WeightPusher.push`` of the trainer's buckets on both ranks, and checks on the servers: every local HF piece is bit-equal to
    what ``/get_weights_by_name`` returns, ``weight_version`` advanced, and the servers' greedy
    outputs are Megatron's greedy outputs under the new weights.
 
-Returns, on rank 0, a report the test asserts on.
+``run_layout`` pushes by every transport from one training layout and reads back every TP rank's
+whole-model checksum; ``run_delta`` runs N bf16 delta syncs. Each returns, on rank 0, a report the
+test asserts on.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from megatron_gspo.model import gpt as policy
 from megatron_gspo.hf.hf_config import model_config_from_hf
 from megatron_gspo import parallel
 from megatron_gspo.config import ParallelConfig
-from megatron_gspo.hf.weight_sync import sync_weights
+from megatron_gspo.hf.gather import HFGather
 from pipeline.rollout import RolloutClient, SamplingParams, control, http_json
+from pipeline.weight_push import WeightPusher
 from tests.distributed.convert_worker import forward_last_stage
 
 PROMPTS = [[5, 6, 7, 8], [30, 31], [100, 7, 200, 9, 40, 41], [3]]
@@ -113,9 +116,11 @@ def run(rank: int, world_size: int, hf_dir: str, server_urls: list[str], transpo
             before = [control(u, "/generate", {"input_ids": PROMPTS[0], "sampling_params": {
                 "max_new_tokens": GREEDY_TOKENS, "temperature": 0}})["output_ids"] for u in server_urls]
         t0 = time.perf_counter()
-        stats = sync_weights(gpt, model_cfg, pg, server_urls, transport=transport,
-                             weight_version=version, bucket_bytes=bucket_bytes,
-                             shared_dir=shared_dir)
+        pusher = WeightPusher(server_urls, transport=transport, shared_dir=shared_dir,
+                              group=_control_group())
+        stats = pusher.push(HFGather(model_cfg, bucket_bytes=bucket_bytes).buckets(gpt, pg),
+                            version)
+        pusher.close()
         seconds = time.perf_counter() - t0
         pieces = list(policy.local_hf_pieces(gpt, model_cfg, pg))
         mismatched = {u: _server_weights_match(u, pieces) for u in server_urls}
@@ -139,5 +144,107 @@ def run(rank: int, world_size: int, hf_dir: str, server_urls: list[str], transpo
         dist.all_gather_object(gathered, mismatched)
         if rank == 0:
             report["syncs"][-1]["mismatched"] = gathered
+    parallel.destroy_model_parallel()
+    return report if rank == 0 else None
+
+
+_CONTROL = {}
+
+
+def _control_group():
+    """The gloo control group the launcher passes to the pusher (here: a second gloo group)."""
+    if "group" not in _CONTROL:
+        _CONTROL["group"] = dist.new_group(backend="gloo")
+    return _CONTROL["group"]
+
+
+def _full_hf(gpt, model_cfg, pg, dtype=None) -> dict:
+    """rank 0: every full HF tensor of the live policy (copies); {} elsewhere."""
+    from megatron_gspo.hf.gather import iter_full_hf_tensors
+
+    out = {}
+    for bucket in iter_full_hf_tensors(gpt, model_cfg, pg, dtype=dtype):
+        out.update({n: t.clone() for n, t in bucket.items()})
+    return out
+
+
+def _server_checksums(server_urls) -> list[list[str]]:
+    """Per server, the whole-model checksum of every TP rank (``/weights_checker``)."""
+    return [http_json("POST", u + "/weights_checker", {"action": "checksum"})[1]
+            ["per_tp_rank_checksum"] for u in server_urls]
+
+
+def _expected_checksum(full: dict, server_dtype=torch.float32) -> str:
+    from pipeline.weight_transport import weights_checksum
+
+    return weights_checksum((n, t.to(server_dtype)) for n, t in full.items())
+
+
+def run_layout(rank: int, world_size: int, parallel_section: dict, hf_dir: str,
+               server_urls: list[str], transports: list[str], shared_dir: str,
+               bucket_bytes: int):
+    """One training layout: random policy weights -> each transport -> every TP rank of every
+    server holds exactly the trainer's full weights; the pusher verified every bucket."""
+    par = ParallelConfig(**parallel_section)
+    pg = parallel.initialize(par)
+    model_cfg = model_config_from_hf(hf_dir)
+    gpt = policy.build_model(model_cfg, par, pg)
+    gather = HFGather(model_cfg, bucket_bytes=bucket_bytes)
+    report = {"sources": None, "pushes": []}
+    for k, transport in enumerate(transports):
+        policy.init_weights(gpt, model_cfg, pg, seed=300 + k)
+        pusher = WeightPusher(server_urls, transport=transport, shared_dir=shared_dir,
+                              group=_control_group())
+        stream = gather.buckets(gpt, pg)
+        report["sources"] = stream.sources
+        stats = pusher.push(stream, f"{transport}-{k}")
+        pusher.close()
+        full = _full_hf(gpt, model_cfg, pg)
+        if rank == 0:
+            report["pushes"].append({"transport": transport, "stats": stats,
+                                     "expected": _expected_checksum(full),
+                                     "servers": _server_checksums(server_urls)})
+    parallel.destroy_model_parallel()
+    return report if rank == 0 else None
+
+
+def _perturbed(base: dict, step: int, fraction: float) -> dict:
+    """A sparse, layout-independent update of the full HF weights (what a small-lr step does to
+    bf16 weights: a few elements change): ``fraction`` of each tensor's elements, seeded."""
+    import zlib
+
+    out = {}
+    for name, t in base.items():
+        gen = torch.Generator().manual_seed(step * 1_000_003 + zlib.crc32(name.encode()))
+        pick = torch.rand(t.shape, generator=gen) < fraction
+        out[name] = t + pick * (0.05 * torch.randn(t.shape, generator=gen))
+    return out
+
+
+def run_delta(rank: int, world_size: int, parallel_section: dict, hf_dir: str,
+              server_urls: list[str], transport: str, num_syncs: int, full_every: int,
+              bucket_bytes: int):
+    """bf16 delta syncs: after every one, every TP rank of every server holds the trainer's bf16
+    weights bit for bit (whole-model checksums), and every bucket was verified."""
+    from safetensors.torch import load_file
+
+    par = ParallelConfig(**parallel_section)
+    pg = parallel.initialize(par)
+    model_cfg = model_config_from_hf(hf_dir)
+    gpt = policy.build_model(model_cfg, par, pg)
+    gather = HFGather(model_cfg, bucket_bytes=bucket_bytes, dtype=torch.bfloat16)
+    pusher = WeightPusher(server_urls, transport=transport, delta=True, full_every=full_every,
+                          group=_control_group())
+    weights = load_file(f"{hf_dir}/model.safetensors")
+    report = []
+    for step in range(num_syncs):
+        weights = _perturbed(weights, step, fraction=0.02 if step else 1.0)
+        policy.load_hf_weights(gpt, model_cfg, pg, weights.__getitem__)
+        stats = pusher.push(gather.buckets(gpt, pg), f"delta-{step}")
+        full = _full_hf(gpt, model_cfg, pg, dtype=torch.bfloat16)
+        if rank == 0:
+            report.append({"stats": stats, "expected": _expected_checksum(full),
+                           "servers": _server_checksums(server_urls)})
+    pusher.close()
     parallel.destroy_model_parallel()
     return report if rank == 0 else None

@@ -1,12 +1,12 @@
 """A real Slurm for the launcher's tests: one controller and three virtual nodes on this machine.
 
-The session fixture ``local_slurm`` runs ``../shared/scripts/local_slurm_up.sh`` (it installs the
-Debian packages when they are missing; see ../shared/docs/slurm_local.md) with a private
+The session fixture ``local_slurm`` runs ``tests/slurm/local_slurm_up.sh`` (it installs the
+Debian packages when they are missing; the script's header lists its settings) with a private
 directory, port block and node names, and always runs ``local_slurm_down.sh`` at the end. Three
 nodes, because every component of a heterogeneous job needs a node of its own: the rollout
 component gets one, the training component two (one gloo rank each).
 
-If Slurm cannot start (not root, scripts missing, apt unreachable) every test that needs it
+If Slurm cannot start (not root, apt unreachable) every test that needs it
 *fails* with the reason; nothing is skipped silently.
 """
 
@@ -23,17 +23,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm.local_slurm import ROOT, LocalSlurm, free_port_block
+from tests.slurm.local_slurm import LocalSlurm, free_port_block
 
-SHARED_SCRIPTS = ROOT.parent / "shared" / "scripts"
+SCRIPTS = Path(__file__).resolve().parent  # local_slurm_up.sh / local_slurm_down.sh
 NUM_NODES = 3
 
 
 @pytest.fixture(scope="session")
 def local_slurm():
-    up, down = SHARED_SCRIPTS / "local_slurm_up.sh", SHARED_SCRIPTS / "local_slurm_down.sh"
-    if not up.is_file() or not down.is_file():
-        pytest.fail(f"the Slurm tests need {up} and {down} (../shared beside the repository)")
+    up, down = SCRIPTS / "local_slurm_up.sh", SCRIPTS / "local_slurm_down.sh"
     if os.geteuid() != 0:
         pytest.fail("the Slurm tests need root: local_slurm_up.sh installs and starts slurmctld, "
                     "slurmd and munged")

@@ -13,7 +13,7 @@ from launch.cli import build_parser, main
 EXPECTED_OPTIONS = {
     "demo": {"--config", "--sft-config", "--out", "--set"},
     "train": {"--config", "--set", "--resume", "--nproc"},
-    "sft": {"--config", "--set", "--nproc"},
+    "sft": {"--config", "--set", "--resume", "--nproc"},
     "config": {"--config", "--set", "--world-size"},
     "plot": {"--out"},
     "serve": {"--model-path", "--model", "--host", "--port", "--random-seed", "--skip-tokenizer-init",

@@ -148,3 +148,78 @@ def test_data_and_reward_errors_name_the_field():
     for data, pattern in cases:
         with pytest.raises(ConfigError, match=pattern):
             config_from_dict(data)
+
+
+def test_cross_field_checks_run_when_the_file_is_loaded():
+    """Checks that used to run only in `train` (launch/rl_session.validate_rl) reject the file in
+    load_config itself, so `config`, `launch slurm`, `sft` and `train` agree."""
+    cases = [
+        ({"run": {"global_batch_size": 12, "micro_batch_size": 4}, "gspo": {"group_size": 8}},
+         r"run\.global_batch_size: 12 is not a multiple of gspo\.group_size 8"),
+        ({"run": {"global_batch_size": 16, "micro_batch_size": 4},
+          "gspo": {"group_size": 4, "updates_per_rollout": 3}},
+         r"run\.global_batch_size: 16 does not split into gspo\.updates_per_rollout = 3"),
+        ({"run": {"global_batch_size": 16, "micro_batch_size": 4},
+          "gspo": {"group_size": 4, "updates_per_rollout": 8}},
+         r"run\.global_batch_size: a mini-batch of 16 / gspo\.updates_per_rollout 8 = 2 "
+         r"sequences is not a multiple of run\.micro_batch_size 4"),
+        ({"optim": {"warmup_steps": 20}, "run": {"num_steps": 20}},
+         r"optim\.warmup_steps: 20 must be < run\.num_steps 20"),
+        ({"optim": {"min_lr": 1e-7}}, r"optim\.min_lr: 1e-07 is only used by a decaying schedule"),
+    ]
+    for data, pattern in cases:
+        with pytest.raises(ConfigError, match=pattern):
+            config_from_dict(data)
+    # the fixes the messages name are accepted
+    ok = config_from_dict({"optim": {"min_lr": 1e-7, "lr_decay_style": "cosine", "warmup_steps": 19}})
+    assert (ok.optim.min_lr, ok.optim.warmup_steps) == (1e-7, 19)
+
+
+def test_world_dependent_check_names_the_fields():
+    from megatron_gspo.config import validate_data_parallel
+
+    cfg = config_from_dict({"run": {"global_batch_size": 32, "micro_batch_size": 4},
+                            "gspo": {"group_size": 8, "updates_per_rollout": 2}})
+    validate_data_parallel(cfg, 4)  # 16 rows per mini-batch = 4 ranks x 4
+    with pytest.raises(ConfigError, match=r"run\.global_batch_size: a mini-batch of 32 / "
+                                          r"gspo\.updates_per_rollout 2 = 16 sequences does not "
+                                          r"split into data-parallel size 8 x run\.micro_batch_size 4"):
+        validate_data_parallel(cfg, 8)
+
+
+def test_one_variant_registry_and_one_meaning_of_token_clip():
+    import typing
+
+    from megatron_gspo.config import GSPOConfig, REWARD_KINDS, RewardConfig
+    from megatron_gspo.loss import gspo, variants
+
+    # the config's field type IS the registry's Literal, and the table lists the same names
+    hints = typing.get_type_hints(GSPOConfig)
+    assert typing.get_args(hints["variant"]) == variants.VARIANTS == tuple(variants.SPECS)
+    assert gspo.VARIANTS is variants.VARIANTS and gspo.TOKEN_CLIP_VARIANTS is variants.TOKEN_CLIP_VARIANTS
+    reward_kind = typing.get_type_hints(RewardConfig)["kind"]
+    assert tuple(a for a in typing.get_args(reward_kind) if a is not type(None)) == (
+        typing.Literal[REWARD_KINDS],)
+    # "token-clip" = the cut unit is the token; the clip RANGE follows the clipped ratio
+    assert set(variants.TOKEN_CLIP_VARIANTS) == {"gspo_token", "grpo", "seq_ratio_token_clip"}
+    assert set(variants.SEQUENCE_CLIP_VARIANTS) | set(variants.TOKEN_CLIP_VARIANTS) == set(variants.VARIANTS)
+    assert set(variants.TOKEN_RATIO_CLIP_VARIANTS) == {"grpo", "seq_ratio_token_clip"}
+    token_range, sequence_range = (0.2, 0.28), (3e-4, 4e-4)
+    for variant in variants.VARIANTS:
+        got = config_from_dict({"gspo": {"variant": variant}}).gspo.clip_range()
+        assert got == (token_range if variant in ("grpo", "seq_ratio_token_clip") else sequence_range), variant
+    assert all(spec.meaning for spec in variants.SPECS.values())
+
+
+def test_config_command_rejects_what_train_rejects(capsys):
+    from launch.cli import main
+
+    code = main(["config", "--config", "launch/configs/tiny_cpu.yaml",
+                 "--set", "gspo.updates_per_rollout=3"])
+    assert code == 2
+    assert "run.global_batch_size: 256 does not split into gspo.updates_per_rollout = 3" in \
+        capsys.readouterr().err
+    code = main(["config", "--config", "launch/configs/tiny_cpu.yaml", "--world-size", "16"])
+    assert code == 2
+    assert ("a mini-batch of 256 / gspo.updates_per_rollout 2 = 128 sequences does not split into "
+            "data-parallel size 16 x run.micro_batch_size 16") in capsys.readouterr().err

@@ -78,6 +78,29 @@ def test_cuda_device_arguments_go_to_the_cpu():
     assert out.strip() == str(["cpu"] * 6)
 
 
+_PIN_MEMORY = register("pin_memory", """
+        import torch
+        from megatron_gspo import cpu_compat
+        cpu_compat.apply()
+        from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
+
+        class CPGroup:  # rank 1 of 2: chunks 1 and 2 of 4
+            def size(self):
+                return 2
+
+            def rank(self):
+                return 1
+
+        emb = torch.arange(8.0).reshape(8, 1, 1, 1)
+        print(get_pos_emb_on_this_cp_rank(emb, 0, CPGroup()).flatten().tolist())
+    """)
+
+
+def test_pinned_memory_requests_become_plain_host_memory():
+    """Megatron's zigzag RoPE slice for context parallelism asks for pinned memory."""
+    assert applied(_PIN_MEMORY, "").strip() == str([2.0, 3.0, 4.0, 5.0])
+
+
 _STREAMS = register("streams", """
         import torch
         from megatron_gspo import cpu_compat
@@ -167,6 +190,24 @@ def test_rng_tracker_fork_without_cuda():
     assert out.strip() == "2"
 
 
+_RECOMPUTE = register("recompute", """
+        import torch
+        from megatron_gspo import cpu_compat
+        cpu_compat.apply()
+        cpu_compat.seed_rng_tracker()
+        from megatron.core import tensor_parallel
+        x = torch.randn(4, 3, requires_grad=True)
+        y = tensor_parallel.checkpoint(lambda t: (t.sin() * 2,), False, x)[0]
+        y.sum().backward()
+        print(torch.allclose(x.grad, 2 * x.detach().cos()))
+    """)
+
+
+def test_activation_recompute_without_a_cuda_generator():
+    out = applied(_RECOMPUTE, "")
+    assert out.strip() == "True"
+
+
 def test_nothing_is_applied_when_cuda_is_available():
     out = run_py("""
         import torch
@@ -178,7 +219,8 @@ def test_nothing_is_applied_when_cuda_is_available():
     assert out.split() == ["False", "False", "True"]
 
 
-@pytest.mark.parametrize("accommodation", ["current_device", "maybe_move", "te_general_gemm"])
+@pytest.mark.parametrize("accommodation", ["current_device", "maybe_move", "te_general_gemm",
+                                           "recompute_rng", "pin_memory"])
 def test_each_accommodation_is_still_needed(accommodation):
     """Without the accommodation, the Megatron behaviour it meets still fails on this machine.
 
@@ -196,6 +238,22 @@ def test_each_accommodation_is_still_needed(accommodation):
         "te_general_gemm": """
             from megatron.core.transformer.moe import moe_utils
             print("works" if hasattr(moe_utils, "te_general_gemm") else "fails")
+        """,
+        "recompute_rng": """
+            from megatron.core.tensor_parallel import random as tp_random
+            try:
+                tp_random._get_cuda_rng_state()
+                print("works")
+            except (RuntimeError, AssertionError):
+                print("fails")
+        """,
+        "pin_memory": """
+            import torch
+            try:
+                torch.tensor([0, 1], pin_memory=True)
+                print("works")
+            except RuntimeError:
+                print("fails")
         """,
         "maybe_move": """
             import torch

@@ -1,0 +1,202 @@
+"""Weight sync throughput on the CPU: every transport against a memory copy of the same bytes.
+
+Run (about 8 minutes on the 2-core CPU machine; results go into docs/performance.md by hand):
+
+    .venv/bin/python bench/bench_weight_sync.py
+    .venv/bin/python bench/bench_weight_sync.py --sizes small --worlds 1 --repeats 2   # quick
+
+For each model size (random Qwen3-MoE, fp32: ``small`` ~70 MB, ``large`` ~1 GB) one local rollout
+server is started (``megatron-gspo serve --allow-pickled-tensors``, one torch thread); for each
+training world (1 rank; 2 ranks as PP2 and as EP2, spawned gloo ranks with one torch thread each)
+the real Megatron policy is built and, in the same run:
+
+* **memcpy**: rank 0 copies a buffer of the model's bytes into another (``torch`` ``copy_``, one
+  thread): one memory copy of the same bytes, the reference of every ratio;
+* **disk**, **distributed**, **tensor**: ``WeightPusher.push(trainer buckets)`` with that
+  transport, checksums verified (the default): the whole sync, pause to continue, as the RL loop
+  runs it (after one warm-up push that builds the groups and buffers);
+* **delta**: bf16 on the wire, ``distributed``, after a full push: 1% of the weights perturbed
+  (a small-lr step changes few bf16 values), then the delta push; its reference is a memory copy
+  of the bf16 model bytes.
+
+Times are medians of ``--repeats`` pushes. The last line is
+``weight sync vs memcpy: disk X.XXx, distributed Y.YYx, tensor Z.ZZx`` (memcpy seconds / push
+seconds, medians over the world-2 runs of the largest size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SIZES = {  # name -> (hidden, layers, experts, moe intermediate, vocab)
+    "small": (256, 4, 16, 256, 8192),
+    "large": (512, 8, 36, 512, 16384),
+}
+WORLDS = {"1": (1, {}), "PP2": (2, {"pipeline": 2}), "EP2": (2, {"expert": 2})}
+TRANSPORTS = ("disk", "distributed", "tensor")
+
+
+def make_model(directory: Path, size: str) -> Path:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    hidden, layers, experts, inter, vocab = SIZES[size]
+    cfg = Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=hidden // 8,
+                         moe_intermediate_size=inter, intermediate_size=inter,
+                         num_experts=experts, num_experts_per_tok=2, norm_topk_prob=True,
+                         max_position_embeddings=1024, tie_word_embeddings=False,
+                         rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(cfg)
+    model = model.to_empty(device="cpu").eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, p.shape[-1] ** -0.5) if p.dim() > 1 else p.fill_(1.0)
+    model.save_pretrained(directory)
+    return directory
+
+
+def _median_copy(nbytes: int, repeats: int) -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_worker(rank: int, world: int, section: dict, hf_dir: str, url: str, shared: str,
+                 repeats: int, bucket_bytes: int):
+    import torch.distributed as dist
+
+    from megatron_gspo import parallel
+    from megatron_gspo.config import ParallelConfig
+    from megatron_gspo.hf.gather import HFGather
+    from megatron_gspo.hf.hf_config import model_config_from_hf
+    from megatron_gspo.model import gpt as policy
+    from pipeline.weight_push import WeightPusher
+
+    par = ParallelConfig(**section)
+    pg = parallel.initialize(par)
+    control = dist.new_group(backend="gloo")
+    model_cfg = model_config_from_hf(hf_dir)
+    gpt = policy.build_model(model_cfg, par, pg)
+    policy.init_weights(gpt, model_cfg, pg, seed=1)
+    gather = HFGather(model_cfg, bucket_bytes=bucket_bytes)
+    total = gather.buckets(gpt, pg).total_bytes
+    rows = {}
+    dist.barrier(control)
+    rows["memcpy"] = {"seconds": [_median_copy(total, repeats)] if rank == 0 else [],
+                      "bytes": total}
+    dist.barrier(control)
+    for transport in TRANSPORTS:
+        pusher = WeightPusher([url], transport=transport, shared_dir=shared, group=control)
+        pusher.push(gather.buckets(gpt, pg), f"{transport}-warm")
+        times, stats = [], None
+        for r in range(repeats):
+            stats = pusher.push(gather.buckets(gpt, pg), f"{transport}-{r}")
+            times.append(stats.seconds_total)
+        pusher.close()
+        rows[transport] = {"seconds": times, "bytes": stats.bytes,
+                           "wire_bytes": stats.wire_bytes, "buckets": stats.num_buckets,
+                           "sources": len(gather.buckets(gpt, pg).sources),
+                           "gather_wait_s": stats.seconds_gather}
+    # delta: bf16 on the wire
+    gather16 = HFGather(model_cfg, bucket_bytes=bucket_bytes, dtype=torch.bfloat16)
+    pusher = WeightPusher([url], transport="distributed", delta=True, full_every=10**6,
+                          group=control)
+    pusher.push(gather16.buckets(gpt, pg), "delta-full")
+    gen = torch.Generator().manual_seed(rank)
+    times, stats = [], None
+    for r in range(repeats):
+        with torch.no_grad():
+            for p in gpt.parameters():
+                pick = torch.rand(p.shape, generator=gen) < 0.01
+                p.add_(pick * 0.1 * p.abs().clamp_min(1e-3))
+        stats = pusher.push(gather16.buckets(gpt, pg), f"delta-{r}")
+        assert stats.delta, "the delta push was a full one"
+        times.append(stats.seconds_total)
+    pusher.close()
+    rows["delta"] = {"seconds": times, "bytes": stats.bytes, "wire_bytes": stats.wire_bytes}
+    rows["memcpy_bf16"] = {"seconds": [_median_copy(stats.bytes, repeats)] if rank == 0 else [],
+                           "bytes": stats.bytes}
+    parallel.destroy_model_parallel()
+    return rows if rank == 0 else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="small,large")
+    ap.add_argument("--worlds", default="1,PP2,EP2")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--bucket-mib", type=int, default=64)
+    ap.add_argument("--json", help="also write the raw results here")
+    args = ap.parse_args()
+
+    from pipeline.servers import LocalRolloutCluster
+    from tests.distributed.spawn import run_on_ranks
+
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench_sync_") as tmp:
+        tmp = Path(tmp)
+        for size in args.sizes.split(","):
+            model_dir = make_model(tmp / size, size)
+            with LocalRolloutCluster(model_dir, 1, router=False, log_dir=tmp / "logs",
+                                     server_args=["--allow-pickled-tensors"],
+                                     health_timeout_s=600) as cluster:
+                for world_name in args.worlds.split(","):
+                    world, section = WORLDS[world_name]
+                    t0 = time.perf_counter()
+                    rows = run_on_ranks(world, bench_worker,
+                                        (section, str(model_dir), cluster.server_urls[0],
+                                         str(tmp / "shared"), args.repeats,
+                                         args.bucket_mib << 20), timeout_s=1800)[0]
+                    results.append({"size": size, "world": world_name, "rows": rows,
+                                    "wall_s": time.perf_counter() - t0})
+                    print(f"# {size} world {world_name}: {time.perf_counter() - t0:.0f} s",
+                          flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+    print("| size | world | what | MB | wire MB | seconds (median) | GB/s | vs memcpy |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    ratios: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
+    largest = args.sizes.split(",")[-1]
+    for res in results:
+        rows = res["rows"]
+        copy_s = rows["memcpy"]["seconds"][0]
+        copy16_s = rows["memcpy_bf16"]["seconds"][0]
+        for what in ("memcpy", *TRANSPORTS, "memcpy_bf16", "delta"):
+            row = rows[what]
+            sec = statistics.median(row["seconds"])
+            ref = copy16_s if what in ("delta", "memcpy_bf16") else copy_s
+            wire = row.get("wire_bytes", row["bytes"])
+            print(f"| {res['size']} | {res['world']} | {what} | {row['bytes'] / 1e6:.1f} | "
+                  f"{wire / 1e6:.1f} | {sec:.3f} | {row['bytes'] / sec / 1e9:.2f} | "
+                  f"{ref / sec:.2f}x |")
+            if what in TRANSPORTS and res["size"] == largest and res["world"] != "1":
+                ratios[what] += [copy_s / s for s in row["seconds"]]
+    if all(ratios.values()):
+        print("weight sync vs memcpy: " + ", ".join(
+            f"{t} {statistics.median(ratios[t]):.2f}x" for t in TRANSPORTS))
+    else:
+        print("weight sync vs memcpy: (no world-2 run of the largest size)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""torchrun as a local run's launcher needs it: ``python -m launch.torchrun_agent <torchrun args>``.
+
+``launch.supervise`` starts the ranks of ``megatron-gspo train`` / ``sft`` with this module instead
+of ``python -m torch.distributed.run``. It is torchrun (its own argument parser, rendezvous and
+agent), with three changes:
+
+* **One stop per run.** torchrun turns a signal into an exception that makes it stop the ranks
+  (the same signal to each rank's process group, SIGKILL after ``--shutdown-timeout``). A second
+  signal during that stop (the launcher forwards a signal that a ``killpg`` also delivered
+  directly; a user presses Ctrl-C twice) would raise again inside the stop and leave the ranks,
+  which are in sessions of their own, running without anyone waiting for them. Here only the
+  first signal counts; later ones are logged. SIGHUP and SIGQUIT reach the ranks as SIGTERM, the
+  signal they checkpoint on (``pipeline.loop.StopFlag``).
+* **Quiet.** torchrun's log (its warnings, and when a rank fails the ``ChildFailedError`` report
+  with every rank's traceback) goes to ``<log dir>/torchrun.log``; the launcher prints the one
+  root cause (``launch.rank_status``).
+* **What it saw.** The ranks that failed, with their exit codes, go to the status directory
+  (``torchrun.json``), so that the launcher can name a rank killed by a signal.
+
+The exit status is torchrun's (0, or 1 when a rank failed; 128 + N after signal N); the launcher
+decides the command's own from the ranks' reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Optional
+
+from launch import rank_status
+
+LOG_DIR_ENV = "MEGATRON_GSPO_RANK_LOG_DIR"
+"""Set by ``launch.local.ensure_ranks`` (where the ranks log); torchrun.log goes there too."""
+
+
+def _log_to_file(log_dir: Optional[str]) -> None:
+    """Every log record of this process to ``<log_dir>/torchrun.log`` (nowhere without a dir).
+
+    torch gives its ``torch`` and ``torch.distributed`` loggers console handlers of their own
+    (``torch._logging``, propagate off): those are replaced as well."""
+    if log_dir:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        handler: logging.Handler = logging.FileHandler(Path(log_dir) / "torchrun.log")
+    else:
+        handler = logging.NullHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    logging.captureWarnings(True)
+    for name in ("torch", "torch.distributed"):
+        logger = logging.getLogger(name)
+        if logger.handlers:
+            logger.handlers = [handler]
+
+
+def _stop_once(mp_api) -> None:
+    """Replace torchrun's signal handler with one that raises for the first signal only."""
+    original = mp_api._terminate_process_handler
+    log = logging.getLogger("launch.torchrun_agent")
+    seen: list[int] = []
+
+    def handler(signum: int, frame) -> None:
+        if seen:
+            log.warning("signal %s during the stop that %s started: the ranks are already "
+                        "stopping (SIGKILL aborts)", signal.Signals(signum).name,
+                        signal.Signals(seen[0]).name)
+            return
+        seen.append(signum)
+        log.warning("signal %s: stopping the ranks", signal.Signals(signum).name)
+        if signum not in (signal.SIGINT, signal.SIGUSR1, signal.SIGTERM):
+            signum = signal.SIGTERM  # SIGHUP / SIGQUIT: the ranks checkpoint on SIGTERM
+        original(signum, frame)
+
+    # PContext.start looks the handler up by name when it registers it (after this runs)
+    mp_api._terminate_process_handler = handler
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from torch.distributed.elastic.multiprocessing import api as mp_api
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    _log_to_file(os.environ.get(LOG_DIR_ENV))
+    _stop_once(mp_api)
+    log = logging.getLogger("launch.torchrun_agent")
+    try:
+        run(parse_args(argv))
+        return 0
+    except ChildFailedError as err:
+        log.error("%s", err.format_msg())
+        rank_status.report_torchrun({rank: {"exitcode": failure.exitcode,
+                                            "time": float(failure.timestamp)}
+                                     for rank, failure in err.failures.items()})
+        return 1
+    except mp_api.SignalException as err:
+        log.warning("stopped by %s", err.sigval.name)
+        return 128 + int(err.sigval)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,504 @@
+"""Push the trainer's Hugging Face buckets to the rollout servers (the server side of the weight sync).
+
+Called on EVERY training rank with the trainer's bucket stream (``RLTrainer.hf_buckets()``, a
+collective the pusher iterates to the end on every rank)::
+
+    pusher = WeightPusher(server_urls, transport="distributed", group=control_group)
+    for step in ...:
+        stats = pusher.push(trainer.hf_buckets(), version=str(step))
+    pusher.close()
+
+A bucket (duck-typed: ``index``, ``count``, ``source``, ``names``, ``shapes``, ``dtype``,
+``nbytes``, ``flat``, ``named_tensors()``) is what ``megatron_gspo.hf.gather`` yields: full HF
+tensors in SGLang's flattened layout, on the bucket's source rank. Each source rank sends its own
+buckets; nothing funnels through rank 0. Wire formats: :mod:`pipeline.weight_transport`.
+
+One push:
+
+1. rank 0: ``pause_generation`` on every server, ``/server_info`` (``tp_size``) once; the outcome
+   goes to every rank (``group``, the gloo control group).
+2. ``distributed``, first push only: each source rank builds its own update group with every GPU
+   of every server (world ``1 + sum(tp_size)``, server i at ``rank_offset`` 1 + the TP sizes before
+   it, the source rank is rank 0, its address routable from the servers), one source after the
+   other (a server joins one group at a time).
+3. per bucket, on its source rank: ``update_weights_from_distributed`` (``load_format:
+   flattened_bucket``, one broadcast of the flat bucket) or ``update_weights_from_tensor`` (one
+   ``MultiprocessingSerializer`` entry per server TP rank: CUDA-IPC / shared-memory handles, no
+   bytes over HTTP) or, for ``disk``, one safetensors shard per bucket written in parallel by
+   every source rank. A background thread gathers bucket k+1 meanwhile. With ``distributed``
+   the sources take turns, bucket by bucket (a token passes from each bucket's source to the
+   next's): an SGLang server handles one weight update at a time, so two sources broadcasting at
+   once to servers that took their requests in different orders would deadlock - and every byte
+   crosses each server's link once whoever sends it.
+4. rank 0: ``disk``: the index file, the rename, ``update_weights_from_disk``; then
+   ``update_weight_version`` (the version changes only once every bucket is in), ``flush_cache``
+   (polled until 200), ``continue_generation``.
+
+**Checks** (``verify``): for every bucket the server reports a checksum of the tensors it now
+holds, per TP rank (a local-server extension; ``weight_transport.bucket_checksum``), compared
+with the trainer's own. **Delta** (``delta``, bf16 only): after a full push the sources keep the
+bytes they sent; later pushes send, per tensor, only the changed elements when that is smaller
+(``weight_transport.delta_encode``), and a full push every ``full_every`` pushes or whenever a
+server's weight version is not the one last pushed (a restarted server). A local-server extension
+too: real SGLang refuses the ``delta`` field.
+
+If anything fails, the servers are left paused (their weights may be half-updated), the next delta
+push is a full one, and every rank raises the same :class:`WeightPushError`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from pipeline import rollout
+from pipeline import weight_transport as wt
+
+Transport = Literal["disk", "tensor", "distributed"]
+LOCAL_SERVER = "megatron-gspo local rollout server"  # its /server_info "implementation"
+_TOKEN_TAG = 7  # p2p tag of the sources' turn token (apart from the gather's messages)
+_IN_FLIGHT = 4  # distributed: buckets sent whose answers are not collected yet, per source
+
+
+class WeightPushError(RuntimeError):
+    """The weight push failed; raised on every rank with the failing rank's message."""
+
+
+@dataclass
+class SyncStats:
+    weight_version: str
+    transport: str
+    num_tensors: int = 0
+    num_buckets: int = 0
+    bytes: int = 0
+    """Bytes of the full model (the weights the servers now hold)."""
+    wire_bytes: int = 0
+    """Bytes the sources sent (less than ``bytes`` for a delta push)."""
+    delta: bool = False
+    verified_buckets: int = 0
+    seconds_total: float = 0.0
+    seconds_gather: float = 0.0
+    """Time the source ranks waited for the gather (what did not overlap a send), max over ranks."""
+    seconds_send: float = 0.0
+    phases: dict = field(default_factory=dict)
+
+    @property
+    def gbytes_per_s(self) -> float:
+        return self.bytes / max(self.seconds_total, 1e-9) / 1e9
+
+    def metrics(self) -> dict:
+        """What the loop logs under ``sync/``."""
+        return {"seconds": self.seconds_total, "gbytes_per_s": self.gbytes_per_s,
+                "bytes": self.bytes, "wire_bytes": self.wire_bytes, "delta": float(self.delta),
+                "verified_buckets": self.verified_buckets}
+
+
+class WeightPusher:
+    """Pushes bucket streams to rollout servers; see the module docstring. Every rank holds one
+    with the same arguments; ``group`` carries the small control messages (None: the default).
+
+    ``master_address``: the address the servers reach a source rank's update group at; None: the
+    address of the source's own interface that routes to the first server.
+    """
+
+    def __init__(self, server_urls: Sequence[str], *, transport: Transport = "disk",
+                 shared_dir: Optional[str | Path] = None, pause_mode: str = "abort",
+                 timeout_s: float = 600.0, master_address: Optional[str] = None,
+                 group_name: str = "megatron_gspo_weights", backend: Optional[str] = None,
+                 keep_versions: int = 1, delta: bool = False, full_every: int = 10,
+                 verify: bool = True, group: Any = None):
+        if transport not in ("disk", "tensor", "distributed"):
+            raise ValueError(f"transport {transport!r}: expected 'disk', 'tensor' or 'distributed'")
+        if transport == "disk" and shared_dir is None:
+            raise ValueError("transport 'disk' needs shared_dir (a filesystem the servers read)")
+        if delta and transport == "disk":
+            raise ValueError("delta pushes need transport 'distributed' or 'tensor'")
+        if full_every < 1:
+            raise ValueError(f"full_every: must be >= 1, got {full_every}")
+        if not server_urls:
+            raise ValueError("no rollout servers to push to")
+        self.server_urls = [u.rstrip("/") for u in server_urls]
+        self.transport = transport
+        self.shared_dir = Path(shared_dir) if shared_dir is not None else None
+        self.pause_mode = pause_mode
+        self.timeout_s = timeout_s
+        self.master_address = master_address
+        self.group_name = group_name
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.keep_versions = keep_versions
+        self.delta, self.full_every, self.verify = delta, full_every, verify
+        self.group = group
+        self._tp: Optional[list[int]] = None  # per server
+        self._update_group = None  # this rank's (a source's) update group
+        self._group_made = False
+        self._written: list[Path] = []
+        self._base: dict[int, torch.Tensor] = {}  # delta: bucket index -> the bytes last sent
+        self._pushes = 0
+        self._last_ok: Optional[str] = None  # the version of the last successful push
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=(_IN_FLIGHT + 2) * len(self.server_urls) + 4)
+
+    # ------------------------------------------------------------------ collectives (control)
+    def _broadcast(self, obj):
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def _all_gather(self, obj) -> list:
+        out = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    # ------------------------------------------------------------------ public
+    def push(self, stream, version: str) -> SyncStats:
+        """Collective: every rank passes its own stream of the same buckets."""
+        t_start = time.perf_counter()
+        version = str(version)
+        rank = dist.get_rank()
+        stats = SyncStats(weight_version=version, transport=self.transport,
+                          num_tensors=stream.num_tensors, num_buckets=len(stream),
+                          bytes=stream.total_bytes)
+        # 1. pause, server info, full or delta
+        begin = None
+        if rank == 0:
+            begin = self._guard(self._begin, stream, stats)
+        error, info = self._broadcast(begin)
+        if error is None:
+            self._tp, full = info["tp"], info["full"]
+            stats.delta = not full
+            stats.phases.update(info["phases"])
+        else:
+            full = True
+        # 2. update groups (first push)
+        if error is None and self.transport == "distributed" and not self._group_made:
+            t0 = time.perf_counter()
+            error = self._make_groups(stream.sources)
+            stats.phases["init_groups_s"] = time.perf_counter() - t0
+        # 3. the buckets
+        mine: dict[int, dict] = {}  # bucket index -> {"checksum", "shard", "wire"}
+        local_error = self._send_all(stream, version, full, mine, stats) if error is None \
+            else self._drain(stream)
+        outcomes = self._all_gather((local_error, mine, stats.seconds_gather,
+                                     stats.seconds_send))
+        errors = [e for e, _, _, _ in outcomes if e is not None]
+        error = error or (errors[0] if errors else None)
+        buckets = {b: v for _, m, _, _ in outcomes for b, v in m.items()}
+        stats.seconds_gather = max(o[2] for o in outcomes)
+        stats.seconds_send = max(o[3] for o in outcomes)
+        stats.wire_bytes = sum(v["wire"] for v in buckets.values())
+        stats.verified_buckets = sum(v["verified"] for v in buckets.values())
+        # 4. load from disk, tag the version, flush, continue
+        end = None
+        if rank == 0:
+            end = error if error is not None else \
+                self._guard(self._end, version, buckets, stats, stream)[0]
+        final = self._broadcast((end, stats.verified_buckets, stats.phases))
+        if final[0] is not None:
+            self._last_ok = None
+            self._base.clear()
+            raise WeightPushError(f"weight sync of version {version} to {self.server_urls} "
+                                  f"failed (servers left paused): {final[0]}")
+        stats.verified_buckets, stats.phases = final[1], final[2]
+        self._pushes += 1
+        self._last_ok = version
+        stats.seconds_total = time.perf_counter() - t_start
+        return stats
+
+    def close(self) -> None:
+        """Destroy the update groups (server side first, then this rank's)."""
+        if self._update_group is not None:
+            name = self._my_group_name()
+            for url in self.server_urls:
+                try:
+                    rollout.control(url, "/destroy_weights_update_group", {"group_name": name},
+                                    timeout_s=30)
+                except rollout.RolloutError:
+                    pass
+            wt.destroy_group(self._update_group)
+            self._update_group = None
+        self._pool.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _guard(fn, *args):
+        """(None, result) or (message, None): failures travel to every rank."""
+        try:
+            return None, fn(*args)
+        except Exception as err:  # noqa: BLE001 - re-raised on every rank
+            return f"{type(err).__name__}: {err}", None
+
+    def _each_server(self, fn) -> list:
+        futures = [self._pool.submit(fn, url) for url in self.server_urls]
+        return [f.result() for f in futures]
+
+    def _my_group_name(self) -> str:
+        return f"{self.group_name}_r{dist.get_rank()}"
+
+    def _begin(self, stream, stats: SyncStats) -> dict:
+        t0 = time.perf_counter()
+        self._each_server(lambda u: rollout.control(u, "/pause_generation",
+                                                    {"mode": self.pause_mode},
+                                                    timeout_s=self.timeout_s))
+        infos = self._each_server(lambda u: rollout.control(u, "/server_info", method="GET",
+                                                            timeout_s=self.timeout_s))
+        phases = {"pause_s": time.perf_counter() - t0}
+        tp = []
+        for url, info in zip(self.server_urls, infos):
+            if int(info.get("pp_size") or 1) != 1 or int(info.get("dp_size") or 1) != 1:
+                raise ValueError(f"{url}: weight updates of a server with pp_size / dp_size > 1 "
+                                 "are not supported (SGLang requires dp_size 1 for them)")
+            tp.append(int(info.get("tp_size") or 1))
+            if (self.delta or self.verify) and info.get("implementation") != LOCAL_SERVER:
+                what = "rollout.weight_sync_delta" if self.delta else "rollout.weight_sync_verify"
+                raise ValueError(f"{url} is not the local rollout server ({info.get('version')}): "
+                                 f"it cannot apply delta pushes or report bucket checksums; set "
+                                 f"{what}: false")
+        full = True
+        if self.delta:
+            if stream.dtype.itemsize != 2:
+                raise ValueError(f"delta pushes need 16-bit weights on the wire (got "
+                                 f"{stream.dtype}); set rollout.weight_sync_dtype: bfloat16")
+            versions = [i.get("weight_version") for i in infos]
+            full = (self._pushes % self.full_every == 0 or self._last_ok is None
+                    or any(v != self._last_ok for v in versions))
+        if self.transport == "disk":
+            tmp = self._version_dir(stats.weight_version, tmp=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        return {"tp": tp, "full": full, "phases": phases}
+
+    def _make_groups(self, sources: list[int]) -> Optional[str]:
+        """One update group per source rank, made one after the other (collective)."""
+        error = None
+        rank = dist.get_rank()
+        world = 1 + sum(self._tp)
+        offsets = [1 + sum(self._tp[:i]) for i in range(len(self._tp))]
+        for src in sources:
+            if rank == src and error is None:
+                error, _ = self._guard(self._make_group, world, offsets)
+            errors = [e for e in self._all_gather(error) if e is not None]
+            if errors:
+                return errors[0]
+        self._group_made = True
+        return None
+
+    def _make_group(self, world: int, offsets: list[int]) -> None:
+        address = self.master_address or wt.routable_address(self.server_urls[0])
+        port = wt.free_port(address)
+        name = self._my_group_name()
+        body = lambda i: {"master_address": address, "master_port": port,  # noqa: E731
+                          "rank_offset": offsets[i], "world_size": world, "group_name": name,
+                          "backend": self.backend}
+        # Each server's call blocks until the whole group has joined: issue them concurrently.
+        futures = [self._pool.submit(rollout.control, u, "/init_weights_update_group", body(i),
+                                     timeout_s=self.timeout_s)
+                   for i, u in enumerate(self.server_urls)]
+        try:
+            self._update_group = wt.new_update_group(address, port, 0, world, group_name=name,
+                                                     backend=self.backend,
+                                                     timeout_s=self.timeout_s)
+        finally:
+            for f in futures:
+                f.result()
+
+    def _drain(self, stream) -> None:
+        for _ in stream:  # keep the collective gather going on every rank
+            pass
+        return None
+
+    def _send_all(self, stream, version: str, full: bool, mine: dict, stats: SyncStats
+                  ) -> Optional[str]:
+        """Iterate the stream; send this rank's buckets. Returns this rank's first error."""
+        rank = dist.get_rank()
+        meta = stream.meta
+        turns = self.transport == "distributed"
+        error: Optional[str] = None
+        pending: list = []  # distributed: (index, finish) of buckets whose answers are not in
+
+        def settle(keep: int) -> None:
+            nonlocal error
+            while len(pending) > keep:
+                index, finish = pending.pop(0)
+                try:
+                    mine[index] = finish()
+                except Exception as err:  # noqa: BLE001 - reported like a send failure
+                    error = error or f"rank {rank}, bucket {index}: {type(err).__name__}: {err}"
+
+        for bucket in stream:
+            if bucket.source != rank:
+                continue
+            t0 = time.perf_counter()
+            prev = meta[bucket.index - 1].source if bucket.index > 0 else rank
+            if turns and prev != rank:  # wait for the previous bucket's source to finish
+                token = torch.zeros(1, dtype=torch.int64)
+                dist.recv(token, src=prev, group=self.group, tag=_TOKEN_TAG)
+                if token.item() and error is None:
+                    error = "an earlier bucket failed"
+            if error is None:
+                try:
+                    pending.append((bucket.index, self._send_bucket(bucket, version, full)))
+                except Exception as err:  # noqa: BLE001 - keep draining the gathers, then raise
+                    error = f"rank {rank}, bucket {bucket.index}: {type(err).__name__}: {err}"
+                # A server answers a broadcast bucket once it has loaded it; meanwhile it can
+                # receive the next one, so those answers are collected later (a few in flight).
+                settle(_IN_FLIGHT if self.transport == "distributed" else 0)
+            nxt = meta[bucket.index + 1].source if bucket.index + 1 < len(meta) else rank
+            if turns and nxt != rank:
+                dist.send(torch.tensor([int(error is not None)]), dst=nxt, group=self.group,
+                          tag=_TOKEN_TAG)
+            stats.seconds_send += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        settle(0)
+        stats.seconds_send += time.perf_counter() - t0
+        stats.seconds_gather = getattr(stream, "seconds_waited", 0.0)
+        return error
+
+    def _send_bucket(self, bucket, version: str, full: bool):
+        """Send one bucket; returns ``finish()``, which waits for the servers' answers, checks
+        their checksums and returns the bucket's entry. Everything that reads the bucket's
+        buffer is done when this returns (the gather reuses it for a later bucket)."""
+        named = bucket.named_tensors()
+        checksum = self._pool.submit(wt.bucket_checksum, named) if self.verify else None
+        entry = {"shard": None, "wire": bucket.nbytes, "verified": 0, "checksum": None}
+        if self.transport == "disk":
+            entry["shard"] = self._shard_name(bucket)
+            layout, _ = wt.flat_layout(bucket.names, [bucket.dtype] * len(bucket.names),
+                                       bucket.shapes)
+            wt.write_shard(self._version_dir(version, tmp=True) / entry["shard"], layout,
+                           bucket.flat[: bucket.nbytes].cpu())
+            entry["checksum"] = checksum.result() if checksum else None
+            return lambda: entry
+        wire, wire_flat, is_delta = named, bucket.flat[: bucket.nbytes], False
+        if self.delta:
+            base = self._base.get(bucket.index)
+            if not full and base is not None:
+                wire, is_delta = self._delta_entries(bucket, base), True
+                wire_flat = self._as_flat(wire)
+        extra = {"delta": True} if is_delta else {}
+        if self.transport == "tensor":
+            if wire_flat.device.type == "cpu":
+                wt.share_cpu_tensor(wire_flat)
+            layout, _ = wt.flat_layout([n for n, _ in wire], [t.dtype for _, t in wire],
+                                       [t.shape for _, t in wire])
+            views = wt.unflatten(wire_flat, layout)
+            answers = [self._pool.submit(self._post_tensor, u, views, i, extra)
+                       for i, u in enumerate(self.server_urls)]
+        else:
+            body = {"names": [n for n, _ in wire], "dtypes": [wt.dtype_name(t.dtype) for _, t in wire],
+                    "shapes": [list(t.shape) for _, t in wire], "group_name": self._my_group_name(),
+                    "flush_cache": False, "abort_all_requests": False,
+                    "load_format": "flattened_bucket", **extra}
+            answers = [self._pool.submit(rollout.control, u, "/update_weights_from_distributed",
+                                         body, timeout_s=self.timeout_s)
+                       for u in self.server_urls]
+            device = "cuda" if self.backend == "nccl" else "cpu"
+            wt.broadcast(self._update_group, wire_flat.to(device), 0)
+        if self.transport == "tensor":  # the server reads our shared memory until it answers
+            answers = [a.result() for a in answers]
+        entry["wire"] = int(wire_flat.numel())
+        expected = checksum.result() if checksum is not None else None
+        if self.delta:  # what the server will hold (a failed push drops every base)
+            base = self._base.get(bucket.index)
+            if base is None:
+                self._base[bucket.index] = bucket.flat[: bucket.nbytes].clone()
+            else:
+                base.copy_(bucket.flat[: bucket.nbytes])
+
+        def finish() -> dict:
+            got = [a.result() if isinstance(a, concurrent.futures.Future) else a for a in answers]
+            if expected is not None:
+                entry["checksum"] = expected
+                for url, answer in zip(self.server_urls, got):
+                    self._check(url, f"bucket {bucket.index}", answer, expected)
+                entry["verified"] = 1
+            return entry
+        return finish
+
+    def _post_tensor(self, url: str, views, server_index: int, extra: dict):
+        # One MultiprocessingSerializer entry per TP rank of this server, each serialized on its
+        # own (as SGLang's Engine does), so each rank opens its own handles.
+        payloads = [wt.serialize_tensors(views) for _ in range(self._tp[server_index])]
+        body = {"serialized_named_tensors": payloads, "load_format": None, "flush_cache": False,
+                "abort_all_requests": False, **extra}
+        return rollout.control(url, "/update_weights_from_tensor", body, timeout_s=self.timeout_s)
+
+    def _delta_entries(self, bucket, base: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The bucket as deltas against ``base`` where smaller; int32 entries first, so every
+        entry of the flattened wire bucket is aligned to its item size."""
+        old = dict(wt.unflatten(base, wt.flat_layout(bucket.names, [bucket.dtype] * len(bucket.names),
+                                                      bucket.shapes)[0]))
+        wide, narrow = [], []
+        for name, new in bucket.named_tensors():
+            enc = wt.delta_encode(name, new, old[name])
+            if enc is None:
+                narrow.append((name, new))
+            else:
+                wide.append(enc[0])
+                narrow.append(enc[1])
+        return wide + narrow
+
+    @staticmethod
+    def _as_flat(named) -> torch.Tensor:
+        return torch.cat([t.reshape(-1).view(torch.uint8) for _, t in named]) if len(named) > 1 \
+            else named[0][1].reshape(-1).view(torch.uint8)
+
+    def _check(self, url: str, what: str, answer, expected: str) -> None:
+        got = answer.get("checksums") if isinstance(answer, dict) else None
+        if not got:
+            raise ValueError(f"{url}: no checksum of {what} in the answer (set "
+                             "rollout.weight_sync_verify: false for servers that report none)")
+        bad = [i for i, c in enumerate(got) if c != expected]
+        if bad:
+            raise ValueError(f"{url}: {what}: checksum of TP rank(s) {bad} is {got[bad[0]]}, the "
+                             f"trainer sent {expected}")
+
+    def _shard_name(self, bucket) -> str:
+        return f"model-{bucket.index + 1:05d}-of-{bucket.count:05d}.safetensors"
+
+    def _version_dir(self, version: str, *, tmp: bool = False) -> Path:
+        return self.shared_dir / (f"weights_v{version}" + (".tmp" if tmp else ""))
+
+    def _end(self, version: str, buckets: dict, stats: SyncStats, stream) -> None:
+        if self.transport == "disk":
+            tmp, final = self._version_dir(version, tmp=True), self._version_dir(version)
+            weight_map = {}
+            for b, meta in buckets.items():
+                weight_map.update({n: meta["shard"] for n in stream.meta[b].names})
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(
+                {"metadata": {"total_size": stats.bytes}, "weight_map": weight_map}, indent=1))
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            t0 = time.perf_counter()
+            answers = self._each_server(lambda u: rollout.control(
+                u, "/update_weights_from_disk",
+                {"model_path": str(final), "flush_cache": False}, timeout_s=self.timeout_s))
+            stats.phases["load_from_disk_s"] = time.perf_counter() - t0
+            if self.verify:
+                for url, answer in zip(self.server_urls, answers):
+                    per_file = (answer or {}).get("checksums") or {}
+                    for b, meta in buckets.items():
+                        self._check(url, meta["shard"], {"checksums": per_file.get(meta["shard"])},
+                                    meta["checksum"])
+                stats.verified_buckets = len(buckets)
+            self._written.append(final)
+            while len(self._written) > self.keep_versions:
+                shutil.rmtree(self._written.pop(0), ignore_errors=True)
+        t0 = time.perf_counter()
+        self._each_server(lambda u: rollout.control(u, "/update_weight_version",
+                                                    {"new_version": version,
+                                                     "abort_all_requests": False},
+                                                    timeout_s=self.timeout_s))
+        if self.pause_mode == "abort":  # retract / in_place keep requests: the flush would wait
+            self._each_server(lambda u: rollout.flush_cache(u, timeout_s=self.timeout_s))
+        self._each_server(lambda u: rollout.control(u, "/continue_generation", {},
+                                                    timeout_s=self.timeout_s))
+        stats.phases["flush_continue_s"] = time.perf_counter() - t0

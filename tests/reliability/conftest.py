@@ -1,0 +1,132 @@
+"""Helpers of the reliability suite (issue 11): real commands as subprocesses, and what they leave.
+
+Every process a run starts inherits ``RELIABILITY_TAG`` from the launcher's environment (the
+rollout servers, the router and Megatron's checkpoint-writer helper included), so
+:func:`tagged_pids` finds whatever of a run is still alive, wherever it was reparented to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, Optional
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = "launch/configs/tiny_cpu.yaml"
+SFT_CONFIG = "launch/configs/tiny_cpu_sft.yaml"
+TAG_ENV = "RELIABILITY_TAG"
+
+# A short GSPO run from the seeded initialisation: 2 ranks (EP2), one local server behind the
+# router, 4 prompts x 8 samples per step; the servers decode one request at a time
+# (rollout.deterministic), so a resumed run samples exactly what an uninterrupted one would.
+TINY = ("run.global_batch_size=32", "run.micro_batch_size=8", "run.eval_interval=0",
+        "rollout.num_servers=1", "rollout.deterministic=true")
+
+
+def train_args(run_dir: Path, *settings: str, config: str = CONFIG) -> list[str]:
+    args = ["train", "--config", config, "--set", f"run.output_dir={run_dir}"]
+    for item in (*TINY, *settings):
+        args += ["--set", item]
+    return args
+
+
+def clean_env(**extra: str) -> dict:
+    """This environment without what would make a command take itself for a rank."""
+    drop = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_PROCID", "MEGATRON_GSPO_RANK_LOG_DIR",
+            "MEGATRON_GSPO_STATUS_DIR", "MASTER_ADDR", "MASTER_PORT"}
+    return dict({k: v for k, v in os.environ.items() if k not in drop}, **extra)
+
+
+def megatron_gspo(*args: str, timeout: float = 900, env: Optional[dict] = None
+                  ) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT,
+                          env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
+
+
+class Run:
+    """One ``megatron-gspo`` command in the background, in a session of its own, tagged."""
+
+    def __init__(self, args: list[str], log: Path):
+        self.tag = uuid.uuid4().hex
+        self.log_path = log
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "launch.cli", *args], cwd=ROOT,
+                                     env=clean_env(**{TAG_ENV: self.tag}), stdout=self._log,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def output(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def wait_until(self, condition: Callable[[], bool], what: str, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert self.proc.poll() is None, \
+                f"exited {self.proc.returncode} before {what}:\n{self.output()[-4000:]}"
+            assert time.monotonic() < deadline, f"no {what} in {timeout:.0f} s:\n{self.output()[-4000:]}"
+            time.sleep(0.2)
+
+    def wait(self, timeout: float = 600) -> int:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        finally:
+            self._log.close()
+        return code
+
+    def kill_everything(self) -> None:
+        for pid in tagged_pids(self.tag):
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+
+
+def tagged_pids(tag: str) -> list[int]:
+    """Every live process whose environment holds ``RELIABILITY_TAG=tag`` (zombies excluded)."""
+    needle = f"{TAG_ENV}={tag}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid``'s children, grandchildren, ... (from /proc/<pid>/task/*/children)."""
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                kids = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def metric_steps(run_dir: Path) -> list[int]:
+    """The step of every line of metrics.jsonl, in file order (a repeated step shows twice)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def latest_step(run_dir: Path) -> int:
+    marker = run_dir / "checkpoints" / "latest"
+    return int(marker.read_text().strip().split("_")[1]) if marker.is_file() else 0

@@ -1,0 +1,110 @@
+"""No validated field is unread: every field of every ``Config`` section is read by the program.
+
+A field that is validated but never read silently does nothing (``optim.warmup_steps`` once was
+such a field: a cosine schedule trained at a constant rate). The check is syntactic and
+deliberately simple: a field counts as read when its name appears as an attribute READ
+(``x.field``, or ``getattr(x, "field")``) in a module of ``megatron_gspo/``, ``pipeline/`` or
+``launch/`` other than ``config.py``; inside ``config.py`` only reads in the derived-value helpers
+count (``clip_range``, ``padded_vocab_size``, ...: not the validation, not the loader), and only
+when the program itself calls that helper.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+from megatron_gspo.config import Config
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("megatron_gspo", "pipeline", "launch")
+CONFIG = ROOT / "megatron_gspo" / "config.py"
+# config.py functions that only check, load or print values: reads there do not count
+NOT_A_USE = {"__post_init__", "_require", "_to_plain", "_type_name", "_coerce", "_build",
+             "apply_override", "config_from_dict", "load_config", "dump_config", "to_dict"}
+
+
+def config_fields() -> list[tuple[str, str]]:
+    out = []
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(section.default_factory()):
+            out.append((section.name, f.name))
+    return out
+
+
+def attribute_reads(tree: ast.AST) -> set[str]:
+    """Names read as attributes in ``tree``: ``x.name`` (load) and ``getattr(x, "name"[, d])``."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            names.add(node.attr)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id == "getattr" and len(node.args) >= 2
+              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+            names.add(node.args[1].value)
+    return names
+
+
+def called_names(tree: ast.AST) -> set[str]:
+    """Names of what is called or imported in ``tree`` (``f(...)``, ``x.f(...)``, ``from m import f``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Name):
+                names.add(func.id)
+            elif isinstance(func, ast.Attribute):
+                names.add(func.attr)
+        elif isinstance(node, ast.ImportFrom):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def unread_fields(program: list[ast.AST], config_tree: ast.AST,
+                  fields: list[tuple[str, str]]) -> list[str]:
+    read, called = set(), set()
+    for tree in program:
+        read |= attribute_reads(tree)
+        called |= called_names(tree)
+    for node in ast.walk(config_tree):
+        if (isinstance(node, ast.FunctionDef) and node.name not in NOT_A_USE
+                and not node.name.startswith("validate_") and node.name in called):
+            read |= attribute_reads(node)
+    return [f"{section}.{name}" for section, name in fields if name not in read]
+
+
+def program_trees() -> list[ast.AST]:
+    trees = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path != CONFIG:
+                trees.append(ast.parse(path.read_text(), filename=str(path)))
+    assert len(trees) > 20, "the program's modules were not found"
+    return trees
+
+
+def test_every_config_field_is_read_outside_config_py():
+    missing = unread_fields(program_trees(), ast.parse(CONFIG.read_text()), config_fields())
+    assert missing == [], (f"validated but never read (they would do nothing): {missing}; use "
+                           "them, or delete them")
+
+
+def test_the_checker_sees_an_unread_field_and_the_ways_of_reading_one():
+    """The checker itself: it must be able to fail, and to see reads through helpers."""
+    fields = [("optim", "warmup_steps"), ("optim", "lr"), ("gspo", "token_eps_low"),
+              ("run", "seed"), ("run", "num_steps")]
+    config_tree = ast.parse(
+        "class G:\n"
+        "    def __post_init__(self):\n        assert self.num_steps > 0\n"
+        "    def clip_range(self):\n        return self.token_eps_low\n"
+        "def validate_x(o):\n    return o.warmup_steps\n")
+    program = [ast.parse("def f(cfg):\n    cfg.run.seed = 3\n    return cfg.optim.lr\n"),
+               ast.parse("def g(cfg):\n    return cfg.gspo.clip_range()\n")]
+    # warmup_steps: only validated; seed: only assigned; num_steps: only in __post_init__
+    assert unread_fields(program, config_tree, fields) == ["optim.warmup_steps", "run.seed",
+                                                           "run.num_steps"]
+    program.append(ast.parse("def h(o):\n    return getattr(o, 'seed') + o.num_steps + o.warmup_steps\n"))
+    assert unread_fields(program, config_tree, fields) == []
+    # a helper nobody calls does not make its fields read
+    assert "gspo.token_eps_low" in unread_fields(program[:1], config_tree, fields)
