@@ -8,7 +8,7 @@ Each case runs in a fresh process (world size 1, gloo, float32, Megatron's local
 imports and Megatron's initialisation the resident set size is read (the baseline), then the
 policy, its DDP wrapper and Adam are built and ``RLTrainer.train_rollout`` runs one rollout batch
 (the old-log-prob recompute and the optimizer steps), and the process's peak RSS (``ru_maxrss``)
-is read. ``megatron_gspo.plan.plan_memory(..., spec="local", device="cpu")`` predicts that growth
+is read; with glibc's mmap threshold fixed (see ``FIXED_MMAP_THRESHOLD``) and with its defaults. ``megatron_gspo.plan.plan_memory(..., spec="local", device="cpu")`` predicts that growth
 for the same configuration; the acceptance bar is 25% (docs/performance.md, "Memory plan").
 
 The second measurement, ``saved_bytes_per_token``, counts the distinct storages autograd saves in
@@ -102,21 +102,34 @@ def _child(name: str) -> dict:
     return {"baseline": baseline, "peak": peak, "growth": peak - baseline}
 
 
-def measure(name: str) -> dict:
-    """Measured RSS growth (fresh process) and the planner's prediction for case ``name``."""
+FIXED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
+"""glibc's malloc raises its mmap threshold (up to 32 MiB) each time a large block is freed, and
+then serves blocks below it from the heap, where freed memory stays resident: RSS then counts
+memory no tensor holds. A fixed threshold (128 KiB, glibc's initial value) turns that off, so
+the RSS follows the live tensors, as a GPU allocator's allocated bytes do. Both are reported."""
+
+
+def _run_child(name: str, env: dict) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--child", name], capture_output=True,
+                          text=True, timeout=1800, cwd=ROOT, env={**os.environ, **env})
+    if proc.returncode != 0:
+        raise RuntimeError(f"case {name} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def measure(name: str, *, default_malloc: bool = True) -> dict:
+    """Measured RSS growth (fresh processes: fixed mmap threshold, and glibc's default) and the
+    planner's prediction for case ``name``; ``error`` is against the fixed-threshold run."""
     from megatron_gspo.config import config_from_dict
     from megatron_gspo.plan import plan_memory
 
-    proc = subprocess.run([sys.executable, __file__, "--child", name], capture_output=True,
-                          text=True, timeout=1800, cwd=ROOT)
-    if proc.returncode != 0:
-        raise RuntimeError(f"case {name} failed:\n{proc.stderr[-4000:]}")
-    measured = json.loads(proc.stdout.strip().splitlines()[-1])
+    fixed = _run_child(name, FIXED_MMAP_THRESHOLD)["growth"]
+    default = _run_child(name, {})["growth"] if default_malloc else None
     plan = plan_memory(config_from_dict(case_config(name)), 1, 1e6, spec="local", device="cpu")
     stage = plan.stages[0]
-    return {"case": name, "what": CASES[name][0], "measured": measured["growth"],
+    return {"case": name, "what": CASES[name][0], "measured": fixed, "measured_default": default,
             "predicted": stage.total, "items": {i.name: i.bytes for i in stage.items},
-            "error": stage.total / measured["growth"] - 1.0}
+            "error": stage.total / fixed - 1.0}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,20 +189,24 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", choices=sorted(CASES), action="append")
+    parser.add_argument("--fixed-only", action="store_true",
+                        help="skip the runs with glibc's default malloc settings")
     parser.add_argument("--child", choices=sorted(CASES), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(_child(args.child)))
         return 0
-    rows = [measure(name) for name in (args.case or sorted(CASES))]
+    rows = [measure(name, default_malloc=not args.fixed_only) for name in (args.case or sorted(CASES))]
     gib = float(1 << 30)
-    print("| case | what | measured RSS growth | predicted | error | largest predicted items |")
-    print("|---|---|---|---|---|---|")
+    print("| case | what | RSS growth, fixed mmap threshold | RSS growth, glibc default | "
+          "predicted | error | largest predicted items |")
+    print("|---|---|---|---|---|---|---|")
     worst = 0.0
     for r in rows:
         top = sorted(r["items"].items(), key=lambda kv: -kv[1])[:3]
         items = ", ".join(f"{k} {v / gib:.2f}" for k, v in top if v > 0)
-        print(f"| {r['case']} | {r['what']} | {r['measured'] / gib:.3f} GiB | "
+        default = "-" if r["measured_default"] is None else f"{r['measured_default'] / gib:.3f} GiB"
+        print(f"| {r['case']} | {r['what']} | {r['measured'] / gib:.3f} GiB | {default} | "
               f"{r['predicted'] / gib:.3f} GiB | {r['error']:+.1%} | {items} |")
         worst = max(worst, abs(r["error"]))
     print(f"\nlargest |error|: {worst:.1%} (bar: 25%)")

@@ -16,9 +16,12 @@ percentiles are 10x apart: sigma = ln 10 / (2 x 1.645)), median ``--median`` tok
 * packed: ``run.max_tokens_per_micro_batch = micro_batch_size x row length``, whole sequences
   packed into each micro-batch (THD), the micro-batches balanced over DP ranks.
 
-Throughput is real tokens (the sequences' own, no padding) per second of ``train_s``, median of
-``--repeats`` steps after one warm-up step. The issue's target: packed / padded >= 0.8 x
-(padded tokens / real tokens), i.e. packing recovers at least 80% of the padding waste.
+Throughput is real tokens (the sequences' own, no padding) per second of the rank's CPU time
+for the step (``time.process_time``, one torch thread per rank), median of ``--repeats`` steps
+after one warm-up step; the wall time is printed too. CPU time, because the test machine's two
+cores are shared and oversubscribed (load average ~20 while these numbers were taken), which
+makes wall times swing by 10x between identical steps. The issue's target: packed / padded >= 0.8
+x (padded tokens / real tokens), i.e. packing recovers at least 80% of the padding waste.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import os
 import random
 import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -73,14 +77,18 @@ def _worker(rank, world, cfg_dict, batch, repeats):
     from megatron_gspo.config import config_from_dict
     from megatron_gspo.train.rl_trainer import RLTrainer
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    torch.set_num_threads(1)
     cfg = config_from_dict(cfg_dict)
     pg = parallel.initialize(cfg.parallel, seed=cfg.run.seed)
     trainer = RLTrainer(cfg, pg)
     trainer.train_rollout(batch, 0)  # warm-up
-    times = [trainer.train_rollout(batch, step)["train_s"] for step in range(1, repeats + 1)]
+    cpu, wall = [], []
+    for step in range(1, repeats + 1):
+        start = time.process_time()
+        wall.append(trainer.train_rollout(batch, step)["train_s"])
+        cpu.append(time.process_time() - start)
     parallel.destroy_model_parallel()
-    return statistics.median(times)
+    return statistics.median(cpu), statistics.median(wall)
 
 
 def config(size: str, rows: int, row_length: int, micro_batch_size: int, budget) -> dict:
@@ -116,18 +124,19 @@ def main() -> None:
           f"rows {args.rows} x {row_length} = {padded_tokens} (padding factor "
           f"{padded_tokens / real:.2f}); DP {args.dp}, {args.micro_batch_size} rows or "
           f"{args.micro_batch_size * row_length} tokens per micro-batch")
-    print(f"{'size':<6} {'layout':<7} {'train_s':>8} {'real tok/s':>11} {'speedup':>8} "
-          f"{'target':>7}")
+    print(f"{'size':<6} {'layout':<7} {'cpu s':>8} {'wall s':>8} {'real tok/cpu-s':>15} "
+          f"{'speedup':>8} {'target':>7}")
     for size in args.sizes:
         result = {}
         for layout, budget in (("padded", None), ("packed", args.micro_batch_size * row_length)):
             cfg = config(size, args.rows, row_length, args.micro_batch_size, budget)
-            times = run_on_ranks(args.dp, _worker, (cfg, batch, args.repeats), timeout_s=1200)
-            result[layout] = max(times)
+            times = run_on_ranks(args.dp, _worker, (cfg, batch, args.repeats), timeout_s=3000)
+            result[layout] = (max(t[0] for t in times), max(t[1] for t in times))
         for layout in ("padded", "packed"):
-            speedup = result["padded"] / result[layout]
+            cpu, wall = result[layout]
+            speedup = result["padded"][0] / cpu
             target = 0.8 * padded_tokens / real if layout == "packed" else 1.0
-            print(f"{size:<6} {layout:<7} {result[layout]:>8.2f} {real / result[layout]:>11.0f} "
+            print(f"{size:<6} {layout:<7} {cpu:>8.2f} {wall:>8.2f} {real / cpu:>15.0f} "
                   f"{speedup:>7.2f}x {target:>6.2f}x", flush=True)
 
 

@@ -11,17 +11,18 @@ training world (1 rank; 2 ranks as PP2 and as EP2, spawned gloo ranks with one t
 the real Megatron policy is built and, in the same run:
 
 * **memcpy**: rank 0 copies a buffer of the model's bytes into another (``torch`` ``copy_``, one
-  thread): one memory copy of the same bytes, the reference of every ratio;
-* **disk**, **distributed**, **tensor**: ``WeightPusher.push(trainer buckets)`` with that
+  thread), right before each push (so both see the same machine load): one memory copy of the
+  same bytes, the reference of that push's ratio;
+* **disk** (shards in ``/dev/shm``), **distributed**, **tensor**: ``WeightPusher.push(trainer buckets)`` with that
   transport, checksums verified (the default): the whole sync, pause to continue, as the RL loop
   runs it (after one warm-up push that builds the groups and buffers);
 * **delta**: bf16 on the wire, ``distributed``, after a full push: 1% of the weights perturbed
   (a small-lr step changes few bf16 values), then the delta push; its reference is a memory copy
   of the bf16 model bytes.
 
-Times are medians of ``--repeats`` pushes. The last line is
-``weight sync vs memcpy: disk X.XXx, distributed Y.YYx, tensor Z.ZZx`` (memcpy seconds / push
-seconds, medians over the world-2 runs of the largest size).
+Times and ratios (memcpy seconds / push seconds, pairwise) are medians of ``--repeats`` pushes.
+The last line is ``weight sync vs memcpy: disk X.XXx, distributed Y.YYx, tensor Z.ZZx``: the
+median ratios over the world-2 runs (PP2 and EP2) of the largest size.
 """
 
 from __future__ import annotations
@@ -98,20 +99,28 @@ def bench_worker(rank: int, world: int, section: dict, hf_dir: str, url: str, sh
     policy.init_weights(gpt, model_cfg, pg, seed=1)
     gather = HFGather(model_cfg, bucket_bytes=bucket_bytes)
     total = gather.buckets(gpt, pg).total_bytes
+    copies = {"memcpy": [], "memcpy_bf16": []}
+
+    def memcpy(key: str, nbytes: int) -> float:
+        """One memory copy of ``nbytes`` on rank 0, right before a push (the same load)."""
+        dist.barrier(control)
+        seconds = _median_copy(nbytes, 1) if rank == 0 else 0.0
+        copies[key].append(seconds)
+        dist.barrier(control)
+        return seconds
+
     rows = {}
-    dist.barrier(control)
-    rows["memcpy"] = {"seconds": [_median_copy(total, repeats)] if rank == 0 else [],
-                      "bytes": total}
-    dist.barrier(control)
     for transport in TRANSPORTS:
         pusher = WeightPusher([url], transport=transport, shared_dir=shared, group=control)
         pusher.push(gather.buckets(gpt, pg), f"{transport}-warm")
-        times, stats = [], None
+        times, ratios, stats = [], [], None
         for r in range(repeats):
+            copy_s = memcpy("memcpy", total)
             stats = pusher.push(gather.buckets(gpt, pg), f"{transport}-{r}")
             times.append(stats.seconds_total)
+            ratios.append(copy_s / stats.seconds_total)
         pusher.close()
-        rows[transport] = {"seconds": times, "bytes": stats.bytes,
+        rows[transport] = {"seconds": times, "ratios": ratios, "bytes": stats.bytes,
                            "wire_bytes": stats.wire_bytes, "buckets": stats.num_buckets,
                            "sources": len(gather.buckets(gpt, pg).sources),
                            "gather_wait_s": stats.seconds_gather}
@@ -121,19 +130,22 @@ def bench_worker(rank: int, world: int, section: dict, hf_dir: str, url: str, sh
                           group=control)
     pusher.push(gather16.buckets(gpt, pg), "delta-full")
     gen = torch.Generator().manual_seed(rank)
-    times, stats = [], None
+    times, ratios, stats = [], [], None
     for r in range(repeats):
         with torch.no_grad():
             for p in gpt.parameters():
                 pick = torch.rand(p.shape, generator=gen) < 0.01
                 p.add_(pick * 0.1 * p.abs().clamp_min(1e-3))
+        copy_s = memcpy("memcpy_bf16", total // 2)
         stats = pusher.push(gather16.buckets(gpt, pg), f"delta-{r}")
         assert stats.delta, "the delta push was a full one"
         times.append(stats.seconds_total)
+        ratios.append(copy_s / stats.seconds_total)
     pusher.close()
-    rows["delta"] = {"seconds": times, "bytes": stats.bytes, "wire_bytes": stats.wire_bytes}
-    rows["memcpy_bf16"] = {"seconds": [_median_copy(stats.bytes, repeats)] if rank == 0 else [],
-                           "bytes": stats.bytes}
+    rows["delta"] = {"seconds": times, "ratios": ratios, "bytes": stats.bytes,
+                     "wire_bytes": stats.wire_bytes}
+    for key, nbytes in (("memcpy", total), ("memcpy_bf16", total // 2)):
+        rows[key] = {"seconds": copies[key], "ratios": [1.0] * len(copies[key]), "bytes": nbytes}
     parallel.destroy_model_parallel()
     return rows if rank == 0 else None
 
@@ -152,19 +164,24 @@ def main() -> None:
     from tests.distributed.spawn import run_on_ranks
 
     results = []
-    with tempfile.TemporaryDirectory(prefix="bench_sync_") as tmp:
+    # The disk transport's "shared filesystem": tmpfs where there is one (on one machine the
+    # servers read the page cache either way; tmpfs keeps writeback out of the timings).
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+    with tempfile.TemporaryDirectory(prefix="bench_sync_") as tmp, \
+            tempfile.TemporaryDirectory(prefix="bench_sync_shared_", dir=shm) as shared:
         tmp = Path(tmp)
         for size in args.sizes.split(","):
             model_dir = make_model(tmp / size, size)
             with LocalRolloutCluster(model_dir, 1, router=False, log_dir=tmp / "logs",
-                                     server_args=["--allow-pickled-tensors"],
+                                     server_args=["--allow-pickled-tensors",
+                                                  "--weight-roots", shared],
                                      health_timeout_s=600) as cluster:
                 for world_name in args.worlds.split(","):
                     world, section = WORLDS[world_name]
                     t0 = time.perf_counter()
                     rows = run_on_ranks(world, bench_worker,
                                         (section, str(model_dir), cluster.server_urls[0],
-                                         str(tmp / "shared"), args.repeats,
+                                         shared, args.repeats,
                                          args.bucket_mib << 20), timeout_s=1800)[0]
                     results.append({"size": size, "world": world_name, "rows": rows,
                                     "wall_s": time.perf_counter() - t0})
@@ -179,18 +196,15 @@ def main() -> None:
     largest = args.sizes.split(",")[-1]
     for res in results:
         rows = res["rows"]
-        copy_s = rows["memcpy"]["seconds"][0]
-        copy16_s = rows["memcpy_bf16"]["seconds"][0]
         for what in ("memcpy", *TRANSPORTS, "memcpy_bf16", "delta"):
             row = rows[what]
             sec = statistics.median(row["seconds"])
-            ref = copy16_s if what in ("delta", "memcpy_bf16") else copy_s
             wire = row.get("wire_bytes", row["bytes"])
             print(f"| {res['size']} | {res['world']} | {what} | {row['bytes'] / 1e6:.1f} | "
                   f"{wire / 1e6:.1f} | {sec:.3f} | {row['bytes'] / sec / 1e9:.2f} | "
-                  f"{ref / sec:.2f}x |")
+                  f"{statistics.median(row['ratios']):.2f}x |")
             if what in TRANSPORTS and res["size"] == largest and res["world"] != "1":
-                ratios[what] += [copy_s / s for s in row["seconds"]]
+                ratios[what] += row["ratios"]
     if all(ratios.values()):
         print("weight sync vs memcpy: " + ", ".join(
             f"{t} {statistics.median(ratios[t]):.2f}x" for t in TRANSPORTS))

@@ -13,6 +13,11 @@
     megatron-gspo launch slurm --config FILE.yaml --nodes N --rollout-nodes M [--gpus-per-node G ...]
                                                                   one Slurm job: servers + training
     megatron-gspo <command> --help                                what each command does
+
+Exit status: 0 done; 2 an input error (configuration, data, reward, checkpoint, a run directory in
+use), printed as one line; 75 stopped by SIGTERM / SIGINT / SIGUSR1 after saving a checkpoint
+(``--resume`` continues); 1 anything else. With local ranks the launcher prints the one message
+(``launch/supervise.py``).
 """
 
 from __future__ import annotations
@@ -86,18 +91,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     if argv[:1] == ["--"]:  # a rank started by launch.local.ensure_ranks (torchrun -m launch.cli -- ...)
         argv = argv[1:]
     args = build_parser().parse_args(argv)
+    command = " ".join(filter(None, (args.command, getattr(args, "launcher", None))))
     try:
         code = int(args.func(args, argv) or 0)
         if code != 0 and console is not None and not supervised:
-            console.error(f"megatron-gspo {args.command} exited with status {code}")
+            console.error(f"megatron-gspo {command} exited with status {code}")
         rank_status.report(code)
         return code
     except ConfigError as err:
-        _report(console, args.command, f"configuration error: {err}")
+        _report(console, command, f"configuration error: {err}")
         return 2
     except Exception as err:
         if _is_input_error(err):  # bad input: the message names the file / field
-            _report(console, args.command, f"{type(err).__name__}: {err}")
+            relayed = type(err) is RuntimeError  # "step N: <ErrorType>: ..." from rank 0
+            _report(console, command, str(err) if relayed else f"{type(err).__name__}: {err}")
             return 2
         if supervised:  # the traceback to the rank's log; the launcher shows the first one
             return _failed_under_launcher(console, err)
@@ -106,7 +113,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise
     except SystemExit as err:
         if console is not None and err.code not in (None, 0):
-            console.error(f"megatron-gspo {args.command} exited: {err.code}")
+            console.error(f"megatron-gspo {command} exited: {err.code}")
         raise
 
 

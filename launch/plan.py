@@ -14,6 +14,7 @@ and its checks: megatron_gspo/plan.py and docs/performance.md ("Memory plan").
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 
 from launch.common import add_config_args, load_from_args
 
@@ -46,3 +47,27 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
                        moe_imbalance=args.moe_imbalance)
     print(plan.format())
     return 0 if plan.fits else 1
+
+
+def check_training_memory(cfg, world_size: int, *, proceed: bool, env=None,
+                          device_memory_gib: Optional[float] = None) -> Optional[str]:
+    """``train``'s check before it starts a rank: on a GPU, the plan for this world against this
+    GPU's memory; refuses (PlanDoesNotFit, exit 2) unless ``proceed``. Returns the verdict line
+    (None on a machine without CUDA: CPU runs are not planned). Under srun / torchrun the world
+    is theirs (WORLD_SIZE / SLURM_NTASKS)."""
+    import os
+
+    import torch
+
+    from megatron_gspo.model.gpt import transformer_engine_available
+    from megatron_gspo.plan import GIB, check_fits
+
+    if device_memory_gib is None:
+        if not torch.cuda.is_available():
+            return None
+        device_memory_gib = torch.cuda.get_device_properties(0).total_memory / GIB
+    env = os.environ if env is None else env
+    world = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", world_size)))
+    spec = "te" if transformer_engine_available() else "local"
+    plan = check_fits(cfg, world, device_memory_gib, proceed=proceed, spec=spec)
+    return plan.verdict()

@@ -7,11 +7,12 @@ The launcher (``megatron-gspo train`` / ``sft`` re-running itself under torchrun
     {"rank": 1, "code": 2, "time": 1733045000.12, "error": "DataError: prompts.jsonl:3: ...",
      "traceback": "Traceback (most recent call last): ...", "log": "RUN_DIR/logs/rank1.log"}
 
-and the torchrun agent (``launch.torchrun_agent``) writes ``torchrun.json`` with what it saw of
-the ranks that ended without a word (killed by a signal). From these the launcher picks the exit
-status and the ONE message it prints (:func:`outcome`): an error of any rank first (the earliest;
-the others are usually its echo: a peer's gloo error), then a preemption (75: every rank exits 75
-only after the collective checkpoint's last barrier, so one 75 means the checkpoint is complete).
+and the torchrun agent (``launch.torchrun_agent``) writes ``torchrun.json`` with the exit codes
+it saw when a rank failed. From these the launcher picks the exit status and the ONE message it
+prints (:func:`outcome`): a rank killed by a signal other than a stop signal (SIGKILL, a
+segfault) first, then the earliest error of any rank (the others are usually its echo: a peer's
+gloo error), then a preemption (75: a rank exits 75 only after the collective checkpoint's last
+barrier, so one 75 means the checkpoint is complete).
 
 A rank started by anything else (srun, a torchrun of the user's, a single process) has no status
 directory and reports nothing: it prints its errors itself.
@@ -109,10 +110,13 @@ def outcome(directory: Path, *, world_size: int, agent_code: int, command: str,
     prefix = f"megatron-gspo {command}"
     errors = sorted((s for s in ranks.values() if s["code"] not in (0, PREEMPTED)),
                     key=lambda s: s["time"])
-    # A rank that died of a signal without a word (SIGKILL, the OOM killer, a segfault), as
-    # torchrun saw it when it noticed the first failure (the ranks it stops afterwards are not
-    # in that list): the others' errors are then its echo (a peer's gloo connection closed).
-    killed = sorted(r for r, f in torchrun.items() if r not in ranks and f["exitcode"] < 0)
+    # A rank that died of a signal without a word (SIGKILL, the OOM killer, a segfault) is the
+    # root cause: the others' errors are then its echo (a peer's gloo connection closed). Not so
+    # for the stop signals: torchrun sends SIGTERM to the ranks still running after the first
+    # one ended, and a rank tidying up after its error may die of it before it reports.
+    stops = {int(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)}
+    killed = sorted(r for r, f in torchrun.items()
+                    if r not in ranks and f["exitcode"] < 0 and -f["exitcode"] not in stops)
     if killed:
         rank = killed[0]
         where = f" (its log: {log_dir / f'rank{rank}.log'})" if rank else ""

@@ -94,6 +94,10 @@ class RLSession:
         validate_rl(self.cfg)
         self.control = parallel.init_distributed(self.cfg.parallel)
         self._resources.callback(parallel.destroy)  # Megatron's groups, then torch.distributed
+        from launch.run_lock import hold
+
+        # one run per run dir: rank 0 holds run.lock until the end (every rank fails alike)
+        self._resources.enter_context(hold(self.run_dir, group=self.control))
         self.pg = parallel.initialize(self.cfg.parallel, seed=self.cfg.run.seed)
         self.is_main = dist.get_rank() == 0
         if self.is_main:
@@ -124,6 +128,9 @@ class RLSession:
         from megatron_gspo.train.rl_trainer import RLTrainer
 
         latest = latest_checkpoint(self.run_dir) if self.resume else None
+        if self.resume and latest is None and self.is_main:
+            print(f"--resume: no checkpoint in {checkpoint_root(self.run_dir)}, starting at step 0",
+                  flush=True)
         if not self.resume and checkpoint_root(self.run_dir).joinpath("latest").exists():
             raise ConfigError(f"run.output_dir: {self.run_dir} already holds checkpoints; pass "
                               "--resume to continue that run or choose another run.output_dir")
@@ -160,8 +167,12 @@ class RLSession:
         if run_state.get("sampler"):
             sampler.load_state_dict(run_state["sampler"])
         eval_prompts = [eval_set[i] for i in range(len(eval_set))] if eval_set else []
+        from pipeline.server_pool import ServerPool
+
+        cluster = None
         if cfg.rollout.mode == "embedded":
-            router_url, server_urls = self._start_local_servers(server_model)
+            cluster = self._start_local_servers(server_model)
+            router_url, server_urls = cluster.router_url, list(cluster.server_urls)
         else:
             router_url, server_urls = cfg.rollout.router_url, None
         client = RolloutClient(router_url=router_url, max_concurrency=cfg.rollout.max_concurrency,
@@ -169,6 +180,9 @@ class RLSession:
         if server_urls is None:  # external: wait for the router, then ask it for its workers
             client.wait_healthy()
             server_urls = _server_urls_from_router(router_url)
+        # dead servers: dropped from the router and the sync, restarted when they are ours
+        pool = ServerPool(server_urls, router_url=router_url, cluster=cluster,
+                          min_servers=cfg.rollout.min_servers)
         logger = MetricsLogger(run_dir, enabled=True)
         self._resources.callback(logger.close)
         encoder = train_set.encoder
@@ -176,7 +190,7 @@ class RLSession:
             **common, logger=logger, sampler=sampler,
             eval_prompts=eval_prompts if cfg.run.eval_interval else [],
             reward_fn=build_reward(cfg.reward, cfg.data), client=client, decode=encoder.decode,
-            stop_token_ids=[encoder.eos_id], server_urls=list(server_urls))
+            stop_token_ids=[encoder.eos_id], server_urls=list(server_urls), servers=pool)
 
     def _embedded_server_model(self, trainer: RLTrainer) -> Optional[str]:
         """The Hugging Face directory embedded servers load (None in external mode): run.init_from,
@@ -187,20 +201,22 @@ class RLSession:
             return self.cfg.run.init_from
         return _export_initial_weights(trainer, self.run_dir)
 
-    def _start_local_servers(self, model_path: str) -> tuple[str, list[str]]:
+    def _start_local_servers(self, model_path: str):
         """Rank 0, embedded mode: the local rollout servers and the router, stopped on exit;
-        returns (router URL, server URLs)."""
+        returns the started ``LocalRolloutCluster``."""
         from pipeline.servers import LocalRolloutCluster
 
         r = self.cfg.rollout
         server_args = ["--max-running-requests", "1"] if r.deterministic else []
         if r.weight_sync == "tensor":  # SGLang's pickled payloads, loopback
             server_args.append("--allow-pickled-tensors")
+        # update_weights_from_disk reads only the disk sync's directory (and the served model)
+        server_args += ["--weight-roots", r.weight_sync_dir or str(self.run_dir / "weights")]
         cluster = LocalRolloutCluster(model_path, r.num_servers, log_dir=self.run_dir / "logs",
                                       random_seed=self.cfg.run.seed, server_args=server_args)
         self._resources.callback(cluster.stop)  # also after a start that failed half-way
         cluster.start()
-        return cluster.router_url, list(cluster.server_urls)
+        return cluster
 
     # --- the weight sync: the trainer's HF buckets -> every rollout server -----------------------
     def build_weight_sync(self, server_urls: list[str]) -> WeightPusher:

@@ -11,8 +11,9 @@ client, the sglang-router and the weight sync run unchanged::
 The flags are SGLang's launch-flag names where one exists (``--model-path``, ``--host``,
 ``--port``, ``--random-seed``, ``--skip-tokenizer-init``, ``--weight-version``,
 ``--context-length``, ``--max-running-requests``, ``--max-prefill-tokens``, ``--dtype``,
-``--log-level``, ``--tp-size``); ``--cpu-threads``, ``--weight-update-timeout`` and
-``--allow-pickled-tensors`` are this server's own.
+``--log-level``, ``--tp-size``, ``--max-queued-requests``); ``--cpu-threads``,
+``--weight-update-timeout``, ``--allow-pickled-tensors``, ``--max-n`` and ``--weight-roots`` are
+this server's own.
 Stop it with SIGINT or SIGTERM.
 """
 
@@ -58,6 +59,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "tp_size - 1 processes that join the update groups at rank_offset + "
                         "tp_rank and deserialise their own tensor entries (generation runs on "
                         "rank 0 only)")
+    p.add_argument("--max-n", type=int, default=1024,
+                   help="largest sampling_params.n of one request (more: HTTP 400)")
+    p.add_argument("--max-queued-requests", type=int, default=4096,
+                   help="requests (after n expansion) that may wait for a decoding slot; a "
+                        "request that does not fit gets SGLang's 503 'The request queue is "
+                        "full.' (default 4096)")
+    p.add_argument("--weight-roots", nargs="+", default=[], metavar="DIR",
+                   help="directories update_weights_from_disk may load from, besides the "
+                        "--model-path directory (default: none)")
     p.add_argument("--allow-pickled-tensors", action="store_true",
                    help="accept SGLang's update_weights_from_tensor payloads (pickles of "
                         "shared-memory handles; deserialising them runs code, so only with "

@@ -13,7 +13,9 @@ TensorBoard logs, prints one line per step, writes the trained policy as a Huggi
 ``run.init_from`` starts from a Hugging Face directory or a Megatron checkpoint instead of the
 ``run.seed`` initialisation. With ``run.save_interval`` > 0 checkpoints go to
 ``<run.output_dir>/checkpoints`` every save_interval steps and at the last; ``--resume`` continues
-from the newest one (model, optimizer, LR schedule, RNG, data position, step).
+from the newest one (model, optimizer, LR schedule, RNG, data position, step), or says that there
+is none and starts at step 0. Input errors are found before the ranks start (``launch.preflight``:
+exit 2, one message); one run per ``run.output_dir`` (``launch.run_lock``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     from megatron_gspo import parallel
 
     world = args.nproc or parallel.minimal_world_size(cfg.parallel)
+    from launch import preflight
+
+    preflight.before_ranks(cfg, program="sft", world_size=world,
+                           resume=args.resume)  # input errors: exit 2 here
     code = local.ensure_ranks(argv, world, log_dir=Path(cfg.run.output_dir) / "logs")
     if code is not None:
         return code
@@ -56,8 +62,14 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     from pipeline.sft_loop import run_sft
     from pipeline.tasks import PAD_ID
 
-    parallel.init_distributed(cfg.parallel)
+    from contextlib import ExitStack
+
+    from launch.run_lock import hold
+
+    control = parallel.init_distributed(cfg.parallel)
+    lock = ExitStack()
     try:
+        lock.enter_context(hold(cfg.run.output_dir, group=control))  # one run per run dir
         pg = parallel.initialize(cfg.parallel, seed=cfg.run.seed)
         is_main = dist.get_rank() == 0
         if is_main:
@@ -65,6 +77,9 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
             print(f"layout: {layout.describe()}", flush=True)
         run_dir = Path(cfg.run.output_dir)
         latest = latest_checkpoint(run_dir) if args.resume else None
+        if args.resume and latest is None and is_main:
+            print(f"--resume: no checkpoint in {checkpoint_root(run_dir)}, starting at step 0",
+                  flush=True)
         if not args.resume and checkpoint_root(run_dir).joinpath("latest").exists():
             raise ConfigError(f"run.output_dir: {run_dir} already holds checkpoints; pass --resume "
                               "to continue that run or choose another run.output_dir")
@@ -95,5 +110,6 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
                 print(f"held-out loss: {result.eval_losses[0]:.4f} -> "
                       f"{result.eval_losses[-1]:.4f}", flush=True)
     finally:
+        lock.close()
         parallel.destroy()
     return 0

@@ -6,7 +6,9 @@ Exits with status 2 and a message naming the field when the configuration is inv
 checks, with the same messages, as ``sft``, ``train`` and ``launch slurm`` (they all load the file
 through ``megatron_gspo.config.load_config``), and then what needs the world (``--world-size``, or
 the smallest one ``sft`` / ``train`` would start): the parallel factors and the data-parallel
-split of a mini-batch.
+split of a mini-batch; and what ``launch.preflight`` checks for a GSPO run (the data files and
+their lengths, the reward function, ``run.init_from``). An external router that does not answer
+is a ``# note:`` line, not an error (``train`` refuses it; a ``launch slurm`` job starts its own).
 """
 
 from __future__ import annotations
@@ -27,15 +29,23 @@ def add_parser(subparsers) -> None:
 
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
-    from megatron_gspo.parallel import minimal_world_size
-    from megatron_gspo.config import dump_config, padded_vocab_size, validate_data_parallel
-    from megatron_gspo.parallel import derive_layout
+    from launch import preflight
+    from megatron_gspo.config import (ConfigError, dump_config, padded_vocab_size,
+                                      validate_data_parallel)
+    from megatron_gspo.parallel import derive_layout, minimal_world_size
 
     cfg = load_from_args(args)
-    print(dump_config(cfg), end="")
     world = args.world_size or minimal_world_size(cfg.parallel)
+    # without --world-size: the world sft / train start; nothing printed before the verdict
+    preflight.check(cfg, program="config", world_size=world)
     layout = derive_layout(cfg.parallel, world)
-    validate_data_parallel(cfg, layout.data)  # without --world-size: the world sft / train start
+    validate_data_parallel(cfg, layout.data)
+    print(dump_config(cfg), end="")
+    if cfg.rollout.mode == "external":  # train refuses an unreachable router; here a note
+        try:
+            preflight.check_router(cfg.rollout.router_url)
+        except ConfigError as err:
+            print(f"# note: {err} (train needs it; launch slurm starts its own)")
     print(f"# layout: {layout.describe()}")
     print(f"# padded vocabulary: {padded_vocab_size(cfg.model, cfg.parallel.tensor)}")
     return 0

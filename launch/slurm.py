@@ -157,11 +157,28 @@ ROUTER_COMMAND = ('exec "${MGSPO_SGLANG_PYTHON:-$MGSPO_PYTHON}" -m sglang_router
 """The router's ``bash -c`` body (sglang-router's own CLI; servers register through POST /workers)."""
 
 
-def server_command(layout: JobLayout, seed: int, colocated: bool) -> str:
+def sglang_flags(rollout) -> list[str]:
+    """SGLang server flags from the config's rollout section (SGLang's own names)."""
+    flags = []
+    if rollout.mem_fraction_static is not None:
+        flags.append(f"--mem-fraction-static {rollout.mem_fraction_static:g}")
+    if rollout.ep_size > 1:
+        flags.append(f"--ep-size {rollout.ep_size}")
+    if rollout.enable_dp_attention:
+        flags.append(f"--enable-dp-attention --dp-size {rollout.dp_size}")
+    if rollout.cuda_graph_max_bs is not None:
+        flags.append(f"--cuda-graph-max-bs {rollout.cuda_graph_max_bs}")
+    return flags
+
+
+def server_command(layout: JobLayout, seed: int, colocated: bool, *, rollout=None,
+                   gpu_binding: str = "node") -> str:
     """The body of ``bash -c`` that every server task runs; $-variables expand in the task.
 
     Server i is made of tasks i*K .. i*K+K-1 (K = nodes per server, one task per node then);
     its HTTP port is MGSPO_SERVER_PORT0 + 2 i, and + 2 i + 1 is its multi-node rendezvous port.
+    ``gpu_binding`` "node": every task sees the node's GPUs (the server's first is
+    SLURM_LOCALID x tp); "task": the site binds each task its own GPUs, numbered from 0.
     """
     k = layout.nodes_per_server
     index = f"$((SLURM_PROCID / {k}))" if k > 1 else "$SLURM_PROCID"
@@ -175,8 +192,11 @@ def server_command(layout: JobLayout, seed: int, colocated: bool) -> str:
             lines.append("hosts=($MGSPO_ROLLOUT_HOSTS)")
             cmd += [f"--nnodes {k} --node-rank $((SLURM_PROCID % {k}))",
                     f"--dist-init-addr ${{hosts[$((i * {k}))]}}:$((MGSPO_SERVER_PORT0 + 2 * i + 1))"]
-        else:
+        elif gpu_binding == "node":
             cmd.append(f"--base-gpu-id $((SLURM_LOCALID * {layout.server_tp}))")
+        else:
+            cmd.append("--base-gpu-id 0")
+        cmd += sglang_flags(rollout) if rollout is not None else []
         if colocated:
             cmd.append("--enable-memory-saver")  # the trainer releases/resumes server memory
     else:
@@ -197,7 +217,9 @@ def _sbatch_lines(args: argparse.Namespace, layout: JobLayout, run_dir: Path, jo
         lines += [f"--time={args.time}"] if args.time else []
         lines += [f"--nodes={nodes}", f"--ntasks-per-node={tasks_per_node}"]
         if layout.gpus_per_node:
-            lines += [f"--gpus-per-node={layout.gpus_per_node}", "--exclusive"]
+            # --exclusive does not always hand a task the node's memory; the 61 GB (30B) to
+            # 470 GB (235B) checkpoint loads and the pinned host optimizer state need it
+            lines += [f"--gpus-per-node={layout.gpus_per_node}", "--exclusive", "--mem=0"]
         return lines
 
     if layout.colocated:
@@ -247,6 +269,11 @@ def build_script(cfg: Config, args: argparse.Namespace, layout: JobLayout, run_d
     gpus = layout.gpus_per_node
     python = "python" if args.container_image else sys.executable
     model_path = args.model_path or cfg.run.init_from
+    if args.model_path is None and cfg.run.init_from and layout.server == "sglang" and (
+            Path(cfg.run.init_from) / ".metadata").is_file():
+        raise ConfigError("--model-path: required: run.init_from is a Megatron checkpoint, and the "
+                          "SGLang servers start from the Hugging Face directory it was converted "
+                          "from (the trainer sends them its weights before the first rollout)")
     if model_path is None:
         raise ConfigError("--model-path: required when run.init_from is not set: the Hugging Face "
                           "directory the rollout servers start from (the trainer sends them its "
@@ -271,14 +298,54 @@ def build_script(cfg: Config, args: argparse.Namespace, layout: JobLayout, run_d
                                        workdir),
         "container_options": _container_options(args, run_dir, workdir),
         "server_srun_options": common + " --overlap",
-        "server_command": q(server_command(layout, cfg.run.seed, layout.colocated)),
+        "server_command": q(server_command(layout, cfg.run.seed, layout.colocated,
+                                           rollout=cfg.rollout, gpu_binding=args.gpu_binding)),
         "router_command": q(ROUTER_COMMAND),
         "train_srun_options": (f"--nodes={layout.train_nodes} "
-                               f"--ntasks-per-node={layout.train_tasks_per_node} --distribution=block"),
+                               f"--ntasks-per-node={layout.train_tasks_per_node} --distribution=block"
+                               + (" --gpus-per-task=1" if gpus and args.gpu_binding == "task" else "")),
+        "server_gpu_options": (f" --gpus-per-task={min(layout.server_tp, gpus)}"
+                               if gpus and args.gpu_binding == "task" else ""),
+        "train_env": train_env(cfg, layout, args),
+        "site_env": site_env(args.env),
+        "train_args": " --ignore-memory-plan" if args.ignore_memory_plan else "",
         "lib": (TEMPLATE_DIR / "lib.sh").read_text().rstrip("\n"),
     }
     template = "colocated.sbatch" if layout.colocated else "disaggregated.sbatch"
     return render(template, values)
+
+
+def train_env(cfg: Config, layout: JobLayout, args: argparse.Namespace) -> str:
+    """Extra ``VAR=value`` entries of the training step's ``--export`` (a leading comma)."""
+    env = []
+    if layout.gpus_per_node and (cfg.parallel.tensor > 1 or cfg.parallel.context > 1):
+        # Hopper: one hardware queue keeps TP/CP communication kernels ordered before compute
+        # (Megatron's requirement with TP or CP overlap; slime and verl set it too)
+        env.append("CUDA_DEVICE_MAX_CONNECTIONS=1")
+    if layout.gpus_per_node and args.gpu_binding == "task":
+        env.append("LOCAL_RANK=0")  # each task sees only its own GPU, as device 0
+    return "".join("," + e for e in env)
+
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def site_env(entries: list[str]) -> str:
+    """``export`` lines for ``--env NAME=VALUE`` (the value as given) and ``--env NAME`` (the
+    value of NAME where ``launch slurm`` runs), e.g. NCCL_IB_HCA, NCCL_SOCKET_IFNAME."""
+    import os
+
+    lines = []
+    for entry in entries:
+        name, sep, value = entry.partition("=")
+        if not _ENV_NAME.match(name):
+            raise ConfigError(f"--env {entry!r}: expected NAME=VALUE or NAME (a shell variable name)")
+        if not sep:
+            if name not in os.environ:
+                raise ConfigError(f"--env {name}: not set in this environment; pass {name}=VALUE")
+            value = os.environ[name]
+        lines.append(f"export {name}={shlex.quote(value)}")
+    return "\n".join(lines) if lines else "# (none: pass launch slurm --env NAME=VALUE)"
 
 
 def add_parser(subparsers) -> None:
@@ -324,6 +391,19 @@ def add_parser(subparsers) -> None:
     p.add_argument("--container-mounts", default=None, metavar="SRC:DST[,...]",
                    help="container mounts; the run dir and working directory are added if "
                         "not covered")
+    p.add_argument("--gpu-binding", choices=("node", "task"), default="node",
+                   help="node: every task sees all GPUs of its node (training rank r uses GPU "
+                        "SLURM_LOCALID); task: the site binds each task its own GPU(s) "
+                        "(--gpus-per-task; every task's first GPU is device 0) (default node)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]",
+                   help="export this variable in every step of the job (repeatable), e.g. "
+                        "--env NCCL_IB_HCA=mlx5 --env NCCL_SOCKET_IFNAME; without =VALUE the "
+                        "value is taken from this shell")
+    p.add_argument("--gpu-memory-gib", type=float, default=80.0,
+                   help="memory of one training GPU for the memory plan (default 80: H100)")
+    p.add_argument("--ignore-memory-plan", action="store_true",
+                   help="submit (and train) even when the memory plan says the layout does not "
+                        "fit (megatron-gspo plan shows the breakdown)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the batch script and submit nothing")
     p.set_defaults(func=main)
@@ -348,7 +428,24 @@ def _submit(script: str, script_path: Path) -> Optional[str]:
 def main(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = load_from_args(args)
     layout = plan_layout(cfg, args)
+    from launch import preflight
+
+    # what train and sft would find at the job's start, found before it queues (exit 2)
+    preflight.check(cfg, program="launch slurm", world_size=layout.world_size)
     workdir = Path.cwd().resolve()
+    if layout.colocated and layout.gpus_per_node:
+        raise ConfigError(
+            "--rollout-nodes 0: colocated servers and trainers on GPUs are not supported yet (the "
+            "trainer keeps weights, gradients and optimizer state on the GPU while the servers "
+            "generate, and NCCL refuses two ranks on one GPU); give the servers nodes of their "
+            "own (--rollout-nodes M > 0). Colocated jobs run on CPU machines (--gpus-per-node 0)")
+    if layout.gpus_per_node:
+        from megatron_gspo.plan import check_fits
+
+        # the same plan `megatron-gspo plan` prints; train re-checks on the real GPUs
+        plan = check_fits(cfg, layout.world_size, args.gpu_memory_gib,
+                          proceed=args.ignore_memory_plan)
+        print(f"# memory plan: {plan.verdict()}", file=sys.stderr)
     if layout.colocated and not cfg.rollout.colocated:
         raise ConfigError("rollout.colocated: must be true with --rollout-nodes 0 (the servers "
                           "share the training GPUs and must release their memory while the "

@@ -137,6 +137,10 @@ class ParallelConfig:
     ranks in the zigzag layout (chunks r and 2 * context - 1 - r of each sequence on rank r), K/V
     all-gathered in attention, the sequence ratio made exact by one per-sequence all-reduce. SFT
     refuses it."""
+    cp_comm_type: Literal["p2p", "all_gather", "a2a"] = "p2p"
+    """How Transformer Engine's attention exchanges K/V under context parallelism (GPU, TE spec):
+    p2p (ring, overlapped with compute), all_gather, or a2a (Ulysses-style all-to-all of heads).
+    The local spec (no TE, e.g. CPU) always all-gathers K/V (model/attention.py)."""
     sequence_parallel: bool = False
     """Required (true) when tensor > 1 with MoE: Megatron refuses MoE + TP without it."""
     num_layers_in_first_pipeline_stage: Optional[int] = None
@@ -316,6 +320,11 @@ class RolloutConfig:
     """K: with weight_sync_delta, every K-th sync sends every tensor in full."""
     max_concurrency: int = 64
     request_timeout_s: float = 600.0
+    min_servers: int = 1
+    """The run goes on while at least this many rollout servers are alive: a server that dies is
+    dropped from the router and the weight sync (embedded mode: restarted, synced to the current
+    weights, then back in the router; ``pipeline.server_pool``); with fewer left the run stops
+    with an error."""
     # -- SGLang server flags (the Slurm launcher passes them; names as SGLang spells them) --
     mem_fraction_static: Optional[float] = None
     """SGLang --mem-fraction-static: the share of GPU memory for weights and KV cache; null:
@@ -335,6 +344,10 @@ class RolloutConfig:
                  "rollout.router_url: required when rollout.mode is 'external'")
         _require(self.num_servers >= 1, f"rollout.num_servers: must be >= 1, got {self.num_servers}")
         _require(self.tp_size >= 1, f"rollout.tp_size: must be >= 1, got {self.tp_size}")
+        _require(self.min_servers >= 1, f"rollout.min_servers: must be >= 1, got {self.min_servers}")
+        _require(self.mode != "embedded" or self.min_servers <= self.num_servers,
+                 f"rollout.min_servers: {self.min_servers} exceeds rollout.num_servers "
+                 f"{self.num_servers} (the embedded run's servers)")
         _require(self.temperature > 0, f"rollout.temperature: must be > 0, got {self.temperature}")
         _require(0 < self.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {self.top_p}")
         _require(self.top_k == -1 or self.top_k >= 1, f"rollout.top_k: must be -1 or >= 1, got {self.top_k}")
@@ -465,6 +478,9 @@ class RunSettings:
     eval_interval: int = 0
     """Evaluate on the held-out prompts every this many steps (and at the start and the end);
     0: RL never evaluates, SFT only at the start and the end."""
+    keep_checkpoints: Optional[int] = None
+    """After each checkpoint, delete all but the newest this many in <output_dir>/checkpoints
+    (never the one the run resumed from); null: keep every checkpoint."""
 
     def __post_init__(self) -> None:
         for name in ("num_steps", "micro_batch_size", "global_batch_size", "seq_length", "log_interval"):
@@ -477,6 +493,9 @@ class RunSettings:
         _require(self.global_batch_size % self.micro_batch_size == 0,
                  f"run.global_batch_size: {self.global_batch_size} is not a multiple of "
                  f"run.micro_batch_size {self.micro_batch_size}")
+        _require(self.keep_checkpoints is None or self.keep_checkpoints >= 1,
+                 f"run.keep_checkpoints: must be >= 1 (or null to keep all), got "
+                 f"{self.keep_checkpoints}")
         _require(self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 1,
                  f"run.max_tokens_per_micro_batch: must be >= 1 (or null for padded rows), got "
                  f"{self.max_tokens_per_micro_batch}")

@@ -19,7 +19,9 @@ activations / micro-batch   what autograd saves in one micro-batch's forward (pe
 in-flight micro-batches     1F1B: stage s of p holds min(p - s, M) micro-batches' activations
 recompute working set       the activations of one recompute chunk rebuilt during backward
 logits + log-prob workspace last stage: the output logits, their gradient and the float32
-                            chunk workspaces of ``loss.logprobs`` (RL: response positions only)
+                            chunk workspaces of ``loss.logprobs`` (RL: response positions only);
+                            alive before the backward pass, the working set during it: the
+                            larger of the two counts
 communication & runtime     CUDA context, NCCL communicators and Megatron's MoE buffers (GPU);
                             nothing on CPU (gloo's buffers are negligible)
 ==========================  ==================================================================
@@ -66,6 +68,9 @@ class Item:
     name: str
     bytes: float
     note: str = ""
+    exclusive: bool = False
+    """Alive at a different moment than the other exclusive items of the stage (the loss's logits
+    before the backward pass, a recompute chunk during it): only the largest counts."""
 
 
 @dataclass
@@ -79,7 +84,9 @@ class StagePlan:
 
     @property
     def total(self) -> float:
-        return sum(item.bytes for item in self.items)
+        exclusive = [item.bytes for item in self.items if item.exclusive]
+        return (sum(item.bytes for item in self.items if not item.exclusive)
+                + max(exclusive, default=0.0))
 
     @property
     def params(self) -> int:
@@ -117,8 +124,10 @@ class MemoryPlan:
                          f"(dense {s.params_dense / 1e9:.3f} B, experts {s.params_expert / 1e9:.3f} B)")
             for item in s.items:
                 note = f"  {item.note}" if item.note else ""
-                lines.append(f"  {item.name:<30s}{item.bytes / GIB:9.2f} GiB{note}")
-            lines.append(f"  {'total':<30s}{s.total / GIB:9.2f} GiB")
+                mark = " *" if item.exclusive else ""
+                lines.append(f"  {item.name + mark:<32s}{item.bytes / GIB:9.2f} GiB{note}")
+            lines.append(f"  {'total (peak)':<32s}{s.total / GIB:9.2f} GiB  "
+                         "(* not alive together: the larger counts)")
         if self.host_bytes:
             lines.append(f"host memory per rank for the offloaded optimizer: "
                          f"{self.host_bytes / GIB:.1f} GiB")
@@ -319,8 +328,8 @@ def plan_memory(cfg: Config, world_size: int, gpu_memory_gib: float, *, spec: st
     logit_rows = T if rows == 0 else min(T, rows * cfg.rollout.max_new_tokens // p.context)
     chunk = min(LOGPROB_CHUNK, logit_rows)
     workspaces = 2 if cfg.gspo.entropy_coef > 0 else 1
-    logits_bytes = (2 * logit_rows * vocab_local * s.B          # logits and their gradient
-                    + (workspaces + 1) * chunk * vocab_local * 4)  # fp32 chunks (fwd, bwd)
+    logits_bytes = (2 * logit_rows * vocab_local * s.B            # logits and their gradient
+                    + workspaces * chunk * vocab_local * 4)          # fp32 chunk workspace(s)
 
     # optimizer states per parameter (bytes) and where they are
     master = 4 if m.params_dtype == "bfloat16" else 0
@@ -386,12 +395,13 @@ def plan_memory(cfg: Config, world_size: int, gpu_memory_gib: float, *, spec: st
         items.append(Item(f"in-flight micro-batches: {in_flight}", kept * (in_flight - 1),
                           f"(1F1B: stage s holds min(pipeline - s, M) micro-batches; "
                           f"{in_flight - 1} more than the one above)"))
-        items.append(Item("recompute working set", working))
+        items.append(Item("recompute working set", working,
+                          "(one recompute chunk rebuilt in the backward pass)", exclusive=True))
         last = stage == p.pipeline - 1
         items.append(Item("logits + log-prob workspace", logits_bytes if last else 0.0,
                           f"({logit_rows} rows x {vocab_local:.0f} vocabulary: logits, their "
-                          "gradient, fp32 chunks)" if last else "(last stage only)"))
-        dynamic = kept * in_flight + working + (logits_bytes if last else 0.0)
+                          "gradient, fp32 chunks)" if last else "(last stage only)", exclusive=True))
+        dynamic = kept * in_flight + max(working, logits_bytes if last else 0.0)
         comm = 0.0
         if device == "gpu":
             comm = (CUDA_CONTEXT_BYTES + NCCL_BYTES_PER_COMMUNICATOR * _communicators(layout)

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from pipeline.data import Prompt, PromptSampler
     from pipeline.rewards import RewardFn
     from pipeline.rollout import RolloutClient, RolloutResult
+    from pipeline.server_pool import ServerPool
     from pipeline.weight_push import WeightPusher
 
 PREEMPTED_EXIT_CODE = 75
@@ -79,6 +80,8 @@ class StopFlag:
     group: Any = None
     """The group of the all-reduce: the host-side control group (gloo); None: the default."""
     _previous: dict = field(default_factory=dict)
+    _stopping: bool = False
+    """Some rank was signalled (``any_rank``): this one is stopping too."""
 
     def install(self) -> "StopFlag":
         for sig in STOP_SIGNALS:
@@ -86,10 +89,14 @@ class StopFlag:
         return self
 
     def uninstall(self) -> None:
-        """Give the stop signals back to the handlers ``install`` replaced."""
+        """Give the stop signals back to the handlers ``install`` replaced - unless a stop was
+        requested: that process is on its way out with its checkpoint written, and the signals
+        stay ignored, so that a late one (torchrun stops the ranks that are still tidying up
+        once the first has exited) cannot kill it before it exits with PREEMPTED_EXIT_CODE."""
+        stopping = self.signum is not None or self._stopping
         while self._previous:
             sig, handler = self._previous.popitem()
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if stopping else handler)
 
     def _handle(self, signum, frame) -> None:
         if self.signum is None:  # the first one names the stop
@@ -99,6 +106,7 @@ class StopFlag:
         """True on every rank if any rank was signalled (one tiny all-reduce)."""
         flag = torch.tensor([1.0 if self.signum is not None else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        self._stopping = self._stopping or bool(flag.item())
         return bool(flag.item())
 
 
@@ -131,6 +139,9 @@ class LoopContext:
     """Rank 0: extra stop tokens of every request."""
     server_urls: list[str] = field(default_factory=list)
     """Rank 0: every rollout server (release / resume of colocated servers' memory)."""
+    servers: Optional[ServerPool] = None
+    """Rank 0: which servers are alive (``pipeline.server_pool``): checked before every weight
+    sync, dead ones dropped and (embedded) restarted. None: every server, always."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -265,9 +276,62 @@ def _resume_servers(ctx: LoopContext, tags: list[str]) -> None:
         control(url, "/resume_memory_occupation", {"tags": tags}, timeout_s=120.0)
 
 
+MAX_SYNC_ATTEMPTS = 3
+"""Weight pushes tried in one sync when servers die during it (each retry has fewer servers)."""
+
+
 def sync_weights(ctx: LoopContext, trainer: Trainer, version: str) -> dict:
-    """Every rank: the trainer's HF buckets, pushed to every rollout server by the pusher."""
-    return ctx.weights.push(trainer.hf_buckets(), version).metrics()
+    """Every rank: the trainer's HF buckets, pushed to every rollout server by the pusher.
+
+    With a server pool (``ctx.servers``, rank 0) the servers are checked first: the dead ones
+    are dropped (and restarted in embedded mode, then included here: a restarted server gets
+    these weights before it re-enters the router); a push that fails because a server died
+    meanwhile is made again to the servers left."""
+    members = _sync_members(ctx)
+    for attempt in range(MAX_SYNC_ATTEMPTS):
+        try:
+            stats = ctx.weights.push(trainer.hf_buckets(), version)
+        except Exception:
+            if members is None or attempt + 1 == MAX_SYNC_ATTEMPTS:
+                raise
+            before, members = members, _sync_members(ctx)
+            if members == before:  # nobody died: the push failed for another reason
+                raise
+            continue
+        if members is not None:
+            _pool_call(ctx, lambda: ctx.servers.admit())
+        return stats.metrics()
+    raise AssertionError("unreachable")
+
+
+def _pool_call(ctx: LoopContext, fn):
+    """``fn()`` on rank 0, its result on every rank; an error there raised on every rank alike."""
+    status, value = _on_main(ctx, fn)
+    if status != "ok":
+        raise RuntimeError(f"rollout servers: {value}")
+    return value
+
+
+def _sync_members(ctx: LoopContext) -> Optional[list[str]]:
+    """Collective: rank 0's pool check (None without a pool); every rank's pusher then pushes
+    to the servers it returned."""
+    has_pool = _broadcast(ctx.servers is not None if dist.get_rank() == 0 else None,
+                          ctx.control_group)
+    if not has_pool:
+        return None
+
+    def check() -> list[str]:
+        members = ctx.servers.check()
+        ctx.server_urls = list(members)  # colocated release / resume: the live ones
+        return members
+    members = _pool_call(ctx, check)
+    ctx.weights.set_servers(members)
+    return members
+
+
+def server_metrics(ctx: LoopContext) -> dict:
+    """Rank 0: ``rollout/servers_alive`` and ``rollout/server_restarts`` (none without a pool)."""
+    return ctx.servers.metrics() if ctx.servers is not None else {}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -425,6 +489,7 @@ def run(ctx: LoopContext, trainer: Trainer, *, start_step: int) -> dict:
 
     guard = StepGuard(ctx.stop, save=save, start_step=start_step,
                       data_position=lambda: ctx.sampler.state_dict() if is_main else None)
+    ctx.logger.resume_at(start_step)  # each step once: drops what a crashed run logged later
     try:
         with guard.before_update():  # the servers serve exactly the policy we start from
             everywhere(sync_weights, ctx, trainer, str(start_step), what="weight sync")
@@ -454,6 +519,8 @@ def run(ctx: LoopContext, trainer: Trainer, *, start_step: int) -> dict:
                     on_main(ctx, _resume_servers, ctx, ["weights"], what="resume server memory")
                 sync = everywhere(sync_weights, ctx, trainer, str(step), what="weight sync")
                 metrics.update({f"sync/{k}": v for k, v in (sync or {}).items()})
+                if is_main:
+                    metrics.update(server_metrics(ctx))
                 if colocated:
                     on_main(ctx, _resume_servers, ctx, ["kv_cache", "cuda_graph"],
                             what="resume server memory")

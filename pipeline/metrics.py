@@ -2,12 +2,20 @@
 scalars in TensorBoard (``tb/``), and a one-line progress report per step on stdout.
 
 Only one process (global rank 0) writes; the others get a logger whose methods do nothing.
+
+Each step is logged exactly once, across restarts: a run resumed from the checkpoint of step N
+calls :meth:`MetricsLogger.resume_at` (N) before its first record, which drops the records of
+later steps (an earlier run went past its last checkpoint and crashed or was stopped) from
+``metrics.jsonl`` and opens TensorBoard with ``purge_step=N + 1``, so that TensorBoard discards
+the earlier run's events from step N + 1 on. A fresh start (N = 0) in a directory that already
+has a ``metrics.jsonl`` moves it aside to ``metrics.jsonl.<k>`` (k = 1, 2, ...).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -23,31 +31,75 @@ def _plain(value: Any) -> Any:
 
 
 class MetricsLogger:
-    """Append step metrics to ``<run_dir>/metrics.jsonl`` and TensorBoard."""
+    """Append step metrics to ``<run_dir>/metrics.jsonl`` and TensorBoard (``<run_dir>/tb``).
+
+    The files are opened at :meth:`resume_at` or, without it, at the first :meth:`log`."""
 
     def __init__(self, run_dir: str | Path, *, enabled: bool = True, tensorboard: bool = True,
                  stream=sys.stdout):
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self.stream = stream
+        self.tensorboard = tensorboard
         self._tb = None
         self._file = None
         self._start = time.monotonic()
-        if not enabled:
+        if enabled:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def path(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+    def resume_at(self, step: int) -> None:
+        """The run continues after ``step`` (0: a fresh start); call it before the first
+        :meth:`log`. Records of later steps are dropped from metrics.jsonl (rewritten
+        atomically; a torn last line of a killed writer goes too) and TensorBoard purges its
+        events from ``step + 1`` on (see the module docstring)."""
+        if not self.enabled:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
-        if tensorboard:
+        if self._file is not None or self._tb is not None:
+            raise RuntimeError("MetricsLogger.resume_at: call it before the first log()")
+        if self.path.exists():
+            if step > 0:
+                kept = []
+                for line in self.path.read_text().splitlines():
+                    try:
+                        record = json.loads(line)
+                    except ValueError:
+                        continue  # a line cut short when the previous run was killed
+                    if isinstance(record, dict) and int(record.get("step", step + 1)) <= step:
+                        kept.append(line + "\n")
+                tmp = self.path.with_name(self.path.name + ".tmp")
+                tmp.write_text("".join(kept))
+                os.replace(tmp, self.path)
+            else:
+                k = 1
+                while self.path.with_name(f"{self.path.name}.{k}").exists():
+                    k += 1
+                os.replace(self.path, self.path.with_name(f"{self.path.name}.{k}"))
+        tb_dir = self.run_dir / "tb"
+        if step > 0:
+            purge: Optional[int] = step + 1
+        else:  # a fresh start hides every event of an earlier run in this directory
+            purge = 0 if tb_dir.is_dir() and any(tb_dir.iterdir()) else None
+        self._open(purge_step=purge)
+
+    def _open(self, purge_step: Optional[int] = None) -> None:
+        self._file = open(self.path, "a", buffering=1)
+        if self.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:  # tensorboard is a dependency; keep JSONL working without it
                 SummaryWriter = None
             if SummaryWriter is not None:
-                self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+                self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"), purge_step=purge_step)
 
     def log(self, step: int, metrics: dict[str, Any], *, progress: Optional[str] = None) -> None:
         if not self.enabled:
             return
+        if self._file is None:
+            self._open()
         record = {"step": step, "time_s": round(time.monotonic() - self._start, 3)}
         record.update({k: _plain(v) for k, v in metrics.items()})
         self._file.write(json.dumps(record) + "\n")

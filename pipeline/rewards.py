@@ -24,7 +24,9 @@ Built-ins (``reward.kind``):
 
 An exception or a non-finite reward is an error naming the sample (prompt index, the prompt's
 origin, sample index); with ``on_error="zero"`` it is counted as 0 and returned in
-``failures`` so the loop can log it.
+``failures`` so the loop can log it - unless EVERY sample of the call failed, which is an error
+naming the reward function and the first sample's error (a run that learns nothing must not
+report success).
 """
 
 from __future__ import annotations
@@ -143,7 +145,25 @@ def compute_rewards(fn: RewardFn, samples: Sequence[RewardSample], *,
             rewards[i] = _as_finite(value)
         except ValueError as err:
             fail(i, str(err))
+    if samples and len(failures) == len(samples):
+        # "zero" is for a reward that fails now and then: with none computed, every advantage
+        # is 0 and the run would learn nothing while reporting success
+        first = failures[0]
+        raise RewardError(
+            f"every one of the {len(samples)} rewards failed ({_reward_name(fn)}; "
+            f"reward.on_error: zero counts a failure as 0, but none succeeded); first: "
+            f"{_describe(samples[0])}: {first.error}")
     return RewardResult(rewards=rewards, failures=failures)
+
+
+def _reward_name(fn: Any) -> str:
+    """The reward function as a user wrote it: module:function, or the service's URL."""
+    url = getattr(fn, "url", None)
+    if url:
+        return f"reward service {url}"
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    module = getattr(fn, "__module__", None)
+    return f"reward function {module}:{name}" if module else f"reward function {name}"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -16,6 +16,14 @@ training rank that saves its preemption checkpoint), and logs to ``log_dir/<name
 ``stop()`` (also on an error during start, on ``KeyboardInterrupt`` and at interpreter exit) ends
 exactly the process groups this object started, with SIGKILL (they hold no state worth a graceful
 exit, and they would not see a SIGTERM); a SIGKILLed owner takes them along (PR_SET_PDEATHSIG).
+
+**Logs are size-bounded** (:class:`RotatingLog`): a thread of this process copies each child's
+output into ``<name>.log`` and rotates it at ``log_max_bytes`` (``<name>.log.1`` ...
+``<name>.log.<log_backups>``, the oldest dropped): the router alone logs ~250 KB per GSPO step.
+
+**Dead servers** (``pipeline.server_pool`` decides): :meth:`deregister` takes a server out of the
+router, ``restart_server(i, register=False)`` starts it again without giving it to the router,
+and :meth:`register` admits it once it holds the current weights.
 """
 
 from __future__ import annotations
@@ -26,7 +34,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -52,6 +62,104 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+LOG_MAX_BYTES = 16 << 20
+LOG_BACKUPS = 2
+
+
+class RotatingLog:
+    """A child's stdout + stderr, copied by a thread of this process into ``path`` and rotated
+    when it would pass ``max_bytes``: ``path`` -> ``path.1`` -> ... -> ``path.<backups>``, the
+    oldest dropped, so one log never takes more than ``(backups + 1) * max_bytes`` of disk.
+
+        log = RotatingLog(path, max_bytes, backups)
+        proc = subprocess.Popen(cmd, stdout=log.fd, stderr=subprocess.STDOUT, ...)
+        log.started()         # closes this process's copy of the pipe's write end
+        ...
+        log.close()           # after the child is gone: the rest of its output, then the file
+
+    The pipe gets the largest buffer the kernel allows (``F_SETPIPE_SZ``, 1 MiB by default), so
+    a child writes on while this process is busy; the thread ends at the pipe's end of file.
+    """
+
+    def __init__(self, path: str | os.PathLike, max_bytes: int = LOG_MAX_BYTES,
+                 backups: int = LOG_BACKUPS):
+        if max_bytes < 1 or backups < 0:
+            raise ValueError(f"RotatingLog: max_bytes {max_bytes} (>= 1), backups {backups} (>= 0)")
+        self.path, self.max_bytes, self.backups = Path(path), max_bytes, backups
+        self._read, self.fd = os.pipe()
+        try:
+            import fcntl
+
+            with open("/proc/sys/fs/pipe-max-size") as f:
+                fcntl.fcntl(self._read, getattr(fcntl, "F_SETPIPE_SZ", 1031), int(f.read()))
+        except (OSError, ValueError, ImportError):
+            pass  # the default 64 KiB buffer
+        self._file = open(self.path, "ab")
+        self._size = self._file.tell()
+        self._thread = threading.Thread(target=self._pump, name=f"log {self.path.name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def write(self, data: bytes) -> None:
+        """Append ``data`` (a header line of this process's own), rotating first if due."""
+        if self._size and self._size + len(data) > self.max_bytes:
+            self._rotate()
+        self._file.write(data)
+        self._file.flush()
+        self._size += len(data)
+
+    def started(self) -> None:
+        """The child holds the write end now; this process's copy goes (or EOF never comes)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self.started()
+        self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self._file.close()
+
+    def _rotate(self) -> None:
+        self._file.close()
+        if self.backups == 0:
+            self.path.unlink(missing_ok=True)
+        else:
+            for i in range(self.backups - 1, 0, -1):
+                older = self.path.with_name(f"{self.path.name}.{i}")
+                if older.exists():
+                    os.replace(older, self.path.with_name(f"{self.path.name}.{i + 1}"))
+            os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+        self._file = open(self.path, "ab")
+        self._size = 0
+
+    def _pump(self) -> None:
+        try:
+            while True:
+                chunk = os.read(self._read, 1 << 16)
+                if not chunk:
+                    return
+                # whole lines stay in one file where a chunk allows it
+                while self._size + len(chunk) > self.max_bytes:
+                    room = self.max_bytes - self._size
+                    cut = chunk.rfind(b"\n", 0, room) + 1 if room > 0 else 0
+                    if cut == 0 and self._size == 0:
+                        cut = room  # one line longer than the limit: split it
+                    if cut:
+                        self._file.write(chunk[:cut])
+                        self._size += cut
+                        chunk = chunk[cut:]
+                    self._rotate()
+                if chunk:
+                    self._file.write(chunk)
+                    self._file.flush()
+                    self._size += len(chunk)
+        except (OSError, ValueError):
+            pass  # the file was closed under us: the owner is shutting down
+        finally:
+            os.close(self._read)
+
+
 def _log_tail(path: Path, lines: int = 20) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -67,7 +175,8 @@ class LocalRolloutCluster:
                  log_dir: str | os.PathLike, random_seed: int = 0,
                  router_policy: str = "cache_aware", cpu_threads: int = 1,
                  server_args: Sequence[str] = (), router_args: Sequence[str] = ROUTER_DEFAULT_ARGS,
-                 health_timeout_s: float = 180.0):
+                 health_timeout_s: float = 180.0, log_max_bytes: int = LOG_MAX_BYTES,
+                 log_backups: int = LOG_BACKUPS):
         if num_servers < 1:
             raise ValueError(f"num_servers must be >= 1, got {num_servers}")
         self.model_path = str(Path(model_path).resolve())
@@ -80,6 +189,7 @@ class LocalRolloutCluster:
         self.server_args = list(server_args)
         self.router_args = list(router_args)
         self.health_timeout_s = health_timeout_s
+        self.log_max_bytes, self.log_backups = log_max_bytes, log_backups
         self.use_router = router
         ports = ([base_port + i for i in range(num_servers)] if base_port is not None
                  else [free_port(host) for _ in range(num_servers)])
@@ -89,6 +199,7 @@ class LocalRolloutCluster:
         self._router_port = (base_port + num_servers) if base_port is not None else free_port(host)
         self._procs: dict[str, subprocess.Popen] = {}
         self._logs: dict[str, Path] = {}
+        self._log_writers: dict[str, RotatingLog] = {}
         self._restarts = [0] * num_servers
         self._atexit = False
 
@@ -123,6 +234,9 @@ class LocalRolloutCluster:
             self._signal(proc, signal.SIGKILL)
         for proc in procs.values():
             proc.wait(timeout=30)
+        writers, self._log_writers = self._log_writers, {}
+        for writer in writers.values():
+            writer.close()
         if self._atexit:
             atexit.unregister(self.stop)
             self._atexit = False
@@ -145,16 +259,24 @@ class LocalRolloutCluster:
         env = {k: v for k, v in os.environ.items() if k not in _RANK_ONLY_ENV}
         env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.cpu_threads),
                    TOKENIZERS_PARALLELISM="false")
-        with open(log_path, "ab") as log:
-            log.write(f"$ {' '.join(cmd)}\n".encode())
-            log.flush()
+        old = self._log_writers.pop(name, None)
+        if old is not None:  # a restart: the previous process is gone, its output is in
+            old.close()
+        log = RotatingLog(log_path, self.log_max_bytes, self.log_backups)
+        log.write(f"$ {' '.join(cmd)}\n".encode())
+        try:
             # a SIGKILLed owner (e.g. a training rank) leaves no server behind; the job's stop
             # signals do not reach them (the owner stops them, see the module docstring)
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(cmd, stdout=log.fd, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True, env=env,
                                     preexec_fn=shielded_helper)
+        except BaseException:
+            log.close()
+            raise
+        log.started()
         self._procs[name] = proc
         self._logs[name] = log_path
+        self._log_writers[name] = log
         return proc
 
     # ------------------------------------------------------------------ servers
@@ -197,16 +319,34 @@ class LocalRolloutCluster:
         proc = self._procs.get(f"server{i}")
         return proc is not None and proc.poll() is None
 
-    def restart_server(self, i: int) -> None:
-        """Kill server ``i`` if it runs, start it again on its port, wait until healthy and make
-        sure the router lists it (``POST /workers`` when it does not)."""
+    def server_exit_code(self, i: int) -> Optional[int]:
+        """The exit status of server ``i``'s process, None while it runs."""
+        proc = self._procs.get(f"server{i}")
+        return None if proc is None else proc.poll()
+
+    def restart_server(self, i: int, *, register: bool = True) -> None:
+        """Kill server ``i`` if it runs, start it again on its port and wait until healthy; with
+        ``register`` make sure the router lists it (``POST /workers`` when it does not), without
+        it leave it out of the router (:meth:`register` admits it later)."""
         self.kill_server(i)
         self._restarts[i] += 1
         self._start_server(i)
         self._wait_servers([i])
+        if register:
+            self.register(i)
+
+    def register(self, i: int) -> None:
+        """Put server ``i`` into the router (if not listed) and wait until it is healthy there."""
         if self.router_url:
             self._register(self.server_urls[i])
             self._wait_router_healthy([self.server_urls[i]])
+
+    def deregister(self, i: int) -> None:
+        """Take server ``i`` out of the router (``DELETE /workers/<id>``) and wait until it is
+        gone: the router sends it no request, whether it is dead or being restarted."""
+        if self.router_url:
+            remove_from_router(self.router_url, self.server_urls[i],
+                               timeout_s=self.health_timeout_s)
 
     # ------------------------------------------------------------------ router
     def _start_router(self) -> None:
@@ -261,8 +401,35 @@ class LocalRolloutCluster:
                                    f"{self._logs['router']}")
             time.sleep(0.2)
 
+    def log_paths(self, name: str) -> list[Path]:
+        """``name``'s log and its rotated predecessors that exist, newest first."""
+        path = self._logs[name]
+        return [p for p in [path, *(path.with_name(f"{path.name}.{i}")
+                                    for i in range(1, self.log_backups + 1))] if p.exists()]
+
     def router_worker_urls(self) -> list[str]:
         return [w["url"].rstrip("/") for w in router_workers(self.router_url)]
 
     def log_path(self, name: str) -> Path:
         return self._logs[name]
+
+
+def remove_from_router(router_url: str, server_url: str, *, timeout_s: float = 60.0) -> bool:
+    """Take ``server_url`` out of the sglang-router at ``router_url`` (``DELETE /workers/<id>``,
+    which the router applies in the background) and wait until it no longer lists it; returns
+    whether it was listed."""
+    server_url = server_url.rstrip("/")
+    listed = [w for w in router_workers(router_url) if w["url"].rstrip("/") == server_url]
+    for worker in listed:
+        ident = urllib.parse.quote(str(worker.get("id") or worker["url"]), safe="")
+        status, answer = http_json("DELETE", f"{router_url.rstrip('/')}/workers/{ident}",
+                                   timeout_s=10.0)
+        if status not in (200, 202, 404):
+            raise RolloutError(f"{router_url}/workers/{ident}", status, str(answer))
+    deadline = time.monotonic() + timeout_s
+    while any(w["url"].rstrip("/") == server_url for w in router_workers(router_url)):
+        if time.monotonic() > deadline:
+            raise RolloutError(router_url + "/workers", 200, f"{server_url} still listed "
+                               f"{timeout_s:.0f} s after its removal")
+        time.sleep(0.2)
+    return bool(listed)

@@ -65,6 +65,7 @@ def run_sft(trainer: SFTStepper, cfg: Config, *, logger: MetricsLogger, start_st
         if eval_set is not None else None
     gbs = cfg.run.global_batch_size
     result = SFTResult()
+    logger.resume_at(start_step)  # each step once: drops what a crashed run logged later
     if eval_pairs and start_step == 0:
         result.eval_losses.append(trainer.eval_loss(eval_pairs))
         logger.log(0, {"eval/loss": result.eval_losses[0]},

@@ -224,7 +224,38 @@ class WeightPusher:
                     pass
             wt.destroy_group(self._update_group)
             self._update_group = None
+        self._group_made = False
         self._pool.shutdown(wait=True)
+
+    def set_servers(self, server_urls: Sequence[str]) -> None:
+        """Push to ``server_urls`` from the next push on (``pipeline.server_pool``: a dead server
+        dropped, a restarted one back). Every rank passes the same list (rank 0's). A change tears
+        down the update groups (they are made again, with the new members, at the next push:
+        the world size and the servers' rank offsets change) and makes the next delta push a
+        full one."""
+        urls = [u.rstrip("/") for u in server_urls]
+        if not urls:
+            raise ValueError("no rollout servers to push to")
+        if urls == self.server_urls:
+            return
+        if self._update_group is not None:
+            name = self._my_group_name()
+            for url in self.server_urls:  # the dead ones do not answer: nothing to undo there
+                try:
+                    rollout.control(url, "/destroy_weights_update_group", {"group_name": name},
+                                    timeout_s=30)
+                except rollout.RolloutError:
+                    pass
+            wt.destroy_group(self._update_group)
+            self._update_group = None
+        self._group_made = False
+        self.server_urls, self._tp = urls, None
+        self._last_ok = None
+        self._base.clear()
+        workers = (_IN_FLIGHT + 2) * len(urls) + 4
+        if workers > self._pool._max_workers:
+            self._pool.shutdown(wait=True)
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
 
     # ------------------------------------------------------------------ helpers
     @staticmethod

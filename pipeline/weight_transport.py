@@ -30,7 +30,7 @@ and the local rollout server (``pipeline.local``). SGLang 0.5.23's formats unles
 * **bf16 deltas** (:func:`delta_encode`, :func:`delta_apply`): the changed elements of a bf16
   tensor as int32 indices + bf16 values, when that is smaller than the tensor. A local-server
   extension (``"delta": true`` in ``update_weights_from_distributed`` / ``_tensor``).
-* **Safetensors shards** (:func:`write_shard`, :func:`read_shard`): a flattened bucket IS the data
+* **Safetensors shards** (:func:`write_shard`, :func:`read_shard_header`): a flattened bucket IS the data
   section of a safetensors file (same layout), so a shard is a JSON header plus one write.
 * :func:`weights_checksum`: the digest ``/weights_checker {"action": "checksum"}`` returns on the
   local server (sha256 over every tensor).
@@ -301,11 +301,44 @@ def tcp_init_method(address: str, port: int) -> str:
 
 def new_update_group(address: str, port: int, rank: int, world_size: int, *, group_name: str,
                      backend: str = "gloo", timeout_s: float = 300.0):
-    """Join (rank 0: host) an update group; blocks until all ``world_size`` ranks joined."""
+    """Join (rank 0: host) an update group; blocks until all ``world_size`` ranks joined.
+
+    Rank 0 hosts the group's TCP store on ``address`` only (:func:`bound_store`), not on every
+    interface as ``tcp://`` rendezvous does: the servers reach it there, nobody else need."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank != 0:
+        return init_custom_process_group(
+            backend=backend, init_method=tcp_init_method(address, port), timeout=timeout,
+            world_size=world_size, rank=rank, group_name=group_name)
+    from torch.distributed.distributed_c10d import PrefixStore
+
+    # what tcp:// rendezvous does on rank 0 (a store, its timeout, the group's prefix), bound
+    store = bound_store(address, port, world_size, timeout)
     return init_custom_process_group(
-        backend=backend, init_method=tcp_init_method(address, port),
-        timeout=datetime.timedelta(seconds=timeout_s), world_size=world_size, rank=rank,
-        group_name=group_name)
+        backend=backend, store=PrefixStore(group_name, store), timeout=timeout,
+        world_size=world_size, rank=0, group_name=group_name)
+
+
+def bound_store(address: str, port: int, world_size: int, timeout: datetime.timedelta):
+    """A master ``TCPStore`` listening on ``address``:``port`` only: torch's own listens on all
+    interfaces whatever host it is given, so the socket is bound here and handed over
+    (``master_listen_fd``). Waits, like rendezvous, for the ``world_size - 1`` other ranks."""
+    import torch.distributed as dist
+
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, port))
+        sock.listen(max(world_size, 128))
+        store = dist.TCPStore(address, port, world_size, True, timeout,
+                              master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the listening socket now
+    store.set_timeout(timeout)
+    return store
 
 
 def destroy_group(group) -> None:
@@ -365,9 +398,10 @@ def delta_encode(name: str, new: torch.Tensor, old: torch.Tensor
     if new.numel() >= 2**31:
         return None
     flat_new, flat_old = new.reshape(-1), old.reshape(-1)
-    changed = (flat_new.view(torch.int16) != flat_old.view(torch.int16)).nonzero().reshape(-1)
-    if changed.numel() * 6 >= flat_new.numel() * 2:
+    differs = flat_new.view(torch.int16) != flat_old.view(torch.int16)
+    if int(differs.sum()) * 6 >= flat_new.numel() * 2:  # counted first: nonzero() is the slow part
         return None
+    changed = differs.nonzero().reshape(-1)
     return [(name + DELTA_INDEX, changed.to(torch.int32)), (name + DELTA_VALUE, flat_new[changed])]
 
 

@@ -228,6 +228,9 @@ run_job() {
         wait "$SERVERS_PID"; servers_rc=$?
     fi
     if [ "$GOT_TERM" = 1 ]; then
+        # 75: the trainer checkpointed; the job says so too (Slurm requeues it if it is being
+        # requeued or preempted; otherwise the same command resumes it)
+        [ "$rc" = 75 ] && finish 75 "megatron-gspo job: stopped by SIGTERM after a checkpoint (exit 75: Slurm requeues the job if it is being requeued or preempted; otherwise submit the same command to resume)"
         finish 143 "megatron-gspo job: stopped by SIGTERM (Slurm requeues the job if it is being requeued or preempted)"
     fi
     # 75: checkpointed on our SIGUSR1 (or on a signal sent to the step directly); > 128: a rank

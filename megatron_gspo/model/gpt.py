@@ -127,6 +127,7 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig, *,
         expert_model_parallel_size=parallel.expert,
         expert_tensor_parallel_size=parallel.expert_tensor_size(),
         context_parallel_size=parallel.context,
+        cp_comm_type=parallel.cp_comm_type if parallel.context > 1 else None,
         sequence_parallel=parallel.sequence_parallel,
         # precision
         params_dtype=params_dtype,

@@ -85,6 +85,8 @@ class RLTrainer:
         self.reference = self._build_reference() if cfg.gspo.kl_coef > 0 else None
         self.state = build_train_state(self.gpt, cfg, pg_collection,
                                        updates_per_step=cfg.gspo.updates_per_rollout)
+        self.resumed_from: Optional[Path] = None
+        """The checkpoint ``load`` restored (kept by ``run.keep_checkpoints`` rotation)."""
 
     def _build_reference(self) -> TrainState:
         """The frozen reference policy: a second model chunk in the same layout holding a copy of
@@ -218,11 +220,16 @@ class RLTrainer:
     def save(self, run_dir: str | Path, step: int, run_state: dict) -> Path:
         from megatron_gspo.train.checkpoint import save_checkpoint
 
+        # run.keep_checkpoints rotation never deletes the checkpoint this run resumed from
         return save_checkpoint(run_dir, step, self.state.model, self.state.optimizer, run_state,
-                               scheduler=self.state.scheduler)
+                               scheduler=self.state.scheduler,
+                               keep=self.cfg.run.keep_checkpoints,
+                               protect=[self.resumed_from] if self.resumed_from else [])
 
     def load(self, path: str | Path) -> dict:
         from megatron_gspo.train.checkpoint import load_checkpoint
 
-        return load_checkpoint(path, self.state.model, self.state.optimizer,
-                               scheduler=self.state.scheduler)
+        run_state = load_checkpoint(path, self.state.model, self.state.optimizer,
+                                    scheduler=self.state.scheduler)
+        self.resumed_from = Path(path)
+        return run_state

@@ -16,6 +16,7 @@ optimizer, the LR schedule and the RNG (``megatron_gspo.train.checkpoint``).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -89,6 +90,8 @@ class SFTTrainer:
         load_initial_weights(self.gpt, cfg.model, pg_collection, cfg.run.init_from,
                              seed=cfg.run.seed)
         self.state: TrainState = build_train_state(self.gpt, cfg, pg_collection)
+        self.resumed_from: Optional[Path] = None
+        """The checkpoint ``load`` restored (kept by ``run.keep_checkpoints`` rotation)."""
         self.num_microbatches = cfg.run.global_batch_size // (cfg.run.micro_batch_size
                                                               * pg_collection.dp.size())
 
@@ -107,15 +110,20 @@ class SFTTrainer:
         """Collective: checkpoint after ``step`` (model, optimizer, LR schedule, RNG, run_state)."""
         from megatron_gspo.train.checkpoint import save_checkpoint
 
+        # run.keep_checkpoints rotation never deletes the checkpoint this run resumed from
         return save_checkpoint(run_dir, step, self.state.model, self.state.optimizer, run_state,
-                               scheduler=self.state.scheduler)
+                               scheduler=self.state.scheduler,
+                               keep=self.cfg.run.keep_checkpoints,
+                               protect=[self.resumed_from] if self.resumed_from else [])
 
     def load(self, path: str | Path) -> dict:
         """Collective: restore a checkpoint written by :meth:`save`; returns its run state."""
         from megatron_gspo.train.checkpoint import load_checkpoint
 
-        return load_checkpoint(path, self.state.model, self.state.optimizer,
-                               scheduler=self.state.scheduler)
+        run_state = load_checkpoint(path, self.state.model, self.state.optimizer,
+                                    scheduler=self.state.scheduler)
+        self.resumed_from = Path(path)
+        return run_state
 
     def eval_loss(self, pairs: list[tuple[list[int], list[int]]]) -> float:
         """Mean response-token NLL on held-out ``pairs`` (forward only)."""

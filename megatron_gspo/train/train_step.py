@@ -41,6 +41,7 @@ training loop does) and reports the LR the step used; the checkpoint saves and r
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Iterable, Optional
@@ -250,16 +251,19 @@ def forward_backward(state: TrainState, microbatches: list[dict], loss_fn: LossF
         metrics["loss_sum"] = local_sum.detach()
         return local_sum * scale, torch.ones((), dtype=torch.int), metrics
 
-    return get_forward_backward_func()(
-        forward_step_func=partial(forward_step, device=model_device(state.model[0]),
-                                  loss_func=loss_func, pg_collection=state.pg_collection),
-        data_iterator=iter(microbatches),
-        model=state.model,
-        num_microbatches=num_microbatches,
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        forward_only=forward_only,
-    )
+    # Megatron's forward_only does not disable autograd: without no_grad every forward-only pass
+    # (log pi_old, the reference policy, held-out losses) would save a training step's activations
+    with torch.no_grad() if forward_only else contextlib.nullcontext():
+        return get_forward_backward_func()(
+            forward_step_func=partial(forward_step, device=model_device(state.model[0]),
+                                      loss_func=loss_func, pg_collection=state.pg_collection),
+            data_iterator=iter(microbatches),
+            model=state.model,
+            num_microbatches=num_microbatches,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=forward_only,
+        )
 
 
 def train_step(state: TrainState, microbatches: list[dict], loss_fn: LossFn, *,

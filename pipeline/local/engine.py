@@ -48,6 +48,19 @@ from pipeline.local.protocol import (Sampling, finish_abort_queued, finish_abort
 
 log = logging.getLogger("megatron_gspo.serve")
 
+QUEUE_FULL = "The request queue is full."  # SGLang's message (Scheduler._abort_on_queued_limit)
+
+
+class QueueFull(RuntimeError):
+    """``submit`` would put more requests in the waiting queue than ``max_queued_requests``."""
+
+    def __init__(self) -> None:
+        super().__init__(QUEUE_FULL)
+
+
+class WeightFileError(ValueError):
+    """A weight directory, index or shard this server refuses to load (the message says why)."""
+
 
 class EngineRequest:
     """One sample being generated (after ``n`` expansion)."""
@@ -188,7 +201,8 @@ class LocalEngine:
     def __init__(self, model_path: str, *, random_seed: Optional[int] = None,
                  max_running_requests: int = 64, max_prefill_tokens: int = 16384,
                  context_length: Optional[int] = None, weight_version: str = "default",
-                 skip_tokenizer_init: bool = False, dtype: str = "float32"):
+                 skip_tokenizer_init: bool = False, dtype: str = "float32",
+                 max_queued_requests: Optional[int] = None):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.model_path = Path(model_path).resolve()
@@ -218,6 +232,8 @@ class LocalEngine:
         self.weight_version = weight_version
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
+        self.max_queued_requests = max_queued_requests
+        """Waiting (not yet running) requests at most; None: unbounded (SGLang's default)."""
         self._seed_rng = random.Random(random_seed if random_seed is not None
                                        else int.from_bytes(os.urandom(8), "little"))
         forward_params = inspect.signature(self.model.forward).parameters
@@ -268,10 +284,14 @@ class LocalEngine:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def submit(self, reqs: list[EngineRequest]) -> None:
-        """Queue requests (all or none); ValueError for a duplicate rid or a too-long prompt."""
+        """Queue requests (all or none); ValueError for a duplicate rid or a too-long prompt,
+        :class:`QueueFull` when the waiting queue has no room for all of them."""
         with self._cv:
             if self._error is not None:
                 raise RuntimeError(f"the engine thread failed: {self._error!r}")
+            if (self.max_queued_requests is not None
+                    and len(self._waiting) + len(reqs) > self.max_queued_requests):
+                raise QueueFull()
             seen = set()
             for r in reqs:
                 if r.rid in self._inflight or r.rid in seen:
@@ -655,12 +675,9 @@ class LocalEngine:
         the parameters (``readinto`` where the weight is contiguous and of the file's dtype);
         returns {file name: bucket checksum of what is now loaded}. Every header is checked
         first, so a bad directory changes nothing."""
-        from pipeline.weight_transport import bucket_checksum, read_shard_header
+        from pipeline.weight_transport import bucket_checksum
 
-        headers = {}
-        for f in shard_files(path):
-            layout, data_start = read_shard_header(Path(path) / f)
-            headers[f] = (layout, data_start)
+        headers = shard_headers(path)
         problems = []
         for f, (layout, _) in headers.items():
             for name, dtype, shape, _, _ in layout:
@@ -719,13 +736,32 @@ def _read_into(fh, buf: memoryview) -> int:
 
 
 def shard_files(path: str | Path) -> list[str]:
-    """The safetensors files of a directory (those of its index, if it has one)."""
+    """The safetensors files of a directory (those of its index, if it has one). The index must
+    be a JSON object whose ``weight_map`` maps names to plain file names of that directory
+    (:class:`WeightFileError` otherwise: no ``../``, no absolute paths, no missing file)."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: not a directory")
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise WeightFileError(f"{index}: malformed index ({type(err).__name__}: {err}); "
+                                  "expected a JSON object with a 'weight_map'") from None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise WeightFileError(f"{index}: 'weight_map' must be a non-empty object of "
+                                  "tensor name -> file name")
+        files = set()
+        for name, file in weight_map.items():
+            if (not isinstance(file, str) or not file or Path(file).name != file
+                    or file in (".", "..") or "\\" in file):
+                raise WeightFileError(f"{index}: {name!r} -> {file!r}: not a file name of this "
+                                      "directory")
+            if not (path / file).is_file():
+                raise WeightFileError(f"{index}: {name!r} -> {file!r}: no such file in {path}")
+            files.add(file)
+        files = sorted(files)
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
@@ -733,22 +769,46 @@ def shard_files(path: str | Path) -> list[str]:
     return files
 
 
-def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the safetensors files in a directory (update_weights_from_disk)."""
-    from safetensors.torch import load_file
+_MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
 
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path}: not a directory")
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors files")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update(load_file(str(path / f)))
-    return tensors
 
+def shard_headers(path: str | Path) -> dict[str, tuple[list, int]]:
+    """{file: (layout, data start)} of every shard of ``path`` (:func:`shard_files`), each
+    header checked against its file: a header that is not JSON, an unknown dtype, offsets that
+    do not match the shape or run past the end of the file (a truncated shard) are a
+    :class:`WeightFileError` naming the file - before any weight is touched."""
+    from pipeline.weight_transport import read_shard_header
+
+    headers = {}
+    for f in shard_files(path):
+        file = Path(path) / f
+        size = file.stat().st_size
+        if size < 8:
+            raise WeightFileError(f"{file}: {size} bytes: not a safetensors file (truncated?)")
+        with open(file, "rb") as fh:
+            header_len = int.from_bytes(fh.read(8), "little")
+        if header_len > min(_MAX_HEADER_BYTES, size - 8):
+            raise WeightFileError(f"{file}: header of {header_len} bytes in a file of {size} "
+                                  "bytes (truncated or not safetensors)")
+        try:
+            layout, data_start = read_shard_header(file)
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise WeightFileError(f"{file}: malformed safetensors header ({type(err).__name__}: "
+                                  f"{err})") from None
+        for entry in layout:
+            try:
+                name, dtype, shape, start, end = entry
+                numel = torch.Size([int(d) for d in shape]).numel()
+                if not all(isinstance(v, int) for v in (start, end, *shape)):
+                    raise TypeError("non-integer shape or offsets")
+            except (TypeError, ValueError) as err:
+                raise WeightFileError(f"{file}: {entry[0]}: malformed header entry ({err})"
+                                      ) from None
+            if not 0 <= start <= end or end - start != numel * dtype.itemsize:
+                raise WeightFileError(f"{file}: {name}: data_offsets [{start}, {end}] do not "
+                                      f"hold a {dtype} tensor of shape {list(shape)}")
+            if data_start + end > size:
+                raise WeightFileError(f"{file}: {name} ends at byte {data_start + end}, the file "
+                                      f"has {size} (truncated)")
+        headers[f] = (layout, data_start)
+    return headers

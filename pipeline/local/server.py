@@ -20,6 +20,21 @@ Deviations (all documented in docs/rollout.md):
   names, dtypes, shapes and bytes), not SGLang's per-engine digest;
 * weight updates are applied between two decoding steps; running requests continue on the new
   weights unless the caller paused (``pause_generation``) or set ``abort_all_requests``.
+
+Limits (a request must not be able to take the server down: ``n: 1000000`` once OOM-killed it):
+
+* ``--max-n``: ``sampling_params.n`` above it is a 400 ``{"error": {"message": ...}}`` (SGLang's
+  ValueError shape; SGLang itself has no such limit);
+* ``--max-queued-requests`` (SGLang's flag): a request whose samples do not fit in the waiting
+  queue is a 503 ``{"detail": "The request queue is full."}``, SGLang's answer when its
+  ``--max-queued-requests`` is reached (before anything is queued; a streamed request gets the
+  same 503 instead of SGLang's aborted stream);
+* ``update_weights_from_disk`` loads only from the served model's directory and the
+  ``--weight-roots`` directories (paths resolved, symlinks followed), each shard named by the
+  index a plain file of the directory; every header is checked against its file first, so a
+  malformed index or a truncated shard is a ``{"success": false}`` answer that changes nothing;
+* ``init_weights_update_group`` joins a group at ``rank_offset >= 1`` only: rank 0 hosts the
+  group's TCP store, and that is the trainer's (a server never opens a store).
 """
 
 from __future__ import annotations
@@ -30,11 +45,11 @@ import concurrent.futures
 import ipaddress
 import json
 import logging
-import pickle
 import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -43,13 +58,16 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from pipeline import weight_transport as wt
 from pipeline.local import protocol as proto
-from pipeline.local.engine import EngineRequest, LocalEngine
+from pipeline.local.engine import (QUEUE_FULL, EngineRequest, LocalEngine, QueueFull,
+                                   WeightFileError, shard_headers)
 from pipeline.local.tp_ranks import TPWorkers, join_group, receive, sglang_impl, wire_dtypes
 from pipeline.weight_transport import decode_named_tensors
 
 log = logging.getLogger("megatron_gspo.serve")
 
 PROTOCOL_VERSION = "0.5.23"  # the SGLang release whose HTTP contract this server follows
+DEFAULT_MAX_N = 1024  # --max-n
+DEFAULT_MAX_QUEUED = 4096  # --max-queued-requests (SGLang's default: unbounded)
 HEALTH_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT
 FLUSH_OK = ("Cache flushed.\nPlease check backend logs for more details. (When there are running "
             "or waiting requests, the operation will not be performed.)\n")
@@ -98,12 +116,21 @@ class LocalRolloutServer:
             raise ValueError(f"--allow-pickled-tensors: only with --host 127.0.0.1 (got "
                              f"{args.host}): deserialising a pickle runs code, so such payloads "
                              "must never come from the network")
+        self.max_n = int(getattr(args, "max_n", DEFAULT_MAX_N))
+        max_queued = getattr(args, "max_queued_requests", DEFAULT_MAX_QUEUED)
+        if self.max_n < 1 or (max_queued is not None and max_queued < 1):
+            raise ValueError(f"--max-n {self.max_n} / --max-queued-requests {max_queued}: "
+                             "must be >= 1")
         self.engine = LocalEngine(
             args.model_path, random_seed=args.random_seed,
             max_running_requests=args.max_running_requests,
             max_prefill_tokens=args.max_prefill_tokens, context_length=args.context_length,
             weight_version=args.weight_version, skip_tokenizer_init=args.skip_tokenizer_init,
-            dtype=args.dtype)
+            dtype=args.dtype, max_queued_requests=max_queued)
+        self.weight_roots = [self.engine.model_path] + [
+            Path(r).resolve() for r in (getattr(args, "weight_roots", None) or [])]
+        """Directories update_weights_from_disk may read (resolved): the model's and
+        --weight-roots."""
         self.startup_time = time.time()
         self.paused = False
         self.shutting_down = False
@@ -123,6 +150,25 @@ class LocalRolloutServer:
         self._pool.shutdown(wait=False)
 
     # ------------------------------------------------------------------ helpers
+    def _confined(self, path: Path) -> bool:
+        real = path.resolve()
+        return any(real == root or root in real.parents for root in self.weight_roots)
+
+    def _check_weight_dir(self, model_path: str) -> dict:
+        """The validated shard headers of ``model_path`` (``engine.shard_headers``), every file
+        inside the allowed roots; :class:`WeightFileError` / ``OSError`` saying why not."""
+        path = Path(model_path)
+        roots = ", ".join(str(r) for r in self.weight_roots)
+        if not self._confined(path):
+            raise WeightFileError(f"{model_path}: outside the directories this server loads "
+                                  f"weights from ({roots}); start it with --weight-roots DIR")
+        headers = shard_headers(path)
+        for f in headers:
+            if not self._confined(path / f):
+                raise WeightFileError(f"{path / f}: resolves to {(path / f).resolve()}, outside "
+                                      f"the directories this server loads weights from ({roots})")
+        return headers
+
     def _loop_event(self) -> asyncio.Event:
         if self._not_paused is None:
             self._not_paused = asyncio.Event()
@@ -223,8 +269,15 @@ class LocalRolloutServer:
             try:
                 body = await _body(request, required=True)
                 call = proto.parse_generate(body)
+                n = call.items[0].sampling.n
+                if n > self.max_n:
+                    raise ValueError(f"n: {n} samples per prompt exceed this server's --max-n "
+                                     f"{self.max_n}; send fewer per request")
             except ValueError as err:
                 return error_response(err)
+            limit = eng.max_queued_requests
+            if limit is not None and len(call.items) * n > limit - eng.counts()[1]:
+                return _json({"detail": QUEUE_FULL}, 503)  # before creating any request
             await self._loop_event().wait()  # pause_generation: new generates block
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue = asyncio.Queue()
@@ -240,6 +293,8 @@ class LocalRolloutServer:
                 eng.submit([r for r, _, _ in expanded])
             except ValueError as err:
                 return error_response(err)
+            except QueueFull:
+                return _json({"detail": QUEUE_FULL}, 503)
             except RuntimeError as err:
                 return _json(proto.value_error_body(str(err)), 503)
             if call.stream:
@@ -459,13 +514,17 @@ class LocalRolloutServer:
                 if version is not None:
                     eng.weight_version = str(version)
                 return sums
+            try:  # checked first: a refused directory changes nothing on any TP rank
+                await asyncio.to_thread(self._check_weight_dir, path)
+            except Exception as err:  # noqa: BLE001 - every refusal is an answer, never a 500
+                return failed(f"Failed to update weights: {err}. The weights are unchanged.",
+                              num_paused_requests=0)
             try:
                 others = on_workers("disk", [{"path": path}] * len(self.tp_workers))
                 sums = await asyncio.wrap_future(eng.call(load))
                 sums_others = await results(others)
-            except (OSError, ValueError, RuntimeError) as err:
-                return failed(f"Failed to update weights: {err}. Rolling back to the previous "
-                              "weights.", num_paused_requests=0)
+            except Exception as err:  # noqa: BLE001 - reported in the body
+                return failed(f"Failed to update weights: {err}", num_paused_requests=0)
             msg = "Succeeded to update model weights."
             if version is not None:
                 msg += f" Weight version updated to {version}."
@@ -515,8 +574,8 @@ class LocalRolloutServer:
                                         * len(self.tp_workers))
                 checksum = await apply_and_check(named, delta, body.get("weight_version"))
                 checksums = [checksum, *(await results(others))]
-            except (ValueError, RuntimeError, KeyError, TypeError, pickle.UnpicklingError) as err:
-                return failed(f"Failed to update weights: {err}")
+            except Exception as err:  # noqa: BLE001 - a malformed payload is an answer, not a 500
+                return failed(f"Failed to update weights: {type(err).__name__}: {err}")
             return {"success": True, "message": "Success", "checksums": checksums}
 
         @app.post("/init_weights_update_group")
@@ -527,6 +586,10 @@ class LocalRolloutServer:
                 rank, world = int(body.get("rank_offset", 1)), int(body["world_size"])
             except (KeyError, TypeError, ValueError) as err:
                 return failed(f"Failed to initialize custom process group: bad request ({err})")
+            if not 1 <= rank < world:
+                return failed(f"Failed to initialize custom process group: rank_offset {rank} "
+                              f"with world_size {world}: this server joins at ranks 1 .. "
+                              "world_size - 1; rank 0 (the trainer) hosts the group's store")
             name = body.get("group_name") or "weight_update_group"
             backend = body.get("backend") or "gloo"
             if backend != "gloo":

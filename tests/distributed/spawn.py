@@ -4,7 +4,9 @@
 
 ``fn(rank, world_size, *args)`` runs after ``init_process_group("gloo")`` on a free local TCP
 port, with ``torch.set_num_threads(1)``; its return value (tensors welcome) comes back through a
-temporary file (``torch.save``). An exception on any rank is re-raised in the caller as a
+file in a private temporary directory (pickle: results are arbitrary objects, written by the
+harness's own child processes - the one case where unpickling is safe; nothing here reads a file
+it did not create). An exception on any rank is re-raised in the caller as a
 ``RuntimeError`` naming the rank and carrying its traceback. The process group is destroyed on
 every rank, whatever happens. ``fn`` must be importable (module level) for the spawn start method.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import tempfile
 import time
@@ -40,6 +43,11 @@ def _has_failed(proc: mp.Process, out_dir: str, rank: int) -> bool:
     return os.path.exists(os.path.join(out_dir, f"rank{rank}.failed")) or proc.exitcode != 0
 
 
+def _dump(obj, path: str) -> None:
+    with open(path, "wb") as f:
+        pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
     torch.set_num_threads(1)
     result_path = os.path.join(out_dir, f"rank{rank}.pt")
@@ -51,9 +59,9 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
             result = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        torch.save({"ok": True, "result": result}, result_path)
+        _dump({"ok": True, "result": result}, result_path)
     except BaseException:  # noqa: BLE001 - everything is reported to the parent
-        torch.save({"ok": False, "error": traceback.format_exc()}, result_path)
+        _dump({"ok": False, "error": traceback.format_exc()}, result_path)
         open(os.path.join(out_dir, f"rank{rank}.failed"), "w").close()
 
 
@@ -93,7 +101,8 @@ def run_on_ranks(world_size: int, fn: Callable, args: tuple = (), *,
             elif not os.path.exists(path):
                 errors.append(f"rank {rank}: exited with code {procs[rank].exitcode}, no result")
             else:
-                payload = torch.load(path, weights_only=False)
+                with open(path, "rb") as f:
+                    payload = pickle.load(f)
                 if payload["ok"]:
                     results.append(payload["result"])
                 else:

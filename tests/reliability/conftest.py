@@ -60,7 +60,8 @@ class Run:
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
     def output(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text()
 
     def wait_until(self, condition: Callable[[], bool], what: str, timeout: float = 600) -> None:

@@ -39,7 +39,13 @@ SPREAD = {"EP2", "PP2", "TP2xEP2"}  # layouts whose buckets have more than one s
 
 
 @pytest.fixture(scope="module")
-def servers(model_dir, sglang_subset, tmp_path_factory):
+def shared_root(tmp_path_factory):
+    """The disk transport's shared directory (the servers may load weights from it)."""
+    return tmp_path_factory.mktemp("shared")
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir, sglang_subset, shared_root, tmp_path_factory):
     """Two local servers (tp_size 1 and 2) running SGLang's weight-update code."""
     root = tmp_path_factory.mktemp("servers")
     old = os.environ.get("PYTHONPATH")
@@ -49,7 +55,9 @@ def servers(model_dir, sglang_subset, tmp_path_factory):
         for i, extra in enumerate([[], ["--tp-size", "2"]]):
             cluster = LocalRolloutCluster(model_dir, 1, router=False, log_dir=root / f"logs{i}",
                                           random_seed=10 * i,
-                                          server_args=["--allow-pickled-tensors", *extra])
+                                          server_args=["--allow-pickled-tensors",
+                                                       "--weight-roots", str(shared_root),
+                                                       *extra])
             clusters.append(cluster)
             cluster.start()
         yield [c.server_urls[0] for c in clusters]
@@ -71,11 +79,10 @@ def test_servers_run_sglangs_own_weight_update_code(servers, sglang_subset):
 
 
 @pytest.fixture(scope="module")
-def report(model_dir, servers, tmp_path_factory):
-    root = tmp_path_factory.mktemp("weight_sync")
+def report(model_dir, servers, shared_root):
     per_rank = run_on_ranks(2, sync_worker.run,
-                            (str(model_dir), servers, TRANSPORTS, str(root / "shared"), 64 * 1024),
-                            timeout_s=300)
+                            (str(model_dir), servers, TRANSPORTS, str(shared_root / "ep2"),
+                             64 * 1024), timeout_s=300)
     return per_rank[0]
 
 
@@ -102,10 +109,10 @@ def test_sync_makes_servers_serve_the_new_weights(report, index):
 
 
 @pytest.mark.parametrize("layout", LAYOUT_NAMES)
-def test_every_layout_syncs_checksum_verified(layout, model_dir, servers, tmp_path):
+def test_every_layout_syncs_checksum_verified(layout, model_dir, servers, shared_root):
     world, section = LAYOUTS[layout]
     report = run_on_ranks(world, sync_worker.run_layout,
-                          (section, str(model_dir), servers, TRANSPORTS, str(tmp_path / "shared"),
+                          (section, str(model_dir), servers, TRANSPORTS, str(shared_root / layout),
                            48 * 1024), timeout_s=400)[0]
     if layout in SPREAD:
         assert len(report["sources"]) > 1, report["sources"]  # no funnel through one rank

@@ -164,3 +164,18 @@ def test_logit_index_selects_the_response_positions():
     add_logit_index(mb)
     flat = mb["response_mask"].reshape(-1)
     assert mb["logit_index"].tolist() == [i for i, m in enumerate(flat.tolist()) if m]
+
+
+def test_config_fields_of_packing_and_context_parallelism():
+    from megatron_gspo.config import ConfigError, config_from_dict, validate_sft_context_parallel
+
+    cfg = config_from_dict({"parallel": {"context": 2, "cp_comm_type": "all_gather"},
+                            "run": {"max_tokens_per_micro_batch": 4096}})
+    assert (cfg.parallel.context, cfg.run.max_tokens_per_micro_batch) == (2, 4096)
+    with pytest.raises(ConfigError, match=r"run\.max_tokens_per_micro_batch: must be >= 1"):
+        config_from_dict({"run": {"max_tokens_per_micro_batch": 0}})
+    with pytest.raises(ConfigError, match=r"parallel\.cp_comm_type"):
+        config_from_dict({"parallel": {"cp_comm_type": "ring"}})
+    with pytest.raises(ConfigError, match=r"parallel\.context: 2: SFT does not split"):
+        validate_sft_context_parallel(cfg.parallel)
+    validate_sft_context_parallel(config_from_dict({}).parallel)

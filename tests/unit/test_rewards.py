@@ -198,8 +198,11 @@ def test_http_reward_errors_name_the_url_and_the_answer(service, path, message):
     fn = HTTPReward(f"{service}{path}", timeout_s=timeout_s, max_retries=1, backoff_s=0.01)
     with pytest.raises(RewardError, match=message):
         compute_rewards(fn, _samples(["4", "5"], prompt_index=7))
-    result = compute_rewards(fn, _samples(["4", "5"], prompt_index=7), on_error="zero")
-    assert result.rewards == [0.0, 0.0] and result.num_failures == 2
+    # on_error zero counts a failure as 0, but a call where every sample failed is an error too
+    # (no reward at all to learn from), naming the service and the first sample's error
+    with pytest.raises(RewardError, match=r"every one of the 2 rewards failed \(reward service "
+                                          rf"http://127\.0\.0\.1:\d+{path};.*first: prompt 7 "):
+        compute_rewards(fn, _samples(["4", "5"], prompt_index=7), on_error="zero")
 
 
 def test_http_non_finite_and_unreachable(service):

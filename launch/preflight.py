@@ -1,0 +1,170 @@
+"""Everything that can be checked before a run starts, checked before it starts.
+
+``megatron-gspo config``, ``launch slurm``, ``sft`` and ``train`` call :func:`check` before they
+start a rank, a server or a job; an error is ONE message naming the field or file (a
+``ConfigError``, ``DataError``, ``RewardError`` or ``RunDirLocked``: exit status 2). What the file
+alone decides (types, ranges, divisibility of the batch by the group size and by
+``gspo.updates_per_rollout``, ...) was checked when it was loaded (``megatron_gspo.config``);
+this module adds what needs the files, the world or the network:
+
+========================================  ======  ======  ======  ============
+check                                     config  train   sft     launch slurm
+========================================  ======  ======  ======  ============
+data files exist and parse (every row)    yes     yes     yes     yes
+``run.init_from`` exists                   yes     yes     yes     yes
+data-parallel split of a mini-batch       yes     yes     yes     yes
+longest prompt + rollout.max_new_tokens   yes     yes     -       yes
+longest prompt + label (SFT rows)         -       -       yes     -
+reward function / service configured      yes     yes     -       yes
+external router reachable (5 s)           note    yes     -       - (the job starts its own)
+run directory not locked by a live run    -       yes     yes     yes
+GPU-only limits (``validate_rl``)          -       yes     -       -
+========================================  ======  ======  ======  ============
+
+``config`` only notes an unreachable external router (a ``# note:`` line, exit 0): the file it
+validates is often meant for ``launch slurm``, whose job starts the router itself (the shipped
+recipes name a placeholder URL).
+
+Lengths are measured on the actual prompts (every row of ``data.train_path`` / ``eval_path``
+through the configured tokenizer; the synthetic tasks' longest prompt is ``2 * data.digits + 2``
+bytes). A training row holds ``run.seq_length + 1`` tokens (``train.batching.rl_batch``).
+
+In a rank started by this project's own launcher the check already ran (in the launcher) and is
+skipped (``launch.rank_status.supervised``); ranks started by srun or a torchrun of the user's
+run it themselves, every rank alike.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal, Optional
+
+from megatron_gspo.config import Config, ConfigError, validate_data_parallel
+
+Program = Literal["config", "train", "sft", "launch slurm"]
+ROUTER_TIMEOUT_S = 5.0
+"""How long an external router gets to answer before the run is refused."""
+
+
+def check(cfg: Config, *, program: Program, world_size: Optional[int]) -> None:
+    """Raise the first input error of ``cfg`` for ``program`` (see the module docstring).
+    ``world_size``: the ranks the run will have (None: unknown, the split is not checked)."""
+    _check_init_from(cfg)
+    if world_size is not None:
+        from megatron_gspo.parallel import derive_layout
+
+        validate_data_parallel(cfg, derive_layout(cfg.parallel, world_size).data)
+    if program in ("train", "sft", "launch slurm"):
+        from launch.run_lock import check_free
+
+        check_free(cfg.run.output_dir)
+    if program == "train":
+        from launch.rl_session import validate_rl
+
+        validate_rl(cfg)
+    if program == "sft":
+        _check_sft_lengths(cfg)
+        return
+    _check_rl_lengths(cfg)
+    from pipeline.rewards import build_reward
+
+    build_reward(cfg.reward, cfg.data)  # imports a reward function; RewardError names it
+    if program == "train" and cfg.rollout.mode == "external":
+        check_router(cfg.rollout.router_url)
+
+
+def before_ranks(cfg: Config, *, program: Program, world_size: int, resume: bool) -> None:
+    """``train`` / ``sft``: :func:`check` unless this process is a rank whose launcher already
+    ran it; inside ranks started by srun or torchrun the world is theirs (WORLD_SIZE /
+    SLURM_NTASKS), not the one this command would start. Also refuses a run directory that
+    holds checkpoints without ``--resume`` (the ranks refuse it too)."""
+    from launch import local, rank_status
+
+    if rank_status.supervised():
+        return
+    if local.is_launched():
+        world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", world_size)))
+    check(cfg, program=program, world_size=world_size)
+    run_dir = Path(cfg.run.output_dir)
+    if not resume and (run_dir / "checkpoints" / "latest").exists():
+        raise ConfigError(f"run.output_dir: {run_dir} already holds checkpoints; pass --resume "
+                          "to continue that run or choose another run.output_dir")
+
+
+def _check_init_from(cfg: Config) -> None:
+    init = cfg.run.init_from
+    if init is not None and not Path(init).exists():
+        raise ConfigError(f"run.init_from: {init} does not exist (a Hugging Face directory or a "
+                          "Megatron checkpoint; null starts from random weights)")
+
+
+def _scan(cfg: Config, *, sft: bool) -> Optional[tuple[int, str]]:
+    """The longest row (prompt only, or prompt + label + end token with ``sft``) of the data
+    files, as (tokens, "file:line"); None for a synthetic task."""
+    if cfg.data.task is not None:
+        return None
+    from pipeline.data import DataError, build_datasets
+
+    longest: Optional[tuple[int, str]] = None
+    for dataset in build_datasets(cfg.data, seed=cfg.run.seed):
+        if dataset is None:
+            continue
+        encoder = dataset.encoder
+        for i in range(len(dataset)):
+            prompt = dataset[i]
+            tokens = len(prompt.prompt_ids)
+            if sft:
+                if prompt.label is None:
+                    raise DataError(f"{prompt.origin}: no label: SFT trains on data.label_key as "
+                                    "the response")
+                tokens += len(encoder.encode_text(prompt.label)) + 1
+            if longest is None or tokens > longest[0]:
+                longest = (tokens, prompt.origin)
+    return longest
+
+
+def _task_name(cfg: Config) -> str:
+    return f"data.task {cfg.data.task} with data.digits {cfg.data.digits}"
+
+
+def _check_rl_lengths(cfg: Config) -> None:
+    new, length = cfg.rollout.max_new_tokens, cfg.run.seq_length
+    if cfg.data.task is not None:
+        tokens, where = 2 * cfg.data.digits + 2, _task_name(cfg)
+    else:
+        tokens, where = _scan(cfg, sft=False)
+    if tokens + new > length + 1:
+        raise ConfigError(
+            f"run.seq_length: the longest prompt ({where}, {tokens} tokens) + "
+            f"rollout.max_new_tokens {new} = {tokens + new} tokens do not fit a training row of "
+            f"run.seq_length {length} + 1 tokens; raise run.seq_length to {tokens + new - 1} or "
+            "lower rollout.max_new_tokens (or shorten the prompts)")
+
+
+def _check_sft_lengths(cfg: Config) -> None:
+    length = cfg.run.seq_length
+    if cfg.data.task is not None:
+        from pipeline.tasks import TASKS
+
+        tokens = TASKS[cfg.data.task](digits=cfg.data.digits).max_length()
+        where = _task_name(cfg)
+    else:
+        tokens, where = _scan(cfg, sft=True)
+    if tokens > length + 1:
+        raise ConfigError(
+            f"run.seq_length: the longest SFT example ({where}: prompt + response + end token = "
+            f"{tokens} tokens) does not fit a training row of run.seq_length {length} + 1 "
+            f"tokens; raise run.seq_length to {tokens - 1}")
+
+
+def check_router(url: str) -> None:
+    """An external router must answer (any HTTP status) within :data:`ROUTER_TIMEOUT_S`."""
+    from pipeline.rollout import RolloutError, http_json
+
+    try:
+        http_json("GET", url.rstrip("/") + "/health", timeout_s=ROUTER_TIMEOUT_S)
+    except RolloutError as err:
+        raise ConfigError(f"rollout.router_url: {url} is not reachable within "
+                          f"{ROUTER_TIMEOUT_S:.0f} s ({err.message}); start the router first, or "
+                          "fix the URL") from None

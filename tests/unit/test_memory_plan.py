@@ -1,0 +1,264 @@
+"""The memory planner (megatron_gspo/plan.py, ``megatron-gspo plan``).
+
+* its parameter arithmetic equals an independent count: the parameters of the real Megatron
+  policy on every rank (tiny model; TP2 x EP2, uneven PP2, tied embeddings under PP2);
+* its per-token activation bytes for Megatron's local spec equal the storages autograd saves in
+  one layer's forward (saved-tensor hooks), float32 and bfloat16;
+* its verdicts: the published working layouts of gpu_path_review fit on their hardware, the
+  project's previous 30B layout without recompute does not fit on 80 GB, and the shipped recipes
+  fit on 80 GB H100s (tests/slurm/test_recipes.py runs them through config / plan / launch);
+* the command prints one itemised block per stage and ends with the ``fits:`` line.
+
+The comparison with measured peak RSS growth of tiny CPU runs is bench/bench_memory_plan.py
+(numbers in docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from megatron_gspo.config import ConfigError, config_from_dict
+from megatron_gspo.plan import GIB, PlanDoesNotFit, check_fits, plan_memory, stage_params
+from tests.distributed.spawn import run_on_ranks
+
+TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, head_dim=32,
+            num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, vocab_size=250,
+            make_vocab_size_divisible_by=8)
+
+# Qwen3-30B-A3B and Qwen3-235B-A22B (their config.json)
+QWEN3_30B = dict(num_layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4,
+                 head_dim=128, num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768,
+                 vocab_size=151936, make_vocab_size_divisible_by=128, rope_theta=1e6,
+                 max_position_embeddings=40960, params_dtype="bfloat16")
+QWEN3_235B = dict(QWEN3_30B, num_layers=94, hidden_size=4096, num_attention_heads=64,
+                  moe_ffn_hidden_size=1536)
+FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform",
+                      recompute_num_layers=1)
+
+
+# ---- parameters: the planner against the real model -------------------------------------------
+
+def _count_worker(rank, world, cfg_dicts):
+    from megatron_gspo import parallel
+    from megatron_gspo.model import gpt as policy
+
+    out = {}
+    for name, cfg_dict in cfg_dicts.items():
+        cfg = config_from_dict(cfg_dict)
+        pg = parallel.initialize(cfg.parallel)
+        gpt = policy.build_model(cfg.model, cfg.parallel, pg)
+        expert = sum(p.numel() for n, p in gpt.named_parameters() if ".experts." in n)
+        dense = sum(p.numel() for n, p in gpt.named_parameters() if ".experts." not in n)
+        out[name] = {"pp_rank": pg.pp.rank(), "dense": dense, "expert": expert}
+        parallel.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.parametrize("world, layouts", [
+    (4, {"tp2ep2": ({"tensor": 2, "sequence_parallel": True, "expert": 2, "expert_tensor": 1}, {}),
+         "tp2etp2": ({"tensor": 2, "sequence_parallel": True, "expert": 2}, {}),
+         "tp2pp2": ({"tensor": 2, "sequence_parallel": True, "pipeline": 2}, {})}),
+    (2, {"pp2_uneven": ({"pipeline": 2, "num_layers_in_first_pipeline_stage": 2}, {"num_layers": 3}),
+         "pp2_tied": ({"pipeline": 2}, {"tie_word_embeddings": True}),
+         "ep2_tied": ({"expert": 2}, {"tie_word_embeddings": True})}),
+])
+def test_parameter_counts_match_the_real_policy_on_every_rank(world, layouts):
+    cfgs = {name: {"model": {**TINY, **model}, "parallel": par}
+            for name, (par, model) in layouts.items()}
+    results = run_on_ranks(world, _count_worker, (cfgs,), timeout_s=300)
+    for name, cfg_dict in cfgs.items():
+        cfg = config_from_dict(cfg_dict)
+        for rank_result in (r[name] for r in results):
+            dense, expert = stage_params(cfg, rank_result["pp_rank"])
+            assert (dense, expert) == (rank_result["dense"], rank_result["expert"]), (name, rank_result)
+
+
+# ---- activations: the local spec's per-token bytes against autograd's saved tensors -----------
+
+def _saved_worker(rank, world, model_sections, rows, seq):
+    from megatron_gspo import parallel
+    from megatron_gspo.model import gpt as policy
+
+    out = {}
+    for name, model in model_sections.items():
+        cfg = config_from_dict({"model": {**model, "num_layers": 1}})
+        pg = parallel.initialize(cfg.parallel, seed=1)
+        gpt = policy.build_model(cfg.model, cfg.parallel, pg)
+        params = {p.untyped_storage().data_ptr() for p in gpt.parameters()}
+        depth = [0]
+        layer = gpt.decoder.layers[0]
+        layer.register_forward_pre_hook(lambda *_: depth.__setitem__(0, depth[0] + 1))
+        layer.register_forward_hook(lambda *_: depth.__setitem__(0, depth[0] - 1))
+        seen = {}
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params and ptr not in seen and depth[0] > 0:
+                seen[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        tokens = torch.randint(0, cfg.model.vocab_size, (rows, seq))
+        positions = torch.arange(seq).expand(rows, seq).contiguous()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            gpt(tokens, positions, None)
+        out[name] = sum(seen.values())
+        parallel.destroy_model_parallel()
+    return out
+
+
+def test_local_spec_activation_bytes_equal_the_tensors_autograd_saves():
+    from megatron_gspo.plan import _shape, attention_bytes, moe_bytes
+
+    rows, seq = 2, 48
+    models = {"fp32": dict(TINY), "bf16": dict(TINY, params_dtype="bfloat16"),
+              "wide": dict(TINY, hidden_size=96, moe_ffn_hidden_size=40, moe_router_topk=3,
+                           num_experts=8, num_attention_heads=8, num_query_groups=4, head_dim=16)}
+    (measured,) = run_on_ranks(1, _saved_worker, (models, rows, seq), timeout_s=300)
+    for name, model in models.items():
+        cfg = config_from_dict({"model": model})
+        s = _shape(cfg, 1.0)
+        per_token = sum(attention_bytes(s, "local").values()) + sum(moe_bytes(s, "local").values())
+        rope = 4 * seq * s.d * s.B  # the cos / sin tables: per sequence, not per token
+        predicted = per_token * rows * seq + rope
+        assert abs(predicted / measured[name] - 1) < 0.02, (name, predicted, measured[name])
+
+
+# ---- verdicts ---------------------------------------------------------------------------------
+
+PUBLISHED = {
+    # name: (GPUs, GiB per GPU, config); gpu_path_review.md's table of working layouts
+    "slime Qwen3-30B-A3B, 8 x H100": (8, 80, {
+        "model": {**QWEN3_30B, **FULL_RECOMPUTE, "moe_router_dtype": "fp32"},
+        "parallel": {"tensor": 4, "sequence_parallel": True, "expert": 8, "expert_tensor": 1},
+        "optim": {"use_distributed_optimizer": True, "optimizer_cpu_offload": True,
+                  "use_precision_aware_optimizer": True},
+        "run": {"max_tokens_per_micro_batch": 20480, "micro_batch_size": 1,
+                "global_batch_size": 32, "seq_length": 16384},
+        "gspo": {"group_size": 4}, "rollout": {"max_new_tokens": 8192}}),
+    # verl offloads the optimizer between phases; the closest Megatron mechanism here is the
+    # optimizer's CPU offload (weights and gradients stay on the GPU: the planner counts them)
+    "verl GSPO Qwen3-30B-A3B, 8 x H100": (8, 80, {
+        "model": {**QWEN3_30B, **FULL_RECOMPUTE},
+        "parallel": {"tensor": 2, "sequence_parallel": True, "expert": 8, "expert_tensor": 1},
+        "optim": {"use_distributed_optimizer": True, "optimizer_cpu_offload": True},
+        "run": {"max_tokens_per_micro_batch": 30720, "micro_batch_size": 1,
+                "global_batch_size": 256, "seq_length": 10240},
+        "gspo": {"group_size": 16, "updates_per_rollout": 8}, "rollout": {"max_new_tokens": 8192}}),
+    # examples/rl/model_configs/qwen3_30b_a3b_moe.sh does not name its GPU; without recompute
+    # or a distributed optimizer it needs more than 80 GB (asserted below), so an H200
+    "Megatron-LM RL Qwen3-30B-A3B, 8 x H200": (8, 141, {
+        "model": dict(QWEN3_30B),
+        "parallel": {"tensor": 4, "sequence_parallel": True, "expert": 2},
+        "run": {"micro_batch_size": 1, "global_batch_size": 256, "seq_length": 8192},
+        "gspo": {"group_size": 16}, "rollout": {"max_new_tokens": 8192}}),
+    "slime Qwen3-235B-A22B, 64 x H100": (64, 80, {
+        "model": {**QWEN3_235B, **FULL_RECOMPUTE},
+        "parallel": {"tensor": 4, "sequence_parallel": True, "pipeline": 4,
+                     "num_layers_in_last_pipeline_stage": 22, "context": 2, "expert": 16,
+                     "expert_tensor": 1},
+        "optim": {"use_distributed_optimizer": True, "optimizer_cpu_offload": True,
+                  "use_precision_aware_optimizer": True},
+        "run": {"max_tokens_per_micro_batch": 16384, "micro_batch_size": 1,
+                "global_batch_size": 64, "seq_length": 16384},
+        "gspo": {"group_size": 8}, "rollout": {"max_new_tokens": 8192}}),
+    "verl Qwen3-235B-A22B, 64 x H100": (64, 80, {
+        "model": {**QWEN3_235B, **FULL_RECOMPUTE},
+        "parallel": {"tensor": 4, "sequence_parallel": True, "pipeline": 8,
+                     "num_layers_in_first_pipeline_stage": 11,
+                     "num_layers_in_last_pipeline_stage": 11, "expert": 4, "expert_tensor": 1},
+        "optim": {"use_distributed_optimizer": True, "optimizer_cpu_offload": True},
+        "run": {"max_tokens_per_micro_batch": 12288, "micro_batch_size": 1,
+                "global_batch_size": 128, "seq_length": 12288},
+        "gspo": {"group_size": 16}, "rollout": {"max_new_tokens": 4096}}),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_published_working_layouts_fit_on_their_hardware(name):
+    world, gib, cfg_dict = PUBLISHED[name]
+    plan = plan_memory(config_from_dict(cfg_dict), world, gib)
+    assert plan.fits, plan.format()
+    assert plan.peak[0] > 0.15 * gib * GIB  # a real load, not an empty plan
+
+
+def test_megatron_lm_example_needs_more_than_an_h100():
+    world, _, cfg_dict = PUBLISHED["Megatron-LM RL Qwen3-30B-A3B, 8 x H200"]
+    assert not plan_memory(config_from_dict(cfg_dict), world, 80).fits
+
+
+# the project's 30B YAML before this work: TP1 / PP2 / EP8, 10,240 padded tokens per
+# micro-batch, no recompute, no offload (gpu_path_review: ~120 / ~91 GB on 16 GPUs)
+OLD_30B = {"model": dict(QWEN3_30B),
+           "parallel": {"pipeline": 2, "expert": 8, "expert_tensor": 1},
+           "optim": {"use_distributed_optimizer": True},
+           "run": {"micro_batch_size": 1, "global_batch_size": 256, "seq_length": 10240},
+           "gspo": {"group_size": 16, "updates_per_rollout": 4},
+           "rollout": {"max_new_tokens": 8192}}
+
+
+@pytest.mark.parametrize("world", [16, 64])
+def test_previous_30b_layout_without_recompute_does_not_fit_on_80_gb(world):
+    plan = plan_memory(config_from_dict(OLD_30B), world, 80)
+    assert not plan.fits
+    peak, stage = plan.peak
+    assert stage == 0 and 85 * GIB < peak < 130 * GIB  # the review's ~103-120 GB by hand
+    # ... and full recompute brings it under 80 GB
+    fixed = copy.deepcopy(OLD_30B)
+    fixed["model"].update(FULL_RECOMPUTE)
+    assert plan_memory(config_from_dict(fixed), world, 80).fits
+
+
+def test_memory_options_each_lower_the_plan():
+    def peak(changes: dict) -> float:
+        cfg = copy.deepcopy(OLD_30B)
+        for section, values in changes.items():
+            cfg[section].update(values)
+        return plan_memory(config_from_dict(cfg), 16, 80).peak[0]
+
+    base = peak({})
+    assert peak({"model": FULL_RECOMPUTE}) < base
+    assert peak({"model": {"recompute_granularity": "selective", "recompute_modules": ["moe"]}}) < base
+    assert peak({"optim": {"optimizer_cpu_offload": True}}) < base
+    assert peak({"optim": {"use_distributed_optimizer": False}}) > base
+    assert peak({"run": {"max_tokens_per_micro_batch": 4096}}) < base
+    assert peak({"gspo": {"kl_coef": 0.01}}) > base  # the reference policy's weights
+
+
+def test_in_flight_micro_batches_follow_1f1b():
+    cfg = copy.deepcopy(OLD_30B)
+    cfg["parallel"]["pipeline"] = 4
+    plan = plan_memory(config_from_dict(cfg), 32, 80)
+    held = [next(i for i in s.items if i.name.startswith("in-flight")).name for s in plan.stages]
+    assert held == [f"in-flight micro-batches: {n}" for n in (4, 3, 2, 1)]
+
+
+def test_check_fits_refuses_with_the_breakdown_unless_told_to_proceed():
+    cfg = config_from_dict(OLD_30B)
+    with pytest.raises(PlanDoesNotFit, match=r"(?s)stage 0: layers 0-23.*fits: no \(peak .* of "
+                                              r"80 GiB, stage 0\).*--ignore-memory-plan"):
+        check_fits(cfg, 16, 80)
+    assert isinstance(PlanDoesNotFit("x"), ConfigError)  # the CLI reports it as exit status 2
+    assert not check_fits(cfg, 16, 80, proceed=True).fits
+
+
+def test_plan_command_prints_every_stage_and_ends_with_the_verdict(capsys, tmp_path):
+    import yaml
+
+    from launch.cli import main
+
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(OLD_30B))
+    assert main(["plan", "--config", str(path), "--world-size", "16", "--gpu-memory-gib", "80"]) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0].startswith("layout: world 16 = tensor 1 x context 1 x pipeline 2 x data 8")
+    assert sum(line.startswith("stage ") for line in out) == 2
+    for item in ("bf16 weights", "fp32 gradients", "optimizer states", "activations / micro-batch",
+                 "in-flight micro-batches", "recompute working set", "logits + log-prob workspace",
+                 "communication & runtime"):
+        assert sum(item in line for line in out) == 2, item
+    assert out[-1].startswith("fits: no (peak ") and out[-1].endswith("of 80 GiB, stage 0)")
+    assert main(["plan", "--config", str(path), "--world-size", "16", "--gpu-memory-gib", "141"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("fits: yes")
