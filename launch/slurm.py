@@ -200,8 +200,12 @@ def server_command(layout: JobLayout, seed: int, colocated: bool, *, rollout=Non
         if colocated:
             cmd.append("--enable-memory-saver")  # the trainer releases/resumes server memory
     else:
+        # the local server loads weight updates only from its --weight-roots: the disk sync's
+        # shared directory (rollout.weight_sync_dir, default <run dir>/weights)
+        roots = (rollout.weight_sync_dir if rollout is not None and rollout.weight_sync_dir
+                 else "$MGSPO_RUN_DIR/weights")
         cmd = ['exec "$MGSPO_PYTHON" -m launch.cli serve --model-path "$MGSPO_MODEL_PATH"',
-               "--host 0.0.0.0", port, seed_arg]
+               "--host 0.0.0.0", port, seed_arg, f'--weight-roots "{roots}"']
     lines.append(" ".join(cmd))
     return "; ".join(lines)
 

@@ -347,6 +347,8 @@ class BucketStream:
 
         def produce() -> None:
             try:
+                if device.type == "cuda":  # the current device is per thread (NCCL p2p, copies)
+                    torch.cuda.set_device(device)
                 for b in range(self.count):
                     ready.put(("ok", self._gather._gather(b, self._pieces, pool, device)))
             except BaseException as err:  # noqa: BLE001 - re-raised in the consumer

@@ -75,6 +75,16 @@ def _run(name, weights, batch, reference=False):
             "weights": assemble(results, "weights", shapes)}
 
 
+def test_two_responses_lie_entirely_on_one_cp_rank():
+    """Sequences 0 (1 response token) and 1 (2) sit on one CP rank each under CP2."""
+    from megatron_gspo.train.batching import pack_micro_batch, response_counts
+
+    batch = mixed_length_batch()
+    counts = [response_counts(pack_micro_batch(batch, [0, 1], cp_rank=r, cp_size=2)).tolist()
+              for r in range(2)]
+    assert counts == [[1, 0], [0, 2]]
+
+
 @pytest.fixture(scope="module")
 def reference():
     weights = random_hf_weights(tiny_config({})["model"], seed=21)

@@ -2,7 +2,11 @@
 run end to end against fake srun / scontrol / curl (no Slurm, no GPU needed).
 
 Layout under test: 4 rollout nodes + 8 training nodes, 8 GPUs each, rollout.tp_size 4
-(2 SGLang servers per rollout node), pyxis container flags.
+(2 SGLang servers per rollout node), pyxis container flags. The 30B recipe's checkpoint, data and
+tokenizer paths point at tiny stand-ins (tests/slurm/recipe_inputs.py). Also: what a real cluster
+needs (``--mem=0``, CUDA_DEVICE_MAX_CONNECTIONS with TP / CP, ``--env`` passthrough, SGLang's
+memory / expert / data-parallel-attention / CUDA-graph flags, one-GPU-per-task sites), the
+memory plan's refusal, and colocated GPU jobs refused.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import pytest
 
 from launch.cli import main
 from tests.slurm.local_slurm import ROOT
+from tests.slurm.recipe_inputs import recipe_overrides
 
 FAKEBIN = Path(__file__).resolve().parent / "fakebin"
 QWEN = "launch/configs/qwen3_30b_a3b.yaml"
@@ -30,9 +35,11 @@ GPU_OPTIONS = ["--nodes", "8", "--rollout-nodes", "4", "--gpus-per-node", "8",
 
 
 def dry_run(capsys, run_dir: Path, *options: str, config: str = QWEN, sets=()) -> str:
+    if config == QWEN:  # the recipe's paths are placeholders: point them at stand-ins
+        sets = [*recipe_overrides(run_dir.parent / f"{run_dir.name}-inputs"), *sets]
     argv = ["launch", "slurm", "--config", config, "--set", f"run.output_dir={run_dir}",
             *[a for s in sets for a in ("--set", s)], *options, "--dry-run"]
-    assert main(argv) == 0
+    assert main(argv) == 0, capsys.readouterr().err
     return capsys.readouterr().out
 
 
@@ -73,7 +80,7 @@ def test_gpu_cluster_script(capsys, tmp_path):
     rollout, train = sbatch_components(script)
     for component in (rollout, train):
         assert {"--partition=gpu", "--time=04:00:00", "--account=rl", "--gpus-per-node=8",
-                "--exclusive"} <= set(component)
+                "--exclusive", "--mem=0"} <= set(component)
     assert {"--nodes=4", "--ntasks-per-node=2", "--requeue", "--signal=B:USR1@300",
             "--open-mode=append", f"--output={run_dir}/logs/slurm-%j.out",
             f"--chdir={ROOT}"} <= set(rollout)
@@ -89,6 +96,9 @@ def test_gpu_cluster_script(capsys, tmp_path):
     assert "-m sglang.launch_server" in body and "--tp-size 4" in body
     assert "--base-gpu-id $((SLURM_LOCALID * 4))" in body and "--host 0.0.0.0" in body
     assert "--port $((MGSPO_SERVER_PORT0 + 2 * i))" in body and "i=$SLURM_PROCID" in body
+    # SGLang's flags from the recipe's rollout section
+    assert "--mem-fraction-static 0.85" in body and "--cuda-graph-max-bs 256" in body
+    assert "--ep-size" not in body and "--enable-dp-attention" not in body
     # router: one task on the rollout component's first node
     assert router[:2] == ["srun", "--het-group=0"]
     assert {"--nodes=1", "--ntasks=1", "--nodelist=$ROUTER_HOST", "--overlap"} <= set(router)
@@ -128,18 +138,92 @@ def test_server_spanning_nodes_and_colocated_layouts(capsys, tmp_path):
     assert "i=$((SLURM_PROCID / 2))" in body and "--nnodes 2 --node-rank $((SLURM_PROCID % 2))" in body
     assert "--dist-init-addr ${hosts[$((i * 2))]}:$((MGSPO_SERVER_PORT0 + 2 * i + 1))" in body
 
-    # colocated: one component; servers, router and trainers overlap on the same nodes
-    script = dry_run(capsys, tmp_path / "b", "--nodes", "2", "--rollout-nodes", "0",
-                     "--gpus-per-node", "8", "--model-path", "/m",
-                     sets=["rollout.tp_size=2", "rollout.colocated=true"])
+    # colocated GPU jobs are refused (the trainer has no offload; NCCL: one rank per GPU)
+    argv = ["launch", "slurm", "--config", QWEN, "--nodes", "2", "--rollout-nodes", "0",
+            "--gpus-per-node", "8", "--model-path", "/m", "--dry-run",
+            "--set", f"run.output_dir={tmp_path / 'b'}", "--set", "rollout.colocated=true",
+            *[a for x in recipe_overrides(tmp_path / "b-inputs") for a in ("--set", x)]]
+    assert main(argv) == 2
+    assert ("--rollout-nodes 0: colocated servers and trainers on GPUs are not supported yet"
+            in capsys.readouterr().err)
+
+    # colocated on CPU machines: one component; servers, router and trainers overlap
+    script = dry_run(capsys, tmp_path / "c", "--nodes", "2", "--rollout-nodes", "0",
+                     "--model-path", "/m", config="launch/configs/tiny_cpu.yaml",
+                     sets=["rollout.colocated=true"])
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
     (component,) = sbatch_components(script)
-    assert {"--nodes=2", "--ntasks-per-node=8", "--gpus-per-node=8"} <= set(component)
+    assert {"--nodes=2", "--ntasks-per-node=1"} <= set(component)
+    assert not any(line.startswith(("--gpus", "--mem")) for line in component)
     servers, router, trainer = srun_lines(script)
     assert not any(w.startswith("--het-group") for w in servers + router + trainer)
-    assert {"--ntasks-per-node=4", "--overlap"} <= set(servers) and "--enable-memory-saver" in servers[-1]
-    assert {"--ntasks-per-node=8", "--overlap"} <= set(trainer)
+    assert {"--ntasks-per-node=1", "--overlap"} <= set(servers) and "launch.cli serve" in servers[-1]
+    assert {"--ntasks-per-node=1", "--overlap"} <= set(trainer)
     assert "ROLLOUT_NODELIST=$SLURM_JOB_NODELIST\n" in script
+
+
+def test_cluster_environment_and_gpu_binding(capsys, tmp_path, monkeypatch):
+    """TP > 1: CUDA_DEVICE_MAX_CONNECTIONS=1 for the trainers; --env passthrough; SGLang's
+    expert / data-parallel-attention flags; sites that bind one GPU per task."""
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
+    script = dry_run(capsys, tmp_path / "run", *GPU_OPTIONS, "--env", "NCCL_IB_HCA=mlx5_0,mlx5_1",
+                     "--env", "NCCL_SOCKET_IFNAME", "--gpu-binding", "task",
+                     sets=["rollout.tp_size=4", "rollout.ep_size=4", "rollout.enable_dp_attention=true",
+                           "rollout.dp_size=2", "parallel.tensor=2", "parallel.sequence_parallel=true"])
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    assert "export NCCL_IB_HCA=mlx5_0,mlx5_1\n" in script and "export NCCL_SOCKET_IFNAME=ib0\n" in script
+    servers, _, trainer = srun_lines(script)
+    assert option(trainer, "export") == ("ALL,MASTER_ADDR=$MASTER_ADDR,MASTER_PORT=$MASTER_PORT,"
+                                         "CUDA_DEVICE_MAX_CONNECTIONS=1,LOCAL_RANK=0")
+    assert option(trainer, "gpus-per-task") == "1" and option(servers, "gpus-per-task") == "4"
+    body = servers[-1]
+    assert "--base-gpu-id 0" in body and "SLURM_LOCALID" not in body
+    assert "--ep-size 4" in body and "--enable-dp-attention --dp-size 2" in body
+    # the default binding: every task sees the node's GPUs; TP 1 / CP 1: no connection limit
+    script = dry_run(capsys, tmp_path / "run2", *GPU_OPTIONS, sets=["rollout.tp_size=4"])
+    servers, _, trainer = srun_lines(script)
+    assert option(trainer, "export") == "ALL,MASTER_ADDR=$MASTER_ADDR,MASTER_PORT=$MASTER_PORT"
+    assert not any(w.startswith("--gpus-per-task") for w in servers + trainer)
+    assert "# (none: pass launch slurm --env NAME=VALUE)" in script
+    argv = ["launch", "slurm", "--config", QWEN, *GPU_OPTIONS, "--env", "NOT_SET_ANYWHERE_X",
+            "--set", f"run.output_dir={tmp_path / 'r3'}", "--dry-run",
+            *[a for x in recipe_overrides(tmp_path / "r3-inputs") for a in ("--set", x)]]
+    monkeypatch.delenv("NOT_SET_ANYWHERE_X", raising=False)
+    assert main(argv) == 2
+    assert "--env NOT_SET_ANYWHERE_X: not set in this environment" in capsys.readouterr().err
+
+
+def test_memory_plan_refuses_a_layout_that_does_not_fit(capsys, tmp_path):
+    """No recompute and padded 10,240-token rows (the project's previous 30B layout): refused
+    with the plan's breakdown; --ignore-memory-plan submits and passes the flag to train."""
+    no_recompute = ["model.recompute_granularity=null", "model.recompute_method=null",
+                    "model.recompute_num_layers=null", "run.max_tokens_per_micro_batch=null",
+                    "rollout.tp_size=4"]
+    inputs = [a for x in recipe_overrides(tmp_path / "inputs") for a in ("--set", x)]
+    argv = ["launch", "slurm", "--config", QWEN, *GPU_OPTIONS, "--dry-run", *inputs,
+            "--set", f"run.output_dir={tmp_path / 'run'}", *[a for x in no_recompute for a in ("--set", x)]]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "the memory plan says this layout does not fit" in err and "stage 0: layers 0-23" in err
+    assert re.search(r"fits: no \(peak \d+\.\d GiB of 80 GiB, stage 0\)", err)
+    assert main(argv + ["--ignore-memory-plan"]) == 0
+    captured = capsys.readouterr()
+    assert "# memory plan: fits: no" in captured.err
+    (_, _, trainer) = srun_lines(captured.out)
+    assert trainer[-1] == "--ignore-memory-plan"
+    assert main(argv + ["--gpu-memory-gib", "141"]) == 0  # an H200 holds it
+    capsys.readouterr()
+
+
+def test_megatron_checkpoint_init_needs_the_hf_model_path(capsys, tmp_path):
+    inputs = recipe_overrides(tmp_path / "inputs")
+    (tmp_path / "inputs" / "mcore" / ".metadata").write_bytes(b"")  # a torch_dist directory
+    options = [o for o in GPU_OPTIONS if o not in ("--model-path", "/lustre/models/Qwen3-30B-A3B")]
+    argv = ["launch", "slurm", "--config", QWEN, *options, "--dry-run",
+            "--set", f"run.output_dir={tmp_path / 'run'}", "--set", "rollout.tp_size=4",
+            *[a for x in inputs for a in ("--set", x)]]
+    assert main(argv) == 2
+    assert "--model-path: required: run.init_from is a Megatron checkpoint" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("options, sets, message", [
@@ -218,20 +302,21 @@ def test_gpu_script_runs_the_job_against_fake_slurm(capsys, tmp_path):
 
 
 def test_colocated_script_runs_the_job_against_fake_slurm(capsys, tmp_path):
+    """A colocated CPU job (local servers and gloo trainers on the same two nodes)."""
     script = dry_run(capsys, tmp_path / "run", "--nodes", "2", "--rollout-nodes", "0",
-                     "--gpus-per-node", "8", "--model-path", "/m",
-                     sets=["rollout.tp_size=2", "rollout.colocated=true"])
-    proc, calls = _run_with_fakes(script, tmp_path, FAKE_NUM_SERVERS="8",
-                                  SLURM_JOB_NODELIST="gpu-[007-008]")
+                     "--model-path", "/m", config="launch/configs/tiny_cpu.yaml",
+                     sets=["rollout.colocated=true"])
+    proc, calls = _run_with_fakes(script, tmp_path, FAKE_NUM_SERVERS="2",
+                                  SLURM_JOB_NODELIST="cpu-[007-008]")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     sruns = [c for c in calls if c["tool"] == "srun"]
     (trainer,) = [s for s in sruns if "train" in s["command"]]
     assert all("het-group" not in s["options"] and "overlap" in s["options"] for s in sruns)
     port0 = 20000 + (4242 % 120) * 100
-    assert trainer["options"]["export"] == f"ALL,MASTER_ADDR=gpu-007,MASTER_PORT={port0 + 1}"
-    assert trainer["command"][-1] == f"rollout.router_url=http://gpu-007:{port0}"
+    assert trainer["options"]["export"] == f"ALL,MASTER_ADDR=cpu-007,MASTER_PORT={port0 + 1}"
+    assert trainer["command"][-1] == f"rollout.router_url=http://cpu-007:{port0}"
     registered = [json.loads(c["body"])["url"] for c in calls if c["tool"] == "curl"]
-    assert registered == [f"http://gpu-00{7 + i // 4}:{port0 + 10 + 2 * i}" for i in range(8)]
+    assert registered == [f"http://cpu-00{7 + i}:{port0 + 10 + 2 * i}" for i in range(2)]
 
 
 def test_unhealthy_server_fails_the_job_naming_it(capsys, tmp_path):

@@ -12,9 +12,10 @@ from launch.cli import build_parser, main
 # Freeze the CLI: adding or removing an option is a deliberate change of this list.
 EXPECTED_OPTIONS = {
     "demo": {"--config", "--sft-config", "--out", "--set"},
-    "train": {"--config", "--set", "--resume", "--nproc"},
+    "train": {"--config", "--set", "--resume", "--nproc", "--ignore-memory-plan"},
     "sft": {"--config", "--set", "--resume", "--nproc"},
     "config": {"--config", "--set", "--world-size"},
+    "plan": {"--config", "--set", "--world-size", "--gpu-memory-gib", "--spec", "--moe-imbalance"},
     "plot": {"--out"},
     "serve": {"--model-path", "--model", "--host", "--port", "--random-seed", "--skip-tokenizer-init",
               "--weight-version", "--context-length", "--max-running-requests",
@@ -24,7 +25,8 @@ EXPECTED_OPTIONS = {
     "launch slurm": {"--config", "--set", "--nodes", "--rollout-nodes", "--gpus-per-node",
                      "--ntasks-per-node", "--server", "--model-path", "--partition", "--account",
                      "--time", "--job-name", "--signal-before-s", "--health-timeout-s",
-                     "--container-image", "--container-mounts", "--dry-run"},
+                     "--container-image", "--container-mounts", "--gpu-binding", "--env",
+                     "--gpu-memory-gib", "--ignore-memory-plan", "--dry-run"},
 }
 
 
@@ -53,8 +55,12 @@ def test_help_explains_each_command(command):
     assert len(out.stdout.splitlines()) > 8
 
 
-def test_config_command_prints_layout(capsys):
-    assert main(["config", "--config", "launch/configs/qwen3_30b_a3b.yaml", "--world-size", "16"]) == 0
+def test_config_command_prints_layout(capsys, tmp_path):
+    from tests.slurm.recipe_inputs import recipe_overrides
+
+    stand_ins = [a for s in recipe_overrides(tmp_path) for a in ("--set", s)]  # recipe placeholders
+    assert main(["config", "--config", "launch/configs/qwen3_30b_a3b.yaml", "--world-size", "16",
+                 *stand_ins]) == 0
     out = capsys.readouterr().out
     assert "world 16 = tensor 1 x context 1 x pipeline 2 x data 8" in out
     assert "padded vocabulary: 151936" in out

@@ -1,0 +1,421 @@
+"""The GPU path of issue 12 in one script: one GPU, CUDA + NCCL (world size 1), a few minutes.
+
+    python bench/gpu_smoke.py                 # on a machine with one CUDA GPU
+    python bench/gpu_smoke.py --device cpu    # the same checks on CPU / gloo (what the tests run)
+    python bench/gpu_smoke.py --only sft_bf16_distributed_optimizer --only converted_checkpoint
+
+Prints one line per check, ``PASS <check> (<seconds> s): <what it saw>`` or ``FAIL <check>:
+<why>``, and ends with ``gpu_smoke: N/M checks passed on <device>``; exit status 0 iff all
+passed. The checks, in order (each uses the project's real code paths, nothing re-implemented):
+
+  environment                    torch / CUDA / device / megatron-core, the default process
+                                 group's backend (cpu:gloo,cuda:nccl on a GPU)
+  sft_bf16_distributed_optimizer SFTTrainer steps in bf16 with Megatron's distributed optimizer
+                                 (CPU: float32 and the plain optimizer: Megatron's bf16 and
+                                 distributed optimizers wrap CUDA tensors only); the loss falls
+                                 and the parameters live on the device
+  rl_train_rollout               RLTrainer.train_rollout on a real rollout batch: the trainer's
+                                 initial weights exported, one local rollout server started from
+                                 them, pipeline.loop.rollout_phase samples and scores it
+  checkpoint_exact_resume        RLTrainer.save, then a second trainer .load: its weights equal
+                                 the saved ones bit for bit, and one more update from each gives
+                                 bit-identical weights (torch deterministic algorithms on)
+  converted_checkpoint           a tiny transformers Qwen3-MoE converted on the CPU
+                                 (hf_to_mcore), loaded into the policy on the device: its
+                                 log-probs equal transformers' (float32, 1e-4)
+  train_command                  ``megatron-gspo train`` (local rollout server, disk weight
+                                 sync, 2 steps, a checkpoint each step), then ``--resume`` to a
+                                 third step
+
+What it does not cover: Transformer Engine (too large to carry: the local spec runs), SGLang
+itself (the project's own rollout server answers SGLang's protocol; it runs on the CPU, the
+trainer on the GPU), more than one GPU.
+
+Preparing a machine without a package index (its Python 3.12 already has torch): next to this
+script, a ``wheels/`` directory (or ``--wheels DIR``) with every missing dependency, e.g. on a
+machine with an index::
+
+    pip download megatron-core==0.16.1 --python-version 3.12 --only-binary=:all: --no-deps -d bench/wheels
+    # and whatever `python bench/gpu_smoke.py --list-missing` names on the GPU machine, the same way
+
+The script installs from that directory only (``pip install --no-index --find-links``) and only
+the distributions whose modules do not import. Results of a GPU run belong in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# module -> distribution (what `pip download` fetches); the project's runtime dependencies that
+# the checks import, and the serve extra (the local rollout server and the router)
+DEPENDENCIES = {
+    "megatron.core": "megatron-core==0.16.1",
+    "yaml": "pyyaml",
+    "transformers": "transformers",
+    "tokenizers": "tokenizers",
+    "safetensors": "safetensors",
+    "psutil": "psutil",
+    "tqdm": "tqdm",
+    "math_verify": "math-verify",
+    "aiohttp": "aiohttp",
+    "tensorboard": "tensorboard",
+    "fastapi": "fastapi",
+    "uvicorn": "uvicorn",
+    "sglang_router": "sglang-router==0.3.2",
+}
+
+
+def missing_modules() -> list[str]:
+    import importlib.util
+
+    out = []
+    for module in DEPENDENCIES:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # a parent package is absent
+            found = False
+        if not found:
+            out.append(module)
+    return out
+
+
+def install_missing(wheels: Path) -> list[str]:
+    """pip-install the missing distributions from ``wheels`` only; returns what it installed."""
+    missing = missing_modules()
+    if not missing:
+        return []
+    if not wheels.is_dir():
+        raise SystemExit(f"gpu_smoke: missing {', '.join(DEPENDENCIES[m] for m in missing)} and no "
+                         f"wheel directory {wheels} (see the module docstring)")
+    wanted = [DEPENDENCIES[m] for m in missing]
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--find-links",
+                           str(wheels), *wanted], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"gpu_smoke: pip install --no-index from {wheels} failed:\n"
+                         f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return wanted
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared pieces
+
+
+def tiny_model(**overrides) -> dict:
+    """A byte-level Qwen3-style MoE big enough to exercise the kernels, small enough for a CPU."""
+    model = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                 head_dim=32, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=64,
+                 vocab_size=256, make_vocab_size_divisible_by=8, max_position_embeddings=64,
+                 rope_theta=10000.0)
+    model.update(overrides)
+    return model
+
+
+def spread_reward(prompt, response_ids, response_text) -> float:
+    """A reward that differs between the samples of a group (a function of the sampled ids)."""
+    return float(sum(response_ids) % 7) / 6.0
+
+
+class Smoke:
+    """The checks; ``device`` is "cuda" or "cpu"."""
+
+    def __init__(self, device: str, work: Path):
+        self.device, self.work = device, work
+        self.cuda = device == "cuda"
+        self.rl_trainer = None  # made by rl_train_rollout, reused by checkpoint_exact_resume
+        self.rl_batch = None
+
+    # -- helpers ---------------------------------------------------------------------------
+    def initialize(self, cfg):
+        from megatron_gspo import parallel
+
+        return parallel.initialize(cfg.parallel, seed=cfg.run.seed)
+
+    def rl_config(self, run_dir: Path):
+        from megatron_gspo.config import config_from_dict
+
+        return config_from_dict({
+            "model": tiny_model(params_dtype="bfloat16" if self.cuda else "float32"),
+            "optim": {"lr": 1e-3, "use_distributed_optimizer": self.cuda, "adam_beta2": 0.98},
+            "gspo": {"group_size": 4, "updates_per_rollout": 2},
+            "rollout": {"max_new_tokens": 6, "deterministic": True},
+            "run": {"seed": 11, "output_dir": str(run_dir), "global_batch_size": 16,
+                    "micro_batch_size": 4, "seq_length": 16, "num_steps": 4},
+            "data": {"task": "addition", "digits": 2, "num_eval_prompts": 8},
+            # a random policy never adds correctly: every group's rewards would be equal and the
+            # update zero; this reward spreads them (bench/gpu_smoke.py:spread_reward)
+            "reward": {"kind": "function", "function": f"{Path(__file__).resolve()}:spread_reward"}})
+
+    def check_device(self, module) -> str:
+        where = next(module.parameters()).device.type
+        if where != self.device:
+            raise AssertionError(f"parameters on {where}, expected {self.device}")
+        return where
+
+    # -- the checks ------------------------------------------------------------------------
+    def environment(self) -> str:
+        import megatron.core
+        import torch
+        import torch.distributed as dist
+
+        from megatron_gspo.model.gpt import transformer_engine_available
+        from megatron_gspo.parallel import default_backend
+
+        backend = dist.get_backend()
+        expected = default_backend(self.cuda)
+        if backend != expected:
+            raise AssertionError(f"default group backend {backend!r}, expected {expected!r}")
+        where = (f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})" if self.cuda
+                 else "CPU")
+        return (f"{where}, torch {torch.__version__}, megatron-core {megatron.core.__version__}, "
+                f"Transformer Engine {'yes' if transformer_engine_available() else 'no (local spec)'}, "
+                f"default group {backend}")
+
+    def sft_bf16_distributed_optimizer(self) -> str:
+        from megatron_gspo import parallel
+        from megatron_gspo.config import config_from_dict
+        from megatron_gspo.train.sft import SFTTrainer
+        from pipeline.tasks import PAD_ID
+
+        # Megatron's bf16 optimizers wrap CUDA tensors only: float32 on CPU
+        dtype = "bfloat16" if self.cuda else "float32"
+        cfg = config_from_dict({
+            "model": tiny_model(params_dtype=dtype),
+            "optim": {"lr": 3e-3, "use_distributed_optimizer": self.cuda, "adam_beta2": 0.98},
+            "run": {"seed": 3, "global_batch_size": 16, "micro_batch_size": 8, "seq_length": 16,
+                    "num_steps": 12, "output_dir": str(self.work / "sft")}})
+        pg = self.initialize(cfg)
+        trainer = SFTTrainer(cfg, pg, pad_id=PAD_ID)
+        self.check_device(trainer.gpt)
+        optimizer = type(trainer.state.optimizer).__name__
+        if self.cuda and "Distributed" not in optimizer:
+            raise AssertionError(f"optimizer {optimizer}, expected Megatron's DistributedOptimizer")
+        pairs = []
+        for i in range(16):
+            a, b = (7 * i) % 50, (13 * i + 5) % 50
+            pairs.append((list(f"{a}+{b}=".encode()), list(f"{a + b}\n".encode())))
+        losses = [trainer.train_batch(pairs)["loss"] for _ in range(cfg.run.num_steps)]
+        parallel.destroy_model_parallel()
+        if not all(l == l for l in losses) or not losses[-1] < 0.7 * losses[0]:
+            raise AssertionError(f"the loss did not fall: {losses}")
+        return (f"{cfg.run.num_steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+                f"{dtype} weights, {optimizer}")
+
+    def rl_train_rollout(self) -> str:
+        import math
+
+        from megatron_gspo.hf.export import export_hf_dir
+        from megatron_gspo.train.rl_trainer import RLTrainer
+        from pipeline import loop
+        from pipeline.data import PromptSampler, build_datasets
+        from pipeline.metrics import MetricsLogger
+        from pipeline.rewards import build_reward
+        from pipeline.rollout import RolloutClient
+        from pipeline.servers import LocalRolloutCluster
+        from pipeline.tasks import write_byte_tokenizer
+
+        run_dir = self.work / "rl"
+        cfg = self.rl_config(run_dir)
+        pg = self.initialize(cfg)
+        trainer = RLTrainer(cfg, pg)
+        self.check_device(trainer.gpt)
+        hf_dir = export_hf_dir(trainer.gpt, cfg.model, pg, run_dir / "init_hf")
+        write_byte_tokenizer(hf_dir)
+        train_set, _ = build_datasets(cfg.data, seed=cfg.run.seed)
+        with LocalRolloutCluster(hf_dir, 1, log_dir=run_dir / "logs", random_seed=cfg.run.seed,
+                                 router=False, server_args=["--max-running-requests", "1"]) as cluster:
+            client = RolloutClient(server_urls=list(cluster.server_urls))
+            ctx = loop.LoopContext(
+                cfg=cfg, run_dir=str(run_dir), logger=MetricsLogger(run_dir, enabled=False),
+                stop=loop.StopFlag(), sampler=PromptSampler(train_set, seed=cfg.run.seed),
+                reward_fn=build_reward(cfg.reward, cfg.data), client=client,
+                decode=train_set.encoder.decode, stop_token_ids=[train_set.encoder.eos_id])
+            batch, rollout_metrics = loop.rollout_phase(ctx, 1)
+        self.rl_batch = {k: v.clone() for k, v in batch.items()}
+        metrics = trainer.train_rollout(batch, 1)
+        for key in ("grad_norm", "entropy_mean", "rollout_trainer_logprob_abs_diff"):
+            if not math.isfinite(float(metrics.get(key, float("nan")))):
+                raise AssertionError(f"metric {key} = {metrics.get(key)}")
+        if metrics["grad_norm"] <= 0:
+            raise AssertionError("no gradient reached the optimizer")
+        self.rl_trainer = trainer
+        return (f"{batch['tokens'].shape[0]} sampled rows, reward {rollout_metrics['reward_mean']:.3f}, "
+                f"grad_norm {metrics['grad_norm']:.3g}, rollout/trainer |dlogp| "
+                f"{metrics['rollout_trainer_logprob_abs_diff']:.2e}")
+
+    def checkpoint_exact_resume(self) -> str:
+        import torch
+
+        from megatron_gspo.train.rl_trainer import RLTrainer
+
+        if self.rl_trainer is None:
+            raise AssertionError("needs rl_train_rollout's trainer (run it first)")
+        a = self.rl_trainer
+        cfg, pg = a.cfg, a.pg
+        path = a.save(self.work / "ckpt", 1, {"note": "gpu_smoke"})
+        b = RLTrainer(cfg, pg)  # random weights of the same seed, a fresh optimizer
+        state = b.load(path)
+        if state.get("note") != "gpu_smoke":
+            raise AssertionError(f"run state not restored: {state}")
+
+        def weights(trainer):
+            return {n: p.detach().clone() for n, p in trainer.gpt.named_parameters()}
+
+        differ = [n for n, t in weights(a).items() if not torch.equal(t, weights(b)[n])]
+        if differ:
+            raise AssertionError(f"loaded weights differ from the saved ones: {differ[:3]}")
+        for trainer in (a, b):
+            trainer.train_rollout({k: v.clone() for k, v in self.rl_batch.items()}, 2)
+        wa, wb = weights(a), weights(b)
+        worst = max(float((wa[n].double() - wb[n].double()).abs().max()) for n in wa)
+        if worst != 0.0:
+            raise AssertionError(f"one more update from the saved and the loaded state differs by "
+                                 f"up to {worst:.3e} (optimizer state or RNG not restored, or a "
+                                 "nondeterministic kernel)")
+        return f"{len(wa)} tensors bitwise after load and after one more update ({path.name})"
+
+    def converted_checkpoint(self) -> str:
+        import torch
+
+        from megatron_gspo import parallel
+        from megatron_gspo.config import ParallelConfig, config_from_dict
+        from megatron_gspo.hf.convert import hf_to_mcore
+        from megatron_gspo.hf.hf_config import model_config_from_hf
+        from megatron_gspo.hf.mcore_checkpoint import load_model
+        from megatron_gspo.model import gpt as policy
+        from megatron_gspo.train.rl_loss import make_log_prob_fn
+        from megatron_gspo.train.train_step import build_train_state, forward_backward
+        from tests.hf_tiny import build_hf_model, hf_log_probs, random_batch, save_hf_model
+
+        hf_model = build_hf_model("gqa2_untied", seed=5)
+        hf_dir = save_hf_model(hf_model, self.work / "convert" / "hf")
+        hf_to_mcore(hf_dir, self.work / "convert" / "mcore", progress=False)  # on the CPU
+        model_cfg = model_config_from_hf(str(hf_dir))
+        cfg = config_from_dict({"model": {f: getattr(model_cfg, f) for f in (
+            "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
+            "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "norm_topk_prob",
+            "vocab_size", "rope_theta", "rms_norm_eps", "tie_word_embeddings")}})
+        pg = parallel.initialize(ParallelConfig(), seed=1)
+        gpt = policy.build_model(cfg.model, cfg.parallel, pg)
+        self.check_device(gpt)
+        load_model(gpt, self.work / "convert" / "mcore")
+        state = build_train_state(gpt, cfg, pg)
+        batch = random_batch(cfg.model.vocab_size)
+        mb = {k: v.clone() for k, v in batch.items()}
+        forward_backward(state, [mb], make_log_prob_fn(cfg.model, pg), num_units_global=1,
+                         forward_only=True)
+        ours = mb["old_log_probs"].double().cpu()
+        reference = hf_log_probs(hf_model, batch)
+        parallel.destroy_model_parallel()
+        err = float((ours - reference).abs().max())
+        if not err <= 1e-4:
+            raise AssertionError(f"max |log p - log p_transformers| = {err:.2e} > 1e-4")
+        return f"converted on CPU, loaded on {self.device}: max |dlogp| vs transformers {err:.1e}"
+
+    def train_command(self) -> str:
+        run_dir = self.work / "train"
+        base = [sys.executable, "-m", "launch.cli", "train", "--config", "launch/configs/tiny_cpu.yaml",
+                "--nproc", "1", "--set", f"run.output_dir={run_dir}", "--set", "parallel.expert=1",
+                "--set", "rollout.num_servers=1", "--set", "rollout.weight_sync=disk",
+                "--set", "run.global_batch_size=32", "--set", "run.eval_interval=0",
+                "--set", "run.save_interval=1", "--set", "rollout.deterministic=true"]
+        if self.cuda:
+            base += ["--set", "model.params_dtype=bfloat16",
+                     "--set", "optim.use_distributed_optimizer=true"]
+        # a fresh world of its own: not this process's rank variables (its port is taken)
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+        for steps, extra in ((2, []), (3, ["--resume"])):
+            proc = subprocess.run([*base, "--set", f"run.num_steps={steps}", *extra], cwd=ROOT,
+                                  env=env, capture_output=True, text=True, timeout=900)
+            if proc.returncode != 0:
+                raise AssertionError(f"train (steps {steps} {extra}) exited {proc.returncode}:\n"
+                                     f"{proc.stdout[-1500:]}\n{proc.stderr[-2500:]}")
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        steps = sorted({r["step"] for r in records if "train/grad_norm" in r})
+        if steps != [1, 2, 3]:
+            raise AssertionError(f"trained steps {steps}, expected [1, 2, 3]")
+        syncs = [r for r in records if any(k.startswith("sync/") for k in r)]
+        if len(syncs) < 3:
+            raise AssertionError(f"{len(syncs)} weight syncs recorded, expected one per step")
+        if "resumed from" not in proc.stdout + proc.stderr:
+            raise AssertionError("the second run did not say it resumed")
+        return "2 steps + checkpoints, --resume to step 3; disk weight sync every step"
+
+
+CHECKS = ["environment", "sft_bf16_distributed_optimizer", "rl_train_rollout",
+          "checkpoint_exact_resume", "converted_checkpoint", "train_command"]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--only", action="append", choices=CHECKS,
+                        help="run only these checks (repeatable; default: all, in order)")
+    parser.add_argument("--wheels", type=Path, default=Path(__file__).resolve().parent / "wheels",
+                        help="directory of wheels to install missing dependencies from "
+                             "(default: bench/wheels)")
+    parser.add_argument("--list-missing", action="store_true",
+                        help="print the distributions whose modules do not import, and exit")
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="where the checks write (default: a temporary directory)")
+    args = parser.parse_args(argv)
+    if args.list_missing:
+        print("\n".join(DEPENDENCIES[m] for m in missing_modules()) or "(nothing missing)")
+        return 0
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch initialises CUDA
+    installed = install_missing(args.wheels)
+    if installed:
+        print(f"installed from {args.wheels}: {', '.join(installed)}", flush=True)
+    sys.path.insert(0, str(ROOT))
+    os.chdir(ROOT)
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 1000))
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_smoke: no CUDA device (use --device cpu for the CPU run)", file=sys.stderr)
+        return 2
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    from launch import benign_warnings
+    from megatron_gspo import parallel
+
+    benign_warnings.apply()
+    parallel.init_distributed()
+    passed, selected = 0, args.only or CHECKS
+    with tempfile.TemporaryDirectory(prefix="gpu_smoke_") as tmp:
+        work = args.work_dir or Path(tmp)
+        smoke = Smoke(args.device, work)
+        for name in CHECKS:
+            if name not in selected:
+                continue
+            start = time.monotonic()
+            try:
+                detail = getattr(smoke, name)()
+                passed += 1
+                print(f"PASS {name} ({time.monotonic() - start:.1f} s): {detail}", flush=True)
+            except Exception as err:  # noqa: BLE001 - every check reports, the next one runs
+                last = traceback.format_exception(err)[-1].strip()
+                print(f"FAIL {name} ({time.monotonic() - start:.1f} s): {last}", flush=True)
+                traceback.print_exc()
+        parallel.destroy()
+    print(f"gpu_smoke: {passed}/{len(selected)} checks passed on {args.device}", flush=True)
+    return 0 if passed == len(selected) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
