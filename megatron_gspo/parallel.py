@@ -4,6 +4,12 @@ The layout is ``world = tensor x context x pipeline x data`` for the dense part,
 ``world = expert_tensor x expert x pipeline x expert_data``; the data-parallel sizes are derived.
 :func:`initialize` returns Megatron's :class:`ProcessGroupCollection`, which the rest of the code
 receives explicitly (no module reads ``parallel_state`` globals on its own).
+
+Groups on GPUs (:func:`init_distributed`): the default group is ``cpu:gloo,cuda:nccl`` (every
+Megatron subgroup inherits both, so a host tensor in a small all-reduce cannot hit NCCL), the
+training collectives use tensors on :func:`collective_device`, and rank 0's host-side control
+traffic (rollout batches, outcomes, stop flags) has a gloo group of its own with its own, long
+timeout; both timeouts are ``parallel.*_timeout_minutes``.
 """
 
 from __future__ import annotations

@@ -287,18 +287,20 @@ def sync_weights(ctx: LoopContext, trainer: Trainer, version: str) -> dict:
     are dropped (and restarted in embedded mode, then included here: a restarted server gets
     these weights before it re-enters the router); a push that fails because a server died
     meanwhile is made again to the servers left."""
-    members = _sync_members(ctx)
+    from pipeline.weight_push import WeightPushError
+
+    pool = _sync_members(ctx)
     for attempt in range(MAX_SYNC_ATTEMPTS):
         try:
             stats = ctx.weights.push(trainer.hf_buckets(), version)
-        except Exception:
-            if members is None or attempt + 1 == MAX_SYNC_ATTEMPTS:
+        except WeightPushError:  # raised on every rank alike: all of them retry or none
+            if pool is None or attempt + 1 == MAX_SYNC_ATTEMPTS:
                 raise
-            before, members = members, _sync_members(ctx)
-            if members == before:  # nobody died: the push failed for another reason
+            before, pool = pool, _sync_members(ctx)
+            if pool["events"] == before["events"]:  # no server died: another failure
                 raise
             continue
-        if members is not None:
+        if pool is not None:
             _pool_call(ctx, lambda: ctx.servers.admit())
         return stats.metrics()
     raise AssertionError("unreachable")
@@ -312,21 +314,22 @@ def _pool_call(ctx: LoopContext, fn):
     return value
 
 
-def _sync_members(ctx: LoopContext) -> Optional[list[str]]:
-    """Collective: rank 0's pool check (None without a pool); every rank's pusher then pushes
-    to the servers it returned."""
+def _sync_members(ctx: LoopContext) -> Optional[dict]:
+    """Collective: rank 0's pool check (None without a pool): ``{"members", "renewed",
+    "events"}``; every rank's pusher then pushes to those members."""
     has_pool = _broadcast(ctx.servers is not None if dist.get_rank() == 0 else None,
                           ctx.control_group)
     if not has_pool:
         return None
 
-    def check() -> list[str]:
+    def check() -> dict:
         members = ctx.servers.check()
         ctx.server_urls = list(members)  # colocated release / resume: the live ones
-        return members
-    members = _pool_call(ctx, check)
-    ctx.weights.set_servers(members)
-    return members
+        return {"members": members, "renewed": ctx.servers.take_renewed(),
+                "events": ctx.servers.events}
+    pool = _pool_call(ctx, check)
+    ctx.weights.set_servers(pool["members"], renewed=pool["renewed"])
+    return pool
 
 
 def server_metrics(ctx: LoopContext) -> dict:

@@ -60,7 +60,10 @@ class ServerPool:
     min_servers: int = 1
     probe_timeout_s: float = PROBE_TIMEOUT_S
     restarts: int = 0
+    events: int = 0
+    """Drops, restarts and returns so far: a sync retried after a failure compares it."""
     _servers: list[_Server] = field(default_factory=list)
+    _renewed: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.min_servers < 1:
@@ -86,12 +89,14 @@ class ServerPool:
             if server.state == "dropped":
                 if server.index is None and self._answers(server):
                     server.state = "pending"
+                    self._renew(server)
                     self._note(f"{server.url} answers again: synced, then back in the router")
                 continue
             why = self._dead(server)
             if why is None:
                 continue
             server.why = why
+            self.events += 1
             self._remove_from_router(server)
             if server.index is None:
                 server.state = "dropped"
@@ -108,6 +113,7 @@ class ServerPool:
                 continue
             self.restarts += 1
             server.state = "pending"
+            self._renew(server)
         left = self.members()
         if len(left) < self.min_servers:
             dead = "; ".join(f"{s.url}: {s.why}" for s in self._servers if s.state == "dropped")
@@ -115,6 +121,12 @@ class ServerPool:
                 f"only {len(left)} of {len(self._servers)} rollout servers left, "
                 f"rollout.min_servers is {self.min_servers} ({dead})")
         return left
+
+    def take_renewed(self) -> list[str]:
+        """Members that are new processes since the last call (restarted, or back): the weight
+        sync must make its update groups again for them even if the URLs are the same."""
+        renewed, self._renewed = self._renewed, []
+        return [u for u in renewed if u in self.members()]
 
     def admit(self) -> list[str]:
         """After a successful sync: pending servers (restarted or back) join the router; returns
@@ -137,6 +149,11 @@ class ServerPool:
                 "rollout/server_restarts": float(self.restarts)}
 
     # ------------------------------------------------------------------ helpers
+    def _renew(self, server: _Server) -> None:
+        self.events += 1
+        if server.url not in self._renewed:
+            self._renewed.append(server.url)
+
     def _dead(self, server: _Server) -> Optional[str]:
         """Why ``server`` counts as dead, or None."""
         if server.index is not None:

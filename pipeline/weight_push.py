@@ -227,16 +227,17 @@ class WeightPusher:
         self._group_made = False
         self._pool.shutdown(wait=True)
 
-    def set_servers(self, server_urls: Sequence[str]) -> None:
+    def set_servers(self, server_urls: Sequence[str], *, renewed: Sequence[str] = ()) -> None:
         """Push to ``server_urls`` from the next push on (``pipeline.server_pool``: a dead server
-        dropped, a restarted one back). Every rank passes the same list (rank 0's). A change tears
+        dropped, a restarted one back); ``renewed``: those of them that are new processes behind
+        a known URL (restarted). Every rank passes the same lists (rank 0's). A change tears
         down the update groups (they are made again, with the new members, at the next push:
-        the world size and the servers' rank offsets change) and makes the next delta push a
-        full one."""
+        the world size and the servers' rank offsets change, and a restarted server is in no
+        group) and makes the next delta push a full one."""
         urls = [u.rstrip("/") for u in server_urls]
         if not urls:
             raise ValueError("no rollout servers to push to")
-        if urls == self.server_urls:
+        if urls == self.server_urls and not renewed:
             return
         if self._update_group is not None:
             name = self._my_group_name()

@@ -231,6 +231,10 @@ run_job() {
         # 75: the trainer checkpointed; the job says so too (Slurm requeues it if it is being
         # requeued or preempted; otherwise the same command resumes it)
         [ "$rc" = 75 ] && finish 75 "megatron-gspo job: stopped by SIGTERM after a checkpoint (exit 75: Slurm requeues the job if it is being requeued or preempted; otherwise submit the same command to resume)"
+        # 137: srun answers a SIGTERM sent to srun itself (scancel --full, a stop of the whole
+        # cgroup) with SIGKILL of its tasks before they can save; the newest complete checkpoint
+        # is where the next start resumes
+        [ "$rc" = 137 ] && finish 137 "megatron-gspo job: stopped by SIGTERM: srun killed the trainer (srun turns a SIGTERM of its own into SIGKILL of its tasks; use scancel --batch --signal=USR1 or scontrol requeue to stop with a checkpoint); the next start resumes from the newest complete checkpoint in $MGSPO_RUN_DIR/checkpoints"
         finish 143 "megatron-gspo job: stopped by SIGTERM (Slurm requeues the job if it is being requeued or preempted)"
     fi
     # 75: checkpointed on our SIGUSR1 (or on a signal sent to the step directly); > 128: a rank

@@ -74,6 +74,7 @@ def test_a_killed_server_is_restarted_out_of_the_router_until_admitted(cluster):
     cluster.kill_server(1)  # SIGKILL, as a crash or the OOM killer would
     members = pool.check()
     assert members == urls  # server 1 restarted: it is in the next sync
+    assert pool.take_renewed() == [urls[1]]  # a new process: its update groups are made again
     assert cluster.server_alive(1) and cluster._procs["server1"].pid != old_pid
     assert router_urls(cluster) == {urls[0]}  # ... but not in the router before that sync
     assert pool.metrics() == {"rollout/servers_alive": 1.0, "rollout/server_restarts": 1.0}
@@ -116,37 +117,49 @@ def test_router_and_server_logs_rotate_at_their_bound(cluster):
 
 
 def test_the_loop_syncs_the_pools_members_and_logs_the_event(tmp_path):
-    """The loop's side, with a pool that reports one restart at the second sync."""
+    """The loop's side: before each sync the pool's members go to the pusher; a push that fails
+    because a server died meanwhile is made again once the pool has restarted it (same URL, a
+    new process: ``renewed``); restarted servers are admitted after the sync; both counts are
+    logged every step."""
+    from types import SimpleNamespace
+
+    from pipeline.weight_push import WeightPushError
+
+    class Pool:
+        def __init__(self):
+            self.checks, self.admits, self.restarts, self.events = 0, 0, 0, 0
+
+        def check(self):
+            self.checks += 1
+            if self.checks == 3:  # after the failed push of step 1: b died, was restarted
+                self.restarts, self.events = 1, 2
+            return ["http://a", "http://b"]
+
+        def take_renewed(self):
+            return ["http://b"] if self.checks == 3 else []
+
+        def admit(self):
+            self.admits += 1
+            return []
+
+        def metrics(self):
+            return {"rollout/servers_alive": 2.0, "rollout/server_restarts": float(self.restarts)}
+
+    class Pusher:
+        def __init__(self):
+            self.calls = []
+
+        def set_servers(self, urls, *, renewed=()):
+            self.calls.append(("set", list(urls), list(renewed)))
+
+        def push(self, buckets, version):
+            self.calls.append(("push", version))
+            if self.calls.count(("push", "1")) == 1 and version == "1":
+                raise WeightPushError("http://b: connection refused")
+            return SimpleNamespace(metrics=dict)
+
     made = init_world_of_one()
     try:
-        class Pool:
-            def __init__(self):
-                self.checks, self.admits = 0, 0
-
-            def check(self):
-                self.checks += 1
-                return ["http://a", "http://b"]
-
-            def admit(self):
-                self.admits += 1
-                return []
-
-            def metrics(self):
-                return {"rollout/servers_alive": 2.0,
-                        "rollout/server_restarts": float(self.checks >= 2)}
-
-        class Pusher:
-            def __init__(self):
-                self.calls = []
-
-            def set_servers(self, urls):
-                self.calls.append(("set", list(urls)))
-
-            def push(self, buckets, version):
-                self.calls.append(("push", version))
-                from types import SimpleNamespace
-                return SimpleNamespace(metrics=dict)
-
         pool, pusher = Pool(), Pusher()
         ctx = loop_context(tmp_path, steps=2, pusher=pusher, servers=pool)
         loop.run(ctx, FakeTrainer(), start_step=0)
@@ -154,13 +167,83 @@ def test_the_loop_syncs_the_pools_members_and_logs_the_event(tmp_path):
     finally:
         if made:
             dist.destroy_process_group()
-    assert pusher.calls == [("set", ["http://a", "http://b"]), ("push", "0"),
-                            ("set", ["http://a", "http://b"]), ("push", "1"),
-                            ("set", ["http://a", "http://b"]), ("push", "2")]
-    assert pool.admits == 3
+    both = ["http://a", "http://b"]
+    assert pusher.calls == [("set", both, []), ("push", "0"),
+                            ("set", both, []), ("push", "1"),  # b dies during this push
+                            ("set", both, ["http://b"]), ("push", "1"),  # b restarted: again
+                            ("set", both, []), ("push", "2")]
+    assert pool.admits == 3  # after each successful sync
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["rollout/servers_alive"], r["rollout/server_restarts"]) for r in records] == \
         [(2.0, 1.0), (2.0, 1.0)]
+
+
+class TensorStream:
+    """A bucket stream (``megatron_gspo.hf.gather.BucketStream``'s interface) of given HF
+    tensors on a world of one, for the real ``WeightPusher`` without Megatron."""
+
+    def __init__(self, tensors: dict, per_bucket: int = 8):
+        import torch
+
+        from megatron_gspo.hf.gather import Bucket
+
+        names = sorted(tensors)
+        groups = [names[i:i + per_bucket] for i in range(0, len(names), per_bucket)]
+        self.count = len(groups)
+        self.meta = [Bucket(index=i, count=self.count, source=0, names=g,
+                            shapes=[tuple(tensors[n].shape) for n in g], dtype=torch.float32)
+                     for i, g in enumerate(groups)]
+        self._flats = [torch.cat([tensors[n].contiguous().reshape(-1).view(torch.uint8)
+                                  for n in g]) for g in groups]
+        self.sources, self.num_tensors = [0], len(names)
+        self.total_bytes = sum(f.numel() for f in self._flats)
+        self.dtype, self.seconds_waited = torch.float32, 0.0
+
+    def __len__(self):
+        return self.count
+
+    def __iter__(self):
+        from dataclasses import replace
+
+        for meta, flat in zip(self.meta, self._flats):
+            yield replace(meta, flat=flat)
+
+
+def test_distributed_sync_reaches_a_restarted_server_through_new_groups(cluster):
+    """The real WeightPusher (``distributed``: a gloo broadcast group with both servers): after
+    server 1 is killed and restarted on its port, the next push makes the update groups again
+    and both servers hold exactly the pushed weights (checksums verified per bucket)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from pipeline.weight_push import WeightPusher
+    from pipeline.weight_transport import weights_checksum
+
+    base = load_file(str(Path(cluster.model_path) / "model.safetensors"))
+    made = init_world_of_one()
+    pusher = WeightPusher(cluster.server_urls, transport="distributed", verify=True)
+    try:
+        pool = ServerPool(cluster.server_urls, router_url=cluster.router_url, cluster=cluster)
+        for version, kill in (("1", False), ("2", True)):
+            if kill:
+                cluster.kill_server(1)
+            members = pool.check()
+            pusher.set_servers(members, renewed=pool.take_renewed())
+            gen = torch.Generator().manual_seed(int(version))
+            weights = {n: t + 0.01 * torch.randn(t.shape, generator=gen) for n, t in base.items()}
+            stats = pusher.push(TensorStream(weights), version)
+            assert stats.verified_buckets == stats.num_buckets > 1
+            pool.admit()
+            for url in members:
+                got = http_json("POST", url + "/weights_checker", {"action": "checksum"})[1]
+                assert got["checksum"] == weights_checksum(weights.items()), (version, url)
+                info = http_json("GET", url + "/server_info")[1]
+                assert info["weight_version"] == version
+        assert pool.restarts == 1 and router_urls(cluster) == set(members)
+    finally:
+        pusher.close()
+        if made:
+            dist.destroy_process_group()
 
 
 def test_rotating_log_bounds_a_childs_output(tmp_path):

@@ -262,3 +262,20 @@ def test_plan_command_prints_every_stage_and_ends_with_the_verdict(capsys, tmp_p
     assert out[-1].startswith("fits: no (peak ") and out[-1].endswith("of 80 GiB, stage 0)")
     assert main(["plan", "--config", str(path), "--world-size", "16", "--gpu-memory-gib", "141"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("fits: yes")
+
+
+def test_train_checks_the_plan_against_this_gpu():
+    """``train``'s check (launch/plan.check_training_memory): the world of srun / torchrun, the
+    GPU's memory; nothing on a machine without CUDA."""
+    from launch.plan import check_training_memory
+
+    cfg = config_from_dict(OLD_30B)
+    assert check_training_memory(cfg, 16, proceed=False) is None  # this machine: no CUDA
+    with pytest.raises(PlanDoesNotFit, match=r"fits: no \(peak .* of 80 GiB, stage 0\)"):
+        check_training_memory(cfg, 1, proceed=False, env={"SLURM_NTASKS": "16"},
+                              device_memory_gib=80)
+    verdict = check_training_memory(cfg, 1, proceed=True, env={"WORLD_SIZE": "64"},
+                                    device_memory_gib=80)
+    assert verdict.startswith("fits: no")
+    assert check_training_memory(cfg, 16, proceed=False, env={},
+                                 device_memory_gib=141).startswith("fits: yes")
