@@ -31,7 +31,8 @@ def world_of_one():
 
 
 def _steps(run_dir: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["step"] for line in lines]
 
 
 def _tensorboard(run_dir: Path, tag: str) -> list[tuple[int, float]]:
