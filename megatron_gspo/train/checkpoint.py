@@ -603,3 +603,25 @@ def load_checkpoint(path: str | Path, model_chunks: list, optimizer, *,
                                   f"{err})") from None
         _set_rng_state(rng)
     return _read_json(state_path)
+
+
+class CheckpointedTrainer:
+    """``save`` / ``load`` for a trainer with a ``TrainState`` (``self.state``) and a config
+    (``self.cfg``): model, optimizer, LR schedule, RNG and the caller's run state. Shared by the RL
+    and SFT trainers; ``resumed_from`` remembers the checkpoint a run resumed from, which
+    ``run.keep_checkpoints`` rotation must never delete."""
+
+    resumed_from: Optional[Path] = None
+
+    def save(self, run_dir: str | Path, step: int, run_state: dict) -> Path:
+        """Collective: checkpoint after ``step``."""
+        return save_checkpoint(run_dir, step, self.state.model, self.state.optimizer, run_state,
+                               scheduler=self.state.scheduler, keep=self.cfg.run.keep_checkpoints,
+                               protect=[self.resumed_from] if self.resumed_from else [])
+
+    def load(self, path: str | Path) -> dict:
+        """Collective: restore a checkpoint written by :meth:`save`; returns its run state."""
+        run_state = load_checkpoint(path, self.state.model, self.state.optimizer,
+                                    scheduler=self.state.scheduler)
+        self.resumed_from = Path(path)
+        return run_state

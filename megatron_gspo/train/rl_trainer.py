@@ -44,6 +44,7 @@ from megatron_gspo.loss.loss_scaling import global_num_sequences
 from megatron_gspo.train.rl_loss import make_gspo_loss_fn, make_log_prob_fn
 from megatron_gspo.train.train_step import (TrainState, build_train_state, current_lr,
                                             forward_backward, train_step)
+from megatron_gspo.train.checkpoint import CheckpointedTrainer
 from megatron_gspo.train.batching import (add_logit_index, loss_rows, packed_micro_batches,
                                           response_counts, select_rows, split_for_rank,
                                           split_rows_for_context_parallel)
@@ -73,7 +74,7 @@ def _policy_metrics(mb, log_probs, entropy, cp_group) -> dict:
             "rollout_trainer_logprob_abs_diff": float(abs_diff / num_tokens.clamp_min(1))}
 
 
-class RLTrainer:
+class RLTrainer(CheckpointedTrainer):
     """Owns this rank's policy stage, its optimizer and the GSPO update."""
 
     def __init__(self, cfg: Config, pg_collection, *, init_hf_dir: Optional[str] = None):
@@ -216,20 +217,3 @@ class RLTrainer:
             self._hf_gather = HFGather(self.cfg.model, bucket_bytes=rollout.weight_sync_bucket_mb << 20,
                                        dtype=dtype)
         return self._hf_gather.buckets(self.gpt, self.pg)
-
-    def save(self, run_dir: str | Path, step: int, run_state: dict) -> Path:
-        from megatron_gspo.train.checkpoint import save_checkpoint
-
-        # run.keep_checkpoints rotation never deletes the checkpoint this run resumed from
-        return save_checkpoint(run_dir, step, self.state.model, self.state.optimizer, run_state,
-                               scheduler=self.state.scheduler,
-                               keep=self.cfg.run.keep_checkpoints,
-                               protect=[self.resumed_from] if self.resumed_from else [])
-
-    def load(self, path: str | Path) -> dict:
-        from megatron_gspo.train.checkpoint import load_checkpoint
-
-        run_state = load_checkpoint(path, self.state.model, self.state.optimizer,
-                                    scheduler=self.state.scheduler)
-        self.resumed_from = Path(path)
-        return run_state

@@ -26,6 +26,7 @@ from megatron_gspo.config import Config, validate_data_parallel, validate_sft_co
 from megatron_gspo.train.initial_weights import load_initial_weights
 from megatron_gspo.train.train_step import (TrainState, build_train_state, forward_backward,
                                       global_unit_count, train_step)
+from megatron_gspo.train.checkpoint import CheckpointedTrainer
 from megatron_gspo.train.batching import right_pad, split_for_rank
 
 
@@ -79,7 +80,7 @@ def global_loss(per_microbatch: list[dict], pg_collection, num_units: float) -> 
 
 
 
-class SFTTrainer:
+class SFTTrainer(CheckpointedTrainer):
     """The policy under supervised fine-tuning: model, optimizer, one step, held-out loss."""
 
     def __init__(self, cfg: Config, pg_collection, *, pad_id: int):
@@ -105,25 +106,6 @@ class SFTTrainer:
         out = train_step(self.state, mbs, nll_loss_fn(self.cfg.model, pg), num_units_global=units)
         return {"loss": global_loss(out["per_microbatch"], pg, units), "grad_norm": out["grad_norm"],
                 "lr": out["lr"]}
-
-    def save(self, run_dir: str | Path, step: int, run_state: dict) -> Path:
-        """Collective: checkpoint after ``step`` (model, optimizer, LR schedule, RNG, run_state)."""
-        from megatron_gspo.train.checkpoint import save_checkpoint
-
-        # run.keep_checkpoints rotation never deletes the checkpoint this run resumed from
-        return save_checkpoint(run_dir, step, self.state.model, self.state.optimizer, run_state,
-                               scheduler=self.state.scheduler,
-                               keep=self.cfg.run.keep_checkpoints,
-                               protect=[self.resumed_from] if self.resumed_from else [])
-
-    def load(self, path: str | Path) -> dict:
-        """Collective: restore a checkpoint written by :meth:`save`; returns its run state."""
-        from megatron_gspo.train.checkpoint import load_checkpoint
-
-        run_state = load_checkpoint(path, self.state.model, self.state.optimizer,
-                                    scheduler=self.state.scheduler)
-        self.resumed_from = Path(path)
-        return run_state
 
     def eval_loss(self, pairs: list[tuple[list[int], list[int]]]) -> float:
         """Mean response-token NLL on held-out ``pairs`` (forward only)."""
