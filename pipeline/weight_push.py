@@ -214,6 +214,12 @@ class WeightPusher:
 
     def close(self) -> None:
         """Destroy the update groups (server side first, then this rank's)."""
+        self._destroy_groups()
+        self._pool.shutdown(wait=True)
+
+    def _destroy_groups(self) -> None:
+        """Tear down the update groups on the servers (a dead one does not answer: nothing to
+        undo there) and on this rank; the next push makes them again."""
         if self._update_group is not None:
             name = self._my_group_name()
             for url in self.server_urls:
@@ -225,7 +231,6 @@ class WeightPusher:
             wt.destroy_group(self._update_group)
             self._update_group = None
         self._group_made = False
-        self._pool.shutdown(wait=True)
 
     def set_servers(self, server_urls: Sequence[str], *, renewed: Sequence[str] = ()) -> None:
         """Push to ``server_urls`` from the next push on (``pipeline.server_pool``: a dead server
@@ -239,17 +244,7 @@ class WeightPusher:
             raise ValueError("no rollout servers to push to")
         if urls == self.server_urls and not renewed:
             return
-        if self._update_group is not None:
-            name = self._my_group_name()
-            for url in self.server_urls:  # the dead ones do not answer: nothing to undo there
-                try:
-                    rollout.control(url, "/destroy_weights_update_group", {"group_name": name},
-                                    timeout_s=30)
-                except rollout.RolloutError:
-                    pass
-            wt.destroy_group(self._update_group)
-            self._update_group = None
-        self._group_made = False
+        self._destroy_groups()
         self.server_urls, self._tp = urls, None
         self._last_ok = None
         self._base.clear()

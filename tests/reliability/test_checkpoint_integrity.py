@@ -38,27 +38,9 @@ from megatron_gspo.config import config_from_dict
 from megatron_gspo.hf.mapping import hf_param_shapes
 from megatron_gspo.model import gpt as policy
 from megatron_gspo.train import checkpoint as ckpt
-from megatron_gspo.train.batching import split_for_rank
-from megatron_gspo.train.sft import nll_loss_fn, sft_batch
-from megatron_gspo.train.train_step import build_train_state, global_unit_count, train_step
-from pipeline.tasks import PAD_ID, AdditionTask
 from tests.distributed.layouts import assemble, tiny_config
 from tests.distributed.spawn import run_on_ranks
-
-
-def _step(state, cfg, pg, step):
-    task = AdditionTask(digits=2, seed=0)
-    batch = sft_batch([(p.prompt_ids, p.answer_ids) for p in task.problems(step * 8, 8)], 16,
-                      pad_id=PAD_ID)
-    mbs = split_for_rank(batch, pg.dp.rank(), pg.dp.size(), 2)
-    units = global_unit_count(sum(float(mb["loss_mask"].sum()) for mb in mbs), pg)
-    train_step(state, mbs, nll_loss_fn(cfg.model, pg), num_units_global=units)
-
-
-def _fresh(cfg, pg):
-    gpt = policy.build_model(cfg.model, cfg.parallel, pg)
-    policy.init_weights(gpt, cfg.model, pg, seed=11)
-    return gpt, build_train_state(gpt, cfg, pg)
+from tests.distributed.test_checkpoint import _fresh, _step  # the same tiny SFT step
 
 
 def _pieces(gpt, cfg, pg):
