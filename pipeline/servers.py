@@ -327,7 +327,12 @@ class LocalRolloutCluster:
     def restart_server(self, i: int, *, register: bool = True) -> None:
         """Kill server ``i`` if it runs, start it again on its port and wait until healthy; with
         ``register`` make sure the router lists it (``POST /workers`` when it does not), without
-        it leave it out of the router (:meth:`register` admits it later)."""
+        it leave it out of the router (:meth:`register` admits it later).
+
+        The router first forgets the old worker (``DELETE /workers``): its circuit breaker, opened
+        by the requests the dead server failed, would otherwise keep the restarted one idle for
+        ``--cb-timeout-duration-secs``; a re-added worker starts with a closed circuit."""
+        self.deregister(i)
         self.kill_server(i)
         self._restarts[i] += 1
         self._start_server(i)
