@@ -82,22 +82,36 @@ def model_desc(args) -> str:
             f"{args.ffn})")
 
 
+def packing_overrides(args) -> list[str]:
+    """Ours: packed micro-batches of at most ``--token-budget`` tokens (0: padded rows)."""
+    if not args.token_budget:
+        return []
+    return ["--set", f"run.max_tokens_per_micro_batch={args.token_budget}"]
+
+
 def cli(*cmd: str) -> list[str]:
     return [sys.executable, "-m", "launch.cli", *cmd]
 
 
-def problems(args, split: str, count: int, start: int = 0):
-    from pipeline.tasks import AdditionTask
+def make_task(args):
+    """The task both sides train on: ``--task addition`` (answers of ~3.5 tokens) or
+    ``carry_addition`` (a digit-by-digit carry trace before the answer: 10 n + 3 tokens for n
+    columns, n uniform in [ceil(digits / 4), digits]; digits 24 gives 62-243, mean ~152)."""
+    from pipeline.tasks import AdditionTask, CarryAdditionTask
 
-    return AdditionTask(digits=args.digits, seed=args.seed).problems(start, count, split=split)
+    cls = {"addition": AdditionTask, "carry_addition": CarryAdditionTask}[args.task]
+    return cls(digits=args.digits, seed=args.seed)
+
+
+def problems(args, split: str, count: int, start: int = 0):
+    return make_task(args).problems(start, count, split=split)
 
 
 def train_prompt_order(args, steps: int) -> list:
     """The prompts our trainer samples, step by step (run.seed, shuffled epochs)."""
     from pipeline.data import PromptSampler, TaskPromptDataset
-    from pipeline.tasks import AdditionTask
 
-    task = AdditionTask(digits=args.digits, seed=args.seed)
+    task = make_task(args)
     sampler = PromptSampler(TaskPromptDataset(task, split="train"), seed=args.seed, shuffle=True)
     return [sampler.next_batch(args.prompts) for _ in range(steps)]
 
@@ -152,7 +166,8 @@ def run_ours(args, sft_hf: Path, out: Path) -> dict:
     run_dir.mkdir(parents=True)
     cmd = cli("train", "--config", "launch/configs/tiny_cpu.yaml", *model_overrides(args),
               "--set", f"run.output_dir={run_dir}", "--set", f"run.init_from={sft_hf}",
-              "--set", f"run.seed={args.seed}", "--set", f"data.digits={args.digits}",
+              "--set", f"run.seed={args.seed}", "--set", f"data.task={args.task}",
+              "--set", f"data.digits={args.digits}", *packing_overrides(args),
               "--set", "run.num_steps=100000", "--set", "run.eval_interval=0",
               "--set", "run.save_interval=0", "--set", "run.log_interval=1",
               "--set", f"run.global_batch_size={args.prompts * args.group_size}",
@@ -277,8 +292,9 @@ def trl_worker(args) -> int:
     import trl
     from trl import GRPOConfig, GRPOTrainer
 
-    from pipeline.tasks import AdditionTask, Problem, encode
+    from pipeline.tasks import Problem, encode
 
+    task_cls = type(make_task(args))
     assert trl.__version__ == TRL_VERSION, f"benchmark written for trl=={TRL_VERSION}, got {trl.__version__}"
     run_dir, t0 = Path(args.trl_worker), float(args.launch_time)
     G, P, k = args.group_size, args.prompts, args.k
@@ -294,7 +310,7 @@ def trl_worker(args) -> int:
     last_batch: dict = {}
 
     def addition_reward(prompts, completions, completion_ids, answer, **kwargs):
-        rewards = [AdditionTask.reward(Problem(prompt=p, answer=a), list(ids))
+        rewards = [task_cls.reward(Problem(prompt=p, answer=a), list(ids))
                    for p, a, ids in zip(prompts, answer, completion_ids)]
         last_batch.update(prompt_tokens=sum(len(encode(p)) for p in prompts),
                           completion_tokens=sum(len(ids) for ids in completion_ids),
@@ -352,8 +368,9 @@ def evaluate(args, hf_dir: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from pipeline.tasks import EOS_ID, PAD_ID, AdditionTask
+    from pipeline.tasks import EOS_ID, PAD_ID
 
+    task_cls = type(make_task(args))
     torch.set_num_threads(args.threads)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     gen_cfg = GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
@@ -373,7 +390,7 @@ def evaluate(args, hf_dir: str) -> dict:
             for i, row in enumerate(out.tolist()):
                 p = group[i // args.eval_samples]
                 resp = row[:row.index(EOS_ID) + 1] if EOS_ID in row else row
-                rewards.append(AdditionTask.reward(p, resp))
+                rewards.append(task_cls.reward(p, resp))
                 lengths.append(len(resp))
     return {"reward": sum(rewards) / len(rewards), "n": len(rewards),
             "response_len": sum(lengths) / len(lengths)}
@@ -425,7 +442,11 @@ def main() -> int:
     parser.add_argument("--topk", type=int, default=2)
     parser.add_argument("--ffn", type=int, default=256)
     # task, batch, optimizer
+    parser.add_argument("--task", choices=["addition", "carry_addition"], default="addition")
     parser.add_argument("--digits", type=int, default=2)
+    parser.add_argument("--token-budget", type=int, default=0,
+                        help="ours: run.max_tokens_per_micro_batch (packed micro-batches by token budget; "
+                             "0: padded rows of --micro-batch)")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=32, help="prompts per rollout step")
     parser.add_argument("--k", type=int, default=2, help="mini-batch updates per rollout")
@@ -455,6 +476,7 @@ def main() -> int:
         print("SFT ...", flush=True)
         cmd = cli("sft", "--config", "launch/configs/tiny_cpu_sft.yaml", *model_overrides(args),
                   "--set", f"run.output_dir={out / 'sft'}", "--set", f"run.seed={args.seed}",
+                  "--set", f"data.task={args.task}",
                   "--set", f"data.digits={args.digits}", "--set", f"run.num_steps={args.sft_steps}",
                   "--set", f"optim.lr={args.sft_lr}", "--set", f"run.seq_length={args.seq_length}",
                   "--set", "run.log_interval=50", "--set", f"run.eval_interval={args.sft_steps}")
@@ -474,7 +496,7 @@ def main() -> int:
 
     cmdline = "bench/bench_trl.py " + " ".join(sys.argv[1:])
     md = table(args, res, start_eval)
-    setup = (f"Model: Qwen3-MoE {model_desc(args)}; task: {args.digits}-digit addition, G = "
+    setup = (f"Model: Qwen3-MoE {model_desc(args)}; task: {args.task} (digits {args.digits}), G = "
              f"{args.group_size}, {args.prompts} prompts/step ({args.prompts * args.group_size} "
              f"sequences), k = {args.k}, max new tokens {args.max_new_tokens}, lr {args.lr}; budget "
              f"{args.budget_s:.0f} s per run; held-out: {args.eval_prompts} prompts x "

@@ -16,20 +16,21 @@ passed. The checks, in order (each uses the project's real code paths, nothing r
                                  and the parameters live on the device
   rl_train_rollout               RLTrainer.train_rollout on a real rollout batch: the trainer's
                                  initial weights exported, one local rollout server started from
-                                 them, pipeline.loop.rollout_phase samples and scores it
+                                 them with its model on the device (--device), and
+                                 pipeline.loop.rollout_phase samples and scores it
   checkpoint_exact_resume        RLTrainer.save, then a second trainer .load: its weights equal
                                  the saved ones bit for bit, and one more update from each gives
                                  bit-identical weights (torch deterministic algorithms on)
   converted_checkpoint           a tiny transformers Qwen3-MoE converted on the CPU
                                  (hf_to_mcore), loaded into the policy on the device: its
                                  log-probs equal transformers' (float32, 1e-4)
-  train_command                  ``megatron-gspo train`` (local rollout server, disk weight
+  train_command                  ``megatron-gspo train`` (local rollout server on the device, disk weight
                                  sync, 2 steps, a checkpoint each step), then ``--resume`` to a
                                  third step
 
 What it does not cover: Transformer Engine (too large to carry: the local spec runs), SGLang
-itself (the project's own rollout server answers SGLang's protocol; it runs on the CPU, the
-trainer on the GPU), more than one GPU.
+itself (the project's own rollout server answers SGLang's protocol, with its model on the same
+GPU as the trainer: ``--device cuda``, ``rollout.local_server_device``), more than one GPU.
 
 Preparing a machine without a package index (its Python 3.12 already has torch): next to this
 script, a ``wheels/`` directory (or ``--wheels DIR``) with every missing dependency, e.g. on a
@@ -219,7 +220,7 @@ class Smoke:
         from pipeline.data import PromptSampler, build_datasets
         from pipeline.metrics import MetricsLogger
         from pipeline.rewards import build_reward
-        from pipeline.rollout import RolloutClient
+        from pipeline.rollout import RolloutClient, http_json
         from pipeline.servers import LocalRolloutCluster
         from pipeline.tasks import write_byte_tokenizer
 
@@ -232,8 +233,13 @@ class Smoke:
         write_byte_tokenizer(hf_dir)
         train_set, _ = build_datasets(cfg.data, seed=cfg.run.seed)
         with LocalRolloutCluster(hf_dir, 1, log_dir=run_dir / "logs", random_seed=cfg.run.seed,
-                                 router=False, server_args=["--max-running-requests", "1"]) as cluster:
+                                 router=False, server_args=["--max-running-requests", "1",
+                                                            "--device", self.device]) as cluster:
             client = RolloutClient(server_urls=list(cluster.server_urls))
+            info = http_json("GET", cluster.server_urls[0] + "/server_info")[1]
+            if info.get("device") != self.device:
+                raise AssertionError(f"the rollout server runs on {info.get('device')}, "
+                                     f"expected {self.device}")
             ctx = loop.LoopContext(
                 cfg=cfg, run_dir=str(run_dir), logger=MetricsLogger(run_dir, enabled=False),
                 stop=loop.StopFlag(), sampler=PromptSampler(train_set, seed=cfg.run.seed),
@@ -248,7 +254,7 @@ class Smoke:
         if metrics["grad_norm"] <= 0:
             raise AssertionError("no gradient reached the optimizer")
         self.rl_trainer = trainer
-        return (f"{batch['tokens'].shape[0]} sampled rows, reward {rollout_metrics['reward_mean']:.3f}, "
+        return (f"rollout server on {self.device}, {batch['tokens'].shape[0]} sampled rows, reward {rollout_metrics['reward_mean']:.3f}, "
                 f"grad_norm {metrics['grad_norm']:.3g}, rollout/trainer |dlogp| "
                 f"{metrics['rollout_trainer_logprob_abs_diff']:.2e}")
 
@@ -328,6 +334,7 @@ class Smoke:
                 "--set", "rollout.num_servers=1", "--set", "rollout.weight_sync=disk",
                 "--set", "run.global_batch_size=32", "--set", "run.eval_interval=0",
                 "--set", "run.save_interval=1", "--set", "rollout.deterministic=true"]
+        base += ["--set", f"rollout.local_server_device={self.device}"]
         if self.cuda:
             base += ["--set", "model.params_dtype=bfloat16",
                      "--set", "optim.use_distributed_optimizer=true"]
@@ -350,7 +357,8 @@ class Smoke:
             raise AssertionError(f"{len(syncs)} weight syncs recorded, expected one per step")
         if "resumed from" not in proc.stdout + proc.stderr:
             raise AssertionError("the second run did not say it resumed")
-        return "2 steps + checkpoints, --resume to step 3; disk weight sync every step"
+        return (f"2 steps + checkpoints, --resume to step 3; disk weight sync every step to the "
+                f"local server on {self.device}")
 
 
 CHECKS = ["environment", "sft_bf16_distributed_optimizer", "rl_train_rollout",

@@ -8,6 +8,8 @@
                                                                   validate and print a configuration
     megatron-gspo plan    --config FILE.yaml --world-size N --gpu-memory-gib M
                                                                   predicted peak GPU memory per stage
+    megatron-gspo calibrate-eps --config FILE.yaml [--target-clip-frac 0.1]
+                                                                  the GSPO clip range for a target clip fraction
     megatron-gspo plot    RUN_DIR [--out DIR]                     PNG charts of RUN_DIR/metrics.jsonl
     megatron-gspo serve   --model-path DIR [--host H] [--port P]  CPU rollout server, SGLang's API
     megatron-gspo launch slurm --config FILE.yaml --nodes N --rollout-nodes M [--gpus-per-node G ...]
@@ -36,7 +38,7 @@ from megatron_gspo.config import ConfigError
 
 # Sub-command modules; each has add_parser(subparsers) and sets ``func(args, argv) -> int``.
 COMMANDS = ["launch.demo", "launch.train", "launch.sft", "launch.show_config", "launch.plot", "launch.serve", "launch.slurm",
-            "launch.plan"]
+            "launch.plan", "launch.calibrate_eps"]
 OPTIONAL_COMMANDS = ["launch.convert"]
 
 

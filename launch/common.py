@@ -10,7 +10,7 @@ from megatron_gspo.config import Config, load_config
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, metavar="FILE.yaml",
                         help="run configuration (sections: model, parallel, gspo, rollout, optim, "
-                             "run, data, reward)")
+                             "run, data, reward, parity)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="SECTION.KEY=VALUE",
                         help="override one value, parsed as YAML (repeatable), "

@@ -7,14 +7,22 @@
 
 It ends with ``held-out reward: SFT <x> -> GSPO <y>``: the mean held-out reward of the SFT policy
 (GSPO step 0) and of the final policy. Outputs go to ``--out`` (default runs/demo).
+
+Each stage is a ``megatron-gspo`` command of its own (in a session of its own; it gets SIGTERM if
+this process dies). SIGTERM, SIGINT (Ctrl-C), SIGUSR1 and SIGHUP (as SIGTERM) are passed on to the
+stage that runs, which checkpoints and exits 75; the demo then stops with that stage's status
+(75, or whatever it exited with) and starts no further stage. A signal between two stages stops
+the demo with 75 before the next one starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 
@@ -33,11 +41,67 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=main)
 
 
-def _run(cmd: list[str]) -> None:
-    print("+ megatron-gspo " + " ".join(cmd), flush=True)
-    code = subprocess.call([sys.executable, "-m", "launch.cli", *cmd])
-    if code != 0:
-        raise SystemExit(f"megatron-gspo {cmd[0]} failed with exit status {code}")
+FORWARDED = {signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGINT,
+             signal.SIGUSR1: signal.SIGUSR1, signal.SIGHUP: signal.SIGTERM}
+"""Signal the demo receives -> signal it sends the running stage."""
+
+
+class Stopped(SystemExit):
+    """A stop signal ended the demo; ``code`` is its exit status."""
+
+
+def _stage_preexec() -> None:
+    from megatron_gspo.lifetime import die_with_parent
+
+    die_with_parent(signal.SIGTERM)  # the demo gone: the stage stops as on a signal
+
+
+class Stages:
+    """Runs the demo's stages one at a time and passes the stop signals on to the one running."""
+
+    def __init__(self):
+        self.proc: Optional[subprocess.Popen] = None
+        self.signum: Optional[int] = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "Stages":
+        self._previous = {sig: signal.signal(sig, self._forward) for sig in FORWARDED}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        if self.proc is not None and self.proc.poll() is None:  # an error here: stop the stage
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait()
+
+    def _forward(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.proc.send_signal(FORWARDED[signum])
+            except ProcessLookupError:
+                pass
+
+    def run(self, cmd: list[str]) -> None:
+        if self.signum is not None:
+            raise Stopped(self._stopped_message(f"before megatron-gspo {cmd[0]}", 75))
+        print("+ megatron-gspo " + " ".join(cmd), flush=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "launch.cli", *cmd],
+                                     start_new_session=True, preexec_fn=_stage_preexec)
+        code = self.proc.wait()  # a handled signal interrupts nothing here (PEP 475)
+        self.proc = None
+        if self.signum is not None:
+            raise Stopped(self._stopped_message(f"during megatron-gspo {cmd[0]}", code or 75))
+        if code != 0:
+            raise SystemExit(f"megatron-gspo {cmd[0]} failed with exit status {code}")
+
+    def _stopped_message(self, where: str, code: int) -> int:
+        what = "checkpoint saved" if code == 75 else f"exit status {code}"
+        print(f"megatron-gspo demo: stopped by {signal.Signals(self.signum).name} {where} "
+              f"({what}); exit {code}", file=sys.stderr, flush=True)
+        return code
 
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
@@ -46,13 +110,18 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     out = Path(args.out)
     if (out / "gspo" / "checkpoints").exists() or (out / "sft").exists():
         raise SystemExit(f"{out} already holds a demo run: choose another --out or remove it")
-    _run(["sft", "--config", args.sft_config, "--set", f"run.output_dir={out / 'sft'}"])
+    sft = ["sft", "--config", args.sft_config, "--set", f"run.output_dir={out / 'sft'}"]
     gspo = ["train", "--config", args.config, "--set", f"run.output_dir={out / 'gspo'}",
             "--set", f"run.init_from={out / 'sft' / 'hf'}"]
     for override in args.overrides:
         gspo += ["--set", override]
-    _run(gspo)
-    _run(["plot", str(out / "gspo")])
+    try:
+        with Stages() as stages:
+            stages.run(sft)
+            stages.run(gspo)
+            stages.run(["plot", str(out / "gspo")])
+    except Stopped as stopped:
+        return int(stopped.code)
     evals = [(r["step"], r["eval/reward_mean"]) for r in read_metrics(out / "gspo")
              if "eval/reward_mean" in r]
     if len(evals) < 2 or evals[0][0] != 0:

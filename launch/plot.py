@@ -11,6 +11,9 @@ Charts (each skipped, with a note, when its metrics are absent from the file):
   response_length.png  response length mean and max
   entropy.png          mean token entropy
   mismatch.png         |log-prob(rollout) - log-prob(trainer)|, mean over tokens
+  routing.png          routing volatility: share of (token, layer) pairs and of tokens whose top-k
+                       expert set changed over the step's updates, and per layer (docs/routing.md)
+  log_ratio_var.png    variance of log w_it over tokens and of log s_i over sequences, per step
   grad_norm.png, throughput.png (rollout / training tokens per second), loss.png (SFT runs)
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -31,6 +35,9 @@ LOG_RATIO_VALUES = ("train/log_ratio_seq_values", "log_ratio_seq_values")
 CLIP_LOW, CLIP_HIGH = "train/clip_frac_low", "train/clip_frac_high"
 ENTROPY, GRAD_NORM = "train/entropy_mean", "train/grad_norm"
 MISMATCH = "train/rollout_trainer_logprob_abs_diff"
+ROUTING_CHANGE, ROUTING_CHANGE_ANY = "train/routing_change_frac", "train/routing_change_any_frac"
+ROUTING_CHANGE_LAYER = re.compile(r"train/routing_change_frac_layer(\d+)")
+TOKEN_LOG_RATIO_VAR, SEQ_LOG_RATIO_VAR = "train/token_log_ratio_var", "train/seq_log_ratio_var"
 ROLLOUT_TPS, TRAIN_TPS = "train/rollout_tokens_per_s", "train/train_tokens_per_s"
 EVAL_REWARD, EVAL_PASS1 = "eval/reward_mean", "eval/pass_at_1"
 TRAIN_LOSS, EVAL_LOSS = "train/loss", "eval/loss"
@@ -228,6 +235,26 @@ def chart_log_ratio(records, fig) -> Optional[list[str]]:
     return None
 
 
+def chart_routing(records, fig) -> Optional[list[str]]:
+    """All layers together, and each layer ``L`` from ``train/routing_change_frac_layer{L}``."""
+    layers = sorted({int(m.group(1)) for r in records for k in r
+                     if (m := ROUTING_CHANGE_LAYER.fullmatch(k))})
+    overall, any_token = series(records, ROUTING_CHANGE), series(records, ROUTING_CHANGE_ANY)
+    if not overall[0]:
+        return [ROUTING_CHANGE]
+    ax = fig.subplots()
+    _line(ax, overall, "(token, layer) pairs", linewidth=2.5)
+    if any_token[0]:
+        _line(ax, any_token, "tokens, any layer", linewidth=2.5, linestyle="--")
+    for layer in layers:
+        _line(ax, series(records, f"train/routing_change_frac_layer{layer}"), f"layer {layer}",
+              linewidth=1, alpha=0.6)
+    ax.set(title="Routing change over the step's updates (top-k expert sets, response tokens)",
+           xlabel="step", ylabel="fraction changed")
+    ax.legend(loc="best", fontsize=8, ncol=2 if len(layers) > 6 else 1)
+    return None
+
+
 def _simple(title: str, ylabel: str, keys: list[tuple[str, str]], *, log_y: bool = False
             ) -> Callable:
     def chart(records, fig) -> Optional[list[str]]:
@@ -257,6 +284,11 @@ CHARTS: dict[str, Callable] = {
     "entropy.png": _simple("Token entropy", "nats", [(ENTROPY, "mean")]),
     "mismatch.png": _simple("Rollout / trainer log-prob mismatch", "mean |delta log-prob|",
                             [(MISMATCH, "abs diff")], log_y=True),
+    "routing.png": chart_routing,
+    "log_ratio_var.png": _simple("Variance of the log importance ratios after the updates",
+                                 "variance", [(TOKEN_LOG_RATIO_VAR, "log w_it over tokens"),
+                                              (SEQ_LOG_RATIO_VAR, "log s_i over sequences")],
+                                 log_y=True),
     "grad_norm.png": _simple("Gradient norm", "norm (before clipping)", [(GRAD_NORM, "grad norm")],
                              log_y=True),
     "throughput.png": _simple("Throughput", "tokens / s",

@@ -156,7 +156,8 @@ class RLSession:
         server_model = self._embedded_server_model(trainer)  # collective (every rank)
         common = dict(cfg=cfg, run_dir=str(run_dir), stop=self.stop, control_group=self.control)
         if not self.is_main:
-            return loop.LoopContext(**common, logger=MetricsLogger(run_dir, enabled=False))
+            return loop.LoopContext(**common, logger=MetricsLogger(run_dir, enabled=False),
+                                    parity=_parity_watchdog(cfg, run_dir))
 
         from pipeline.data import PromptSampler, build_datasets
         from pipeline.rewards import build_reward
@@ -190,7 +191,8 @@ class RLSession:
             **common, logger=logger, sampler=sampler,
             eval_prompts=eval_prompts if cfg.run.eval_interval else [],
             reward_fn=build_reward(cfg.reward, cfg.data), client=client, decode=encoder.decode,
-            stop_token_ids=[encoder.eos_id], server_urls=list(server_urls), servers=pool)
+            stop_token_ids=[encoder.eos_id], server_urls=list(server_urls), servers=pool,
+            parity=_parity_watchdog(cfg, run_dir, eval_set=eval_set, train_set=train_set))
 
     def _embedded_server_model(self, trainer: RLTrainer) -> Optional[str]:
         """The Hugging Face directory embedded servers load (None in external mode): run.init_from,
@@ -208,8 +210,11 @@ class RLSession:
 
         r = self.cfg.rollout
         server_args = ["--max-running-requests", "1"] if r.deterministic else []
+        server_args += ["--device", r.local_server_device]
         if r.weight_sync == "tensor":  # SGLang's pickled payloads, loopback
             server_args.append("--allow-pickled-tensors")
+        if self.cfg.gspo.routing_replay == "rollout":  # the rollouts ask for routed experts
+            server_args.append("--enable-return-routed-experts")
         # update_weights_from_disk reads only the disk sync's directory (and the served model)
         server_args += ["--weight-roots", r.weight_sync_dir or str(self.run_dir / "weights")]
         cluster = LocalRolloutCluster(model_path, r.num_servers, log_dir=self.run_dir / "logs",
@@ -253,6 +258,18 @@ class RLSession:
                 print(f"held-out reward: step {history[0][0]} {history[0][1]:.3f} -> "
                       f"step {history[-1][0]} {history[-1][1]:.3f}", flush=True)
         return loop.PREEMPTED_EXIT_CODE if result["status"] == "preempted" else 0
+
+
+def _parity_watchdog(cfg: Config, run_dir: Path, *, eval_set=None, train_set=None):
+    """The parity watchdog of every rank (None unless parity.enabled); rank 0 passes the
+    datasets its probe prompts are drawn from (``pipeline.parity``)."""
+    if not cfg.parity.enabled:
+        return None
+    from pipeline.parity import ParityWatchdog, draw_probe_prompts
+
+    prompts = (draw_probe_prompts(eval_set, train_set, cfg.parity.num_probes, cfg.run.seed)
+               if train_set is not None else [])
+    return ParityWatchdog(cfg, run_dir, prompts=prompts)
 
 
 def _write_pid_file(run_dir: Path) -> None:

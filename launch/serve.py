@@ -11,9 +11,10 @@ client, the sglang-router and the weight sync run unchanged::
 The flags are SGLang's launch-flag names where one exists (``--model-path``, ``--host``,
 ``--port``, ``--random-seed``, ``--skip-tokenizer-init``, ``--weight-version``,
 ``--context-length``, ``--max-running-requests``, ``--max-prefill-tokens``, ``--dtype``,
-``--log-level``, ``--tp-size``, ``--max-queued-requests``); ``--cpu-threads``,
-``--weight-update-timeout``, ``--allow-pickled-tensors``, ``--max-n`` and ``--weight-roots`` are
-this server's own.
+``--log-level``, ``--tp-size``, ``--max-queued-requests``, ``--enable-return-routed-experts``);
+``--cpu-threads``, ``--weight-update-timeout``, ``--allow-pickled-tensors``, ``--max-n`` and
+``--weight-roots`` are this server's own, and so is ``--fault-perturb-weights`` (fault injection
+for the parity watchdog's tests only: docs/parity.md).
 Stop it with SIGINT or SIGTERM.
 """
 
@@ -48,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefill-tokens", type=int, default=16384,
                    help="padded prompt tokens per prefill batch")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    p.add_argument("--device", default="cpu",
+                   help="cpu (default) or cuda[:N]: where the model, its KV cache and its forward "
+                        "passes run (SGLang's --device); sampling and answers stay on the host")
     p.add_argument("--log-level", default="warning",
                    choices=["debug", "info", "warning", "error"])
     p.add_argument("--cpu-threads", type=int, default=1,
@@ -65,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests (after n expansion) that may wait for a decoding slot; a "
                         "request that does not fit gets SGLang's 503 'The request queue is "
                         "full.' (default 4096)")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="record the experts every MoE layer routed each token to, returned to "
+                        "requests with return_routed_experts (SGLang's flag; without it such "
+                        "requests get no routed_experts, as in SGLang)")
     p.add_argument("--weight-roots", nargs="+", default=[], metavar="DIR",
                    help="directories update_weights_from_disk may load from, besides the "
                         "--model-path directory (default: none)")
@@ -72,6 +80,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="accept SGLang's update_weights_from_tensor payloads (pickles of "
                         "shared-memory handles; deserialising them runs code, so only with "
                         "--host 127.0.0.1). Without it the server reads base64 safetensors only")
+    p.add_argument("--fault-perturb-weights", type=float, default=0.0, metavar="R",
+                   help="FAULT INJECTION, for tests of the parity watchdog only: after every "
+                        "weight update add noise of R x each weight's RMS to every weight, so the "
+                        "server no longer serves the synced policy (pipeline/local/"
+                        "fault_injection.py; default 0: off)")
 
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:

@@ -16,6 +16,11 @@ TensorBoard logs, prints one line per step, writes the trained policy as a Huggi
 from the newest one (model, optimizer, LR schedule, RNG, data position, step), or says that there
 is none and starts at step 0. Input errors are found before the ranks start (``launch.preflight``:
 exit 2, one message); one run per ``run.output_dir`` (``launch.run_lock``).
+
+SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 - to this command, to torchrun, to a rank, or to all of them
+at once - finish the current step, save its checkpoint (also with ``run.save_interval`` 0) and
+exit with status 75 at every level, without writing ``hf``; ``--resume`` continues right after
+it, drawing the batches the uninterrupted run would have drawn.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     from megatron_gspo.config import ConfigError
     from megatron_gspo.train.checkpoint import checkpoint_root, latest_checkpoint
     from megatron_gspo.train.sft import SFTTrainer
+    from pipeline.loop import PREEMPTED_EXIT_CODE, StopFlag
     from pipeline.metrics import MetricsLogger
     from pipeline.sft_loop import run_sft
     from pipeline.tasks import PAD_ID
@@ -71,6 +77,8 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         lock.enter_context(hold(cfg.run.output_dir, group=control))  # one run per run dir
         pg = parallel.initialize(cfg.parallel, seed=cfg.run.seed)
+        stop = StopFlag(group=control).install()  # checkpoint and exit 75 on a stop signal
+        lock.callback(stop.uninstall)
         is_main = dist.get_rank() == 0
         if is_main:
             layout = parallel.derive_layout(cfg.parallel, dist.get_world_size())
@@ -93,9 +101,13 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
                 if is_main:
                     print(f"resumed from {latest} (step {start_step})", flush=True)
             result = run_sft(trainer, cfg, logger=logger, start_step=start_step,
-                             run_state=run_state)
+                             run_state=run_state, stop=stop)
         finally:
             logger.close()
+        if result.preempted:
+            if is_main:
+                print(f"preempted: checkpoint saved; exit {PREEMPTED_EXIT_CODE}", flush=True)
+            return PREEMPTED_EXIT_CODE
         from megatron_gspo.hf.export import export_hf_dir
         from pipeline.tasks import write_byte_tokenizer
 

@@ -172,13 +172,15 @@ def sglang_flags(rollout) -> list[str]:
 
 
 def server_command(layout: JobLayout, seed: int, colocated: bool, *, rollout=None,
-                   gpu_binding: str = "node") -> str:
+                   gpu_binding: str = "node", routed_experts: bool = False) -> str:
     """The body of ``bash -c`` that every server task runs; $-variables expand in the task.
 
     Server i is made of tasks i*K .. i*K+K-1 (K = nodes per server, one task per node then);
     its HTTP port is MGSPO_SERVER_PORT0 + 2 i, and + 2 i + 1 is its multi-node rendezvous port.
     ``gpu_binding`` "node": every task sees the node's GPUs (the server's first is
     SLURM_LOCALID x tp); "task": the site binds each task its own GPUs, numbered from 0.
+    ``routed_experts``: the servers record and return routed experts
+    (``--enable-return-routed-experts``, for ``gspo.routing_replay: rollout``).
     """
     k = layout.nodes_per_server
     index = f"$((SLURM_PROCID / {k}))" if k > 1 else "$SLURM_PROCID"
@@ -199,6 +201,8 @@ def server_command(layout: JobLayout, seed: int, colocated: bool, *, rollout=Non
         cmd += sglang_flags(rollout) if rollout is not None else []
         if colocated:
             cmd.append("--enable-memory-saver")  # the trainer releases/resumes server memory
+        if routed_experts:
+            cmd.append("--enable-return-routed-experts")
     else:
         # the local server loads weight updates only from its --weight-roots: the disk sync's
         # shared directory (rollout.weight_sync_dir, default <run dir>/weights)
@@ -206,6 +210,8 @@ def server_command(layout: JobLayout, seed: int, colocated: bool, *, rollout=Non
                  else "$MGSPO_RUN_DIR/weights")
         cmd = ['exec "$MGSPO_PYTHON" -m launch.cli serve --model-path "$MGSPO_MODEL_PATH"',
                "--host 0.0.0.0", port, seed_arg, f'--weight-roots "{roots}"']
+        if routed_experts:
+            cmd.append("--enable-return-routed-experts")
     lines.append(" ".join(cmd))
     return "; ".join(lines)
 
@@ -303,7 +309,8 @@ def build_script(cfg: Config, args: argparse.Namespace, layout: JobLayout, run_d
         "container_options": _container_options(args, run_dir, workdir),
         "server_srun_options": common + " --overlap",
         "server_command": q(server_command(layout, cfg.run.seed, layout.colocated,
-                                           rollout=cfg.rollout, gpu_binding=args.gpu_binding)),
+                                           rollout=cfg.rollout, gpu_binding=args.gpu_binding,
+                                           routed_experts=cfg.gspo.routing_replay == "rollout")),
         "router_command": q(ROUTER_COMMAND),
         "train_srun_options": (f"--nodes={layout.train_nodes} "
                                f"--ntasks-per-node={layout.train_tasks_per_node} --distribution=block"

@@ -55,6 +55,7 @@ def torchrun_command(world_size: int, script_argv: list[str]) -> list[str]:
     argparse version keeps it."""
     timeout = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
     return [sys.executable, "-m", "launch.torchrun_agent", "--standalone",
+            "--local-addr=127.0.0.1",  # the ranks' MASTER_ADDR; the agent's stores listen there
             f"--nproc-per-node={world_size}",
             "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1,SIGHUP,SIGQUIT",
             f"--shutdown-timeout={timeout}", "-m", "launch.cli", "--", *script_argv]

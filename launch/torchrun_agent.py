@@ -2,8 +2,13 @@
 
 ``launch.supervise`` starts the ranks of ``megatron-gspo train`` / ``sft`` with this module instead
 of ``python -m torch.distributed.run``. It is torchrun (its own argument parser, rendezvous and
-agent), with three changes:
+agent), with four changes:
 
+* **Stores on the job's address.** torchrun's stores listen on the address they are for instead
+  of every interface (``megatron_gspo.bound_store``): the c10d rendezvous store on the host of
+  ``--rdzv-endpoint`` (``--standalone``: localhost, 127.0.0.1), the store it shares with the
+  ranks (their ``MASTER_ADDR``/``MASTER_PORT``; they connect as clients) on ``--local-addr``
+  (127.0.0.1 for a local run: ``launch.supervise``).
 * **One stop per run.** torchrun turns a signal into an exception that makes it stop the ranks
   (the same signal to each rank's process group, SIGKILL after ``--shutdown-timeout``). A second
   signal during that stop (the launcher forwards a signal that a ``killpg`` also delivered
@@ -77,6 +82,33 @@ def _stop_once(mp_api) -> None:
     mp_api._terminate_process_handler = handler
 
 
+def _bind_stores() -> None:
+    """torchrun's master stores listen on the host they are given only (torch's would listen on
+    every interface): the rendezvous backend's store (``--rdzv-endpoint``; "localhost" is
+    127.0.0.1) and the shared store of the ranks (``--local-addr``)."""
+    import datetime
+
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, dynamic_rendezvous
+
+    from megatron_gspo.bound_store import tcp_store
+
+    def rendezvous_store(host_name, port, world_size=None, is_master=False,
+                         timeout=datetime.timedelta(seconds=300), wait_for_workers=True,
+                         multi_tenant=False, **_):
+        try:
+            return tcp_store(host_name, port, is_master=is_master, world_size=world_size,
+                             timeout=timeout, wait_for_workers=wait_for_workers,
+                             multi_tenant=multi_tenant)
+        except OSError as err:  # what torch's own raises: the backend then tries as a client
+            raise RuntimeError(str(err)) from err
+
+    def shared_store_server(self, master_addr, master_port):
+        return tcp_store(master_addr, master_port, is_master=True, multi_tenant=True)
+
+    c10d_rendezvous_backend.TCPStore = rendezvous_store
+    dynamic_rendezvous.DynamicRendezvousHandler._create_tcp_store_server = shared_store_server
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from torch.distributed.elastic.multiprocessing import api as mp_api
@@ -85,6 +117,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     _log_to_file(os.environ.get(LOG_DIR_ENV))
     _stop_once(mp_api)
+    _bind_stores()
     log = logging.getLogger("launch.torchrun_agent")
     try:
         run(parse_args(argv))

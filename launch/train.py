@@ -17,7 +17,8 @@ data position, step); without a checkpoint there it says so and starts at step 0
 passes --resume on every start, the first included). SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 -
 to this command, to torchrun, to a rank, or to all of them at once - finish the current step,
 save a checkpoint and exit with status 75 ("requeue me") at every level; a finished run exits 0.
-(Under Slurm, srun answers a SIGTERM sent to srun itself by killing its tasks: slurm/README.md.)
+(Under Slurm the job keeps srun from answering a SIGTERM of its own by killing the ranks,
+`scancel --signal=TERM --full` included: slurm/README.md.)
 One run per ``run.output_dir``: a second one is refused, naming the first (``launch.run_lock``).
 """
 

@@ -1,6 +1,6 @@
 """Typed run configuration: one dataclass per concern, loaded from YAML with ``--set`` overrides.
 
-A YAML file has up to eight sections, each a dataclass below::
+A YAML file has up to nine sections, each a dataclass below::
 
     model:    ModelConfig      the Qwen3-MoE architecture
     parallel: ParallelConfig   tensor / pipeline / expert / context parallel sizes
@@ -10,6 +10,7 @@ A YAML file has up to eight sections, each a dataclass below::
     run:      RunSettings      seed, steps, batch sizes, output, logging
     data:     DataConfig       prompts: a synthetic task, or JSONL / Parquet files
     reward:   RewardConfig     how responses are scored (built-ins, a function, an HTTP service)
+    parity:   ParityConfig     the parity watchdog: servers vs trainer after every weight sync
 
 ``load_config(path, overrides=["gspo.eps_high=5e-4"])`` returns a validated :class:`Config`.
 Unknown keys are rejected with their full path, values are type-checked, and every invalid value
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -238,6 +240,19 @@ class GSPOConfig:
     """k: optimizer steps (mini-batches) per rollout batch."""
     dynamic_sampling: bool = False
     """Drop zero-std groups and sample more prompts to fill the batch."""
+    routing_replay: Literal["none", "old", "rollout"] = "none"
+    """Routing replay of the MoE routers (docs/routing.md; Megatron-Core's RouterReplay):
+    ``none``: every forward routes by its own router; ``old`` (R2): the training forwards of a
+    step use the top-k experts recorded in the old-log-prob forward of the same tokens;
+    ``rollout`` (R3): the old-log-prob forward and the training forwards use the experts the
+    rollout servers routed each token to (the batch's ``routed_experts``; SGLang's
+    ``return_routed_experts``). Not with activation recompute that re-runs the router
+    (model.recompute_granularity full, or selective with ``moe``)."""
+    routing_metrics: bool = True
+    """After the last update of each rollout batch, one forward-only pass over the batch for
+    ``routing_change_frac*`` (top-k expert sets of the old vs the updated policy) and
+    ``token_log_ratio_var`` / ``seq_log_ratio_var`` (docs/routing.md); false skips that pass (one
+    forward per step less) and those metrics."""
 
     def __post_init__(self) -> None:
         for name in ("eps_low", "eps_high", "token_eps_low", "token_eps_high"):
@@ -281,6 +296,10 @@ class RolloutConfig:
     """The rollout servers share the training GPUs: their memory (weights, KV cache) is released
     before each training phase and resumed after it (SGLang's release/resume_memory_occupation;
     start SGLang with --enable-memory-saver). Required by `launch slurm --rollout-nodes 0`."""
+    local_server_device: str = "cpu"
+    """Embedded mode: where the project's local rollout servers run their model (their
+    ``--device``): cpu, or cuda[:N] to share the trainer's GPU (what bench/gpu_smoke.py runs on
+    one GPU). SGLang servers (external mode, ``launch slurm``) choose their own GPUs."""
     deterministic: bool = False
     """Batch-invariant rollouts: each local server decodes one request at a time, so a sample
     depends only on its prompt, seed and the weights (slower; what an exact resume comparison
@@ -344,6 +363,9 @@ class RolloutConfig:
                  "rollout.router_url: required when rollout.mode is 'external'")
         _require(self.num_servers >= 1, f"rollout.num_servers: must be >= 1, got {self.num_servers}")
         _require(self.tp_size >= 1, f"rollout.tp_size: must be >= 1, got {self.tp_size}")
+        _require(re.fullmatch(r"cpu|cuda(:\d+)?", self.local_server_device) is not None,
+                 f"rollout.local_server_device: {self.local_server_device!r} is not cpu, cuda or "
+                 "cuda:N")
         _require(self.min_servers >= 1, f"rollout.min_servers: must be >= 1, got {self.min_servers}")
         _require(self.mode != "embedded" or self.min_servers <= self.num_servers,
                  f"rollout.min_servers: {self.min_servers} exceeds rollout.num_servers "
@@ -464,7 +486,8 @@ class RunSettings:
     micro-batches of at most this many tokens per GPU (per context-parallel rank; Megatron/slime's
     "max tokens per GPU"), passed to Megatron as packed sequences (THD), with the same number of
     micro-batches on every data-parallel rank and their token counts balanced (greedy LPT).
-    run.micro_batch_size is then unused by RL. null: right-padded rows of run.seq_length,
+    run.micro_batch_size is then unused by RL (the batch checks still hold it, as one file serves
+    SFT, which reads it, and RL: 1 always passes them). null: right-padded rows of run.seq_length,
     run.micro_batch_size per micro-batch. Must be at least the longest sequence (prompt +
     response) once padded for context parallelism. SFT always uses padded rows."""
     log_interval: int = 1
@@ -611,6 +634,33 @@ class RewardConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ParityConfig:
+    """The parity watchdog (docs/parity.md): after every weight sync, fixed probe sequences are
+    scored by every rollout server and by the trainer, and the per-token log-prob gap is logged
+    (``parity/*`` in metrics.jsonl); past ``max_gap_mean`` the weights are synced once more and
+    checked again, and if the gap persists the run stops with an error naming the gap, the
+    server and the threshold."""
+
+    enabled: bool = False
+    """Run the watchdog after every weight sync (the initial one included)."""
+    num_probes: int = 8
+    """Probe sequences: prompts drawn once with run.seed from the held-out prompts (the training
+    prompts without them), each with a fixed response generated greedily (at most
+    rollout.max_new_tokens tokens) by the servers at the first check, saved to
+    <run.output_dir>/parity_probes.json and reused for the whole run (and on --resume)."""
+    max_gap_mean: float = 0.05
+    """Threshold on a server's mean per-token |log pi_server - log pi_trainer| over the probes'
+    response tokens (natural log). fp32 on the CPU gives about 1e-7 (1e-3 is a safe CPU
+    setting); bf16 GPU kernels are expected near 1e-2 (the default 0.05 is meant for GPUs; check
+    it against a healthy run's parity/logprob_gap_mean)."""
+
+    def __post_init__(self) -> None:
+        _require(self.num_probes >= 1, f"parity.num_probes: must be >= 1, got {self.num_probes}")
+        _require(math.isfinite(self.max_gap_mean) and self.max_gap_mean > 0,
+                 f"parity.max_gap_mean: must be a positive number, got {self.max_gap_mean}")
+
+
+@dataclass(kw_only=True, slots=True)
 class Config:
     """The whole run: one field per YAML section."""
 
@@ -622,6 +672,7 @@ class Config:
     run: RunSettings = field(default_factory=RunSettings)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    parity: ParityConfig = field(default_factory=ParityConfig)
 
     def __post_init__(self) -> None:
         validate_model_parallel(self.model, self.parallel)
@@ -630,6 +681,7 @@ class Config:
         validate_batches(self.run, self.gspo)
         validate_schedule(self.optim, self.run)
         validate_weight_sync(self.rollout, self.model)
+        validate_routing_replay(self.gspo, self.model)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: _to_plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -732,6 +784,19 @@ def validate_recompute(model: ModelConfig) -> None:
                       "no MLA, dense MLP or shared experts)")
     _require(model.recompute_modules is None or len(model.recompute_modules) > 0,
              "model.recompute_modules: empty; list at least one module or unset recompute")
+
+
+def validate_routing_replay(gspo: GSPOConfig, model: ModelConfig) -> None:
+    """Replay sets each router's experts before a micro-batch's forward; a recompute in the
+    backward would re-run the router against the next micro-batch's experts."""
+    if gspo.routing_replay == "none":
+        return
+    recomputes_router = model.recompute_granularity == "full" or (
+        model.recompute_granularity == "selective" and "moe" in (model.recompute_modules or []))
+    _require(not recomputes_router,
+             f"gspo.routing_replay: {gspo.routing_replay} is not supported with activation "
+             "recompute that re-runs the router (model.recompute_granularity full, or selective "
+             "with 'moe' in model.recompute_modules); use core_attn / moe_act or no recompute")
 
 
 def validate_data_reward(data: DataConfig, reward: RewardConfig) -> None:

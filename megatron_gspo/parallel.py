@@ -118,9 +118,18 @@ def init_distributed(parallel: Optional[ParallelConfig] = None):
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(local_device_index())
-        dist.init_process_group(
-            backend=default_backend(cuda), rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(minutes=parallel.distributed_timeout_minutes))
+        timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
+        store = None
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            # no torchrun agent hosts the store (srun, one process): rank 0 does, listening on
+            # MASTER_ADDR only (env:// would listen on every interface); under torchrun the
+            # ranks are the agent's clients (launch.torchrun_agent binds its stores)
+            from megatron_gspo.bound_store import tcp_store
+
+            store = tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=rank == 0, world_size=world_size, timeout=timeout)
+        dist.init_process_group(backend=default_backend(cuda), store=store, rank=rank,
+                                world_size=world_size, timeout=timeout)
     return dist.new_group(backend="gloo",
                           timeout=datetime.timedelta(minutes=parallel.control_timeout_minutes))
 

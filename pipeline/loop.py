@@ -16,6 +16,8 @@ One step::
     train     = k GSPO mini-batch updates on Megatron
     (resume)  = colocated servers take their weight memory back
     sync      = weights -> every rollout server, weight_version = step (then the KV cache back)
+    parity    = with parity.enabled: servers' and trainer's log-probs of fixed probes compared
+                (past the threshold: sync once more, check again, else stop; pipeline/parity.py)
     eval      = every run.eval_interval steps: mean reward and pass@1 over n samples per prompt
     log       = metrics.jsonl / TensorBoard / one progress line
     save      = every run.save_interval steps, at the last step, and on SIGTERM / SIGINT / SIGUSR1
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
     from pipeline.data import Prompt, PromptSampler
     from pipeline.rewards import RewardFn
     from pipeline.rollout import RolloutClient, RolloutResult
+    from pipeline.parity import ParityWatchdog
     from pipeline.server_pool import ServerPool
     from pipeline.weight_push import WeightPusher
 
@@ -142,6 +145,9 @@ class LoopContext:
     servers: Optional[ServerPool] = None
     """Rank 0: which servers are alive (``pipeline.server_pool``): checked before every weight
     sync, dead ones dropped and (embedded) restarted. None: every server, always."""
+    parity: Optional[ParityWatchdog] = None
+    """Every rank, with parity.enabled: the watchdog run after every weight sync
+    (:func:`check_parity`); rank 0's holds the probe prompts."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -176,6 +182,13 @@ def rollout_phase(ctx: LoopContext, step: int) -> tuple[dict, dict]:
     from pipeline.tasks import PAD_ID
 
     batch = rl_batch(prompt_ids, outputs, logprobs, advantages, cfg.run.seq_length, PAD_ID)
+    shape = _routed_experts_shape(cfg)
+    if shape is not None:  # routing replay "rollout": the experts the servers routed each token to
+        from pipeline.routed_experts import batch_routed_experts
+
+        batch["routed_experts"] = batch_routed_experts(
+            prompt_ids, outputs, [r.routed_experts for group in groups for r in group],
+            cfg.run.seq_length, *shape)
     lengths = torch.tensor([len(o) for o in outputs], dtype=torch.float64)
     finish = [r.finish_reason for group in groups for r in group]
     metrics.update({
@@ -189,14 +202,24 @@ def rollout_phase(ctx: LoopContext, step: int) -> tuple[dict, dict]:
     return batch, metrics
 
 
+def _routed_experts_shape(cfg: Config) -> Optional[tuple[int, int]]:
+    """(layers, top-k) of the routed experts the training rollouts ask the servers for: with
+    ``gspo.routing_replay: rollout`` only (evaluation never asks)."""
+    if cfg.gspo.routing_replay != "rollout":
+        return None
+    return cfg.model.num_layers, cfg.model.moe_router_topk
+
+
 def _generate_groups(ctx: LoopContext, prompts: list[Prompt], step: int,
                      round_: int) -> list[list[RolloutResult]]:
     from pipeline.rollout import rollout_seed, sampling_params
 
     cfg = ctx.cfg
+    shape = _routed_experts_shape(cfg)
+    extra = {"routed_experts": shape} if shape is not None else {}
     return ctx.client.generate_groups([p.prompt_ids for p in prompts], cfg.gspo.group_size,
                                       sampling_params(cfg.rollout, ctx.stop_token_ids),
-                                      seed=rollout_seed(cfg.run.seed, step, round_))
+                                      seed=rollout_seed(cfg.run.seed, step, round_), **extra)
 
 
 def _score(ctx: LoopContext, prompts: list[Prompt],
@@ -304,6 +327,38 @@ def sync_weights(ctx: LoopContext, trainer: Trainer, version: str) -> dict:
             _pool_call(ctx, lambda: ctx.servers.admit())
         return stats.metrics()
     raise AssertionError("unreachable")
+
+
+def check_parity(ctx: LoopContext, trainer: Trainer, version: str) -> dict:
+    """Every rank, after a weight sync: the parity watchdog's ``parity/*`` metrics ({} without
+    one). Past ``parity.max_gap_mean``: one more sync of the same weights, checked again; still
+    past it: :class:`pipeline.parity.ParityError` on every rank alike."""
+    if ctx.parity is None:
+        return {}
+    first = _parity_once(ctx, trainer)
+    if not first.failed:
+        return first.metrics()
+    if dist.get_rank() == 0:
+        print(f"parity watchdog: {first.describe()}; syncing the weights again", flush=True)
+    sync_weights(ctx, trainer, version)
+    second = _parity_once(ctx, trainer)
+    if second.failed:
+        from pipeline.parity import ParityError
+
+        raise ParityError(f"{second.describe()}, also after syncing the weights again (before: "
+                          f"{first.worst()[1]['mean']:.3g}); the servers do not serve the "
+                          "trainer's policy - see docs/parity.md")
+    return {**second.metrics(), "parity/resyncs": 1}
+
+
+def _parity_once(ctx: LoopContext, trainer: Trainer):
+    """Collective: rank 0 has every server score the probes, every rank compares (the trainer
+    scores them: a collective)."""
+    status, served = _on_main(ctx, lambda: ctx.parity.server_scores(
+        ctx.server_urls, ctx.client, ctx.stop_token_ids))
+    if status != "ok":
+        raise RuntimeError(f"parity probes: {served}")
+    return ctx.parity.compare(served, trainer)
 
 
 def _pool_call(ctx: LoopContext, fn):
@@ -496,12 +551,18 @@ def run(ctx: LoopContext, trainer: Trainer, *, start_step: int) -> dict:
     try:
         with guard.before_update():  # the servers serve exactly the policy we start from
             everywhere(sync_weights, ctx, trainer, str(start_step), what="weight sync")
+            parity = everywhere(check_parity, ctx, trainer, str(start_step), what="parity check")
+            if parity and is_main:
+                print(f"parity at step {start_step}: mean log-prob gap "
+                      f"{parity['parity/logprob_gap_mean']:.3g}", flush=True)
             if cfg.run.eval_interval and start_step == 0:
                 evaluation = on_main(ctx, evaluate, ctx, 0, what="evaluation")
                 if is_main:
                     history["eval/reward_mean"].append((0, evaluation["eval/reward_mean"]))
-                    ctx.logger.log(0, evaluation, progress=f"step 0/{cfg.run.num_steps}  "
-                                   f"{_eval_progress(evaluation)}")
+                    ctx.logger.log(0, {**evaluation, **parity}, progress=f"step 0/"
+                                   f"{cfg.run.num_steps}  {_eval_progress(evaluation)}")
+            elif parity and start_step == 0 and is_main:  # a resumed run logged its start before
+                ctx.logger.log(0, parity)
         for step in range(start_step + 1, cfg.run.num_steps + 1):
             t0 = time.monotonic()
             guard.begin(step)
@@ -527,6 +588,9 @@ def run(ctx: LoopContext, trainer: Trainer, *, start_step: int) -> dict:
                 if colocated:
                     on_main(ctx, _resume_servers, ctx, ["kv_cache", "cuda_graph"],
                             what="resume server memory")
+                # after the KV cache is back: the probes are a prefill on every server
+                metrics.update(everywhere(check_parity, ctx, trainer, str(step),
+                                          what="parity check"))
                 if cfg.run.eval_interval and (step % cfg.run.eval_interval == 0
                                               or step == cfg.run.num_steps):
                     evaluation = on_main(ctx, evaluate, ctx, step, what="evaluation")

@@ -23,6 +23,13 @@ whichever of SGLang's three error-body shapes it used.
 Log-probs: ``output_logprobs`` are SGLang's ``output_token_logprobs``, i.e. log-probs of the
 temperature-scaled distribution ``log_softmax(logits / T)`` before top-k / top-p truncation
 (greedy: ``T = 1``). Compare them with the trainer's log-probs computed at the same temperature.
+
+Routed experts (routing replay ``rollout``): ``routed_experts=(num_layers, top_k)`` on a generate
+call asks every request for SGLang's ``return_routed_experts`` and decodes the answer
+(``pipeline.routed_experts``) into ``RolloutResult.routed_experts``, int32
+``[len(prompt) + len(output) - 1, num_layers, top_k]``: row t = the experts that routed token t of
+``prompt + output``. In router mode those requests go to the router's workers directly:
+sglang-router 0.3.2 drops ``return_routed_experts`` from the bodies it forwards.
 """
 
 from __future__ import annotations
@@ -90,6 +97,11 @@ class RolloutResult:
     completion_tokens: int
     weight_version: str
     server_url: str
+    routed_experts: Optional[Any] = None
+    """Asked for (``routed_experts=(L, K)``): int32 torch tensor ``[len(prompt_ids) +
+    len(output_ids) - 1, L, K]``, row t = the experts every layer routed token t of
+    ``prompt_ids + output_ids`` to on the server; None when not asked for (or an aborted sample
+    without them)."""
 
 
 class RolloutError(RuntimeError):
@@ -120,16 +132,25 @@ def error_message(text: str) -> str:
     return text.strip()[:1000]
 
 
-def generate_payload(rid: str, input_ids: Sequence[int], sampling: SamplingParams) -> dict:
-    """The /generate body of one sample."""
-    return {"rid": rid, "input_ids": [int(t) for t in input_ids],
+def generate_payload(rid: str, input_ids: Sequence[int], sampling: SamplingParams, *,
+                     return_routed_experts: bool = False) -> dict:
+    """The /generate body of one sample (``return_routed_experts``: SGLang's top-level field,
+    routed experts of every position from 0, ``routed_experts_start_len`` left at its 0)."""
+    body = {"rid": rid, "input_ids": [int(t) for t in input_ids],
             "sampling_params": sampling.to_json(), "return_logprob": True,
             "logprob_start_len": -1, "stream": False}
+    if return_routed_experts:
+        body["return_routed_experts"] = True
+    return body
 
 
-def parse_generate_response(body: Any, rid: str, prompt_ids: Sequence[int], url: str
-                            ) -> RolloutResult:
-    """One /generate response object -> :class:`RolloutResult` (RolloutError if malformed)."""
+def parse_generate_response(body: Any, rid: str, prompt_ids: Sequence[int], url: str, *,
+                            routed_experts: Optional[tuple[int, int]] = None) -> RolloutResult:
+    """One /generate response object -> :class:`RolloutResult` (RolloutError if malformed).
+
+    ``routed_experts=(num_layers, top_k)``: the request asked for them; they are decoded, and
+    their absence from a sample that ran is an error (SGLang omits them silently when the
+    server was started without ``--enable-return-routed-experts``)."""
     try:
         if isinstance(body, list) and len(body) == 1:
             body = body[0]
@@ -145,6 +166,10 @@ def parse_generate_response(body: Any, rid: str, prompt_ids: Sequence[int], url:
         if any(int(e[1]) != t for e, t in zip(entries, output_ids)):
             raise ValueError("output_token_logprobs token ids differ from output_ids")
         logprobs = [float(e[0]) for e in entries]
+        routed = None
+        if routed_experts is not None:
+            routed = _routed_experts(meta, rid, len(prompt_ids), len(output_ids), kind,
+                                     routed_experts, url)
     except (KeyError, TypeError, ValueError, IndexError) as err:
         raise RolloutError(url, 200, f"malformed /generate response for rid {rid}: {err}; "
                                      f"body: {json.dumps(body)[:500]}") from None
@@ -153,7 +178,23 @@ def parse_generate_response(body: Any, rid: str, prompt_ids: Sequence[int], url:
         finish_reason=kind, matched_stop=finish.get("matched"),
         prompt_tokens=int(meta.get("prompt_tokens", len(prompt_ids))),
         completion_tokens=int(meta.get("completion_tokens", len(output_ids))),
-        weight_version=str(meta.get("weight_version", "")), server_url=url)
+        weight_version=str(meta.get("weight_version", "")), server_url=url, routed_experts=routed)
+
+
+def _routed_experts(meta: dict, rid: str, prompt_len: int, output_len: int, kind: str,
+                    shape: tuple[int, int], url: str):
+    from pipeline import routed_experts as re_wire
+
+    text = meta.get("routed_experts")
+    if text is None:
+        if kind == "abort":  # a request aborted before it ran has none (nor does it train)
+            return None
+        raise RolloutError(url, 200, f"rid {rid}: asked for return_routed_experts, but "
+                                     "meta_info has no routed_experts: start SGLang with "
+                                     "--enable-return-routed-experts (megatron-gspo serve: the "
+                                     "same flag)")
+    num_layers, top_k = shape
+    return re_wire.decode(text, re_wire.expected_rows(prompt_len, output_len), num_layers, top_k)
 
 
 def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
@@ -354,9 +395,29 @@ class RolloutClient:
             return list(self.server_urls)
         return [w["url"].rstrip("/") for w in router_workers(self.router_url)]
 
+    async def _routed_experts_client(self) -> "RolloutClient":
+        """The client for requests that ask for routed experts: this one in direct mode; in
+        router mode a direct client of the router's workers (same settings). sglang-router 0.3.2
+        re-serialises a /generate body with its own request type, which has no
+        ``return_routed_experts``: through the router the field never reaches a server."""
+        if not self.router_url:
+            return self
+        urls = await asyncio.to_thread(self.worker_urls)
+        if not urls:
+            raise RolloutError(self.router_url + "/workers", 200,
+                               "no workers registered (requests for routed experts go to the "
+                               "router's workers directly)")
+        return RolloutClient(server_urls=urls, max_concurrency=self.max_concurrency,
+                             request_timeout_s=self.request_timeout_s,
+                             health_timeout_s=self.health_timeout_s,
+                             max_attempts=self.max_attempts, retry_backoff_s=self.retry_backoff_s,
+                             connect_timeout_s=self.connect_timeout_s,
+                             server_cooldown_s=self.server_cooldown_s)
+
     # --- one sample
     async def _one(self, session, sem: asyncio.Semaphore, batch: _Batch, rid: str,
-                   prompt: Sequence[int], sampling: SamplingParams) -> RolloutResult:
+                   prompt: Sequence[int], sampling: SamplingParams,
+                   routed_experts: Optional[tuple[int, int]] = None) -> RolloutResult:
         import aiohttp
 
         async with sem:
@@ -370,7 +431,8 @@ class RolloutClient:
                                         * (0.5 + random.random()))
                 url = self._pick(avoid=url)
                 send_rid = rid if attempt == 0 else f"{rid}:retry{attempt}"
-                payload = generate_payload(send_rid, prompt, sampling)
+                payload = generate_payload(send_rid, prompt, sampling,
+                                           return_routed_experts=routed_experts is not None)
                 self._inflight[url] = self._inflight.get(url, 0) + 1
                 timeout = aiohttp.ClientTimeout(total=self.request_timeout_s,
                                                 sock_connect=self.connect_timeout_s)
@@ -393,7 +455,8 @@ class RolloutClient:
                         body = json.loads(text)
                     except json.JSONDecodeError:
                         raise RolloutError(url, 200, f"not JSON: {text[:300]}") from None
-                    result = parse_generate_response(body, rid, prompt, url)
+                    result = parse_generate_response(body, rid, prompt, url,
+                                                     routed_experts=routed_experts)
                     self._down_until.pop(url, None)
                     return result
                 last = RolloutError(url, status, error_message(text))
@@ -437,11 +500,15 @@ class RolloutClient:
             await self._abort_on(session, urls)
 
     # --- batches
-    async def generate(self, requests: Sequence[tuple[str, Sequence[int], SamplingParams]]
-                       ) -> list[RolloutResult]:
-        """One result per (rid, input_ids, sampling), in input order."""
+    async def generate(self, requests: Sequence[tuple[str, Sequence[int], SamplingParams]], *,
+                       routed_experts: Optional[tuple[int, int]] = None) -> list[RolloutResult]:
+        """One result per (rid, input_ids, sampling), in input order (``routed_experts``: see
+        :meth:`generate_groups_async`)."""
         import aiohttp
 
+        if routed_experts is not None and self.router_url:
+            direct = await self._routed_experts_client()
+            return await direct.generate(requests, routed_experts=routed_experts)
         rids = [r[0] for r in requests]
         if len(set(rids)) != len(rids):
             raise ValueError("generate: rids must be unique within a batch")
@@ -450,16 +517,20 @@ class RolloutClient:
                 raise ValueError("generate: sampling.n must be 1 (use generate_groups for G samples)")
         sem, batch = asyncio.Semaphore(self.max_concurrency), _Batch()
         async with aiohttp.ClientSession() as session:
-            return list(await asyncio.gather(*(self._one(session, sem, batch, rid, p, s)
+            return list(await asyncio.gather(*(self._one(session, sem, batch, rid, p, s,
+                                                         routed_experts)
                                                for rid, p, s in requests)))
 
-    def generate_sync(self, requests) -> list[RolloutResult]:
-        return asyncio.run(self.generate(requests))
+    def generate_sync(self, requests, *, routed_experts: Optional[tuple[int, int]] = None
+                      ) -> list[RolloutResult]:
+        return asyncio.run(self.generate(requests, routed_experts=routed_experts))
 
     async def generate_groups_async(self, prompts: Sequence[Sequence[int]], group_size: int,
                                     sampling: SamplingParams, *, seed: Optional[int] = None,
                                     min_complete_groups: Optional[int] = None,
-                                    rid_prefix: Optional[str] = None) -> list[list[RolloutResult]]:
+                                    rid_prefix: Optional[str] = None,
+                                    routed_experts: Optional[tuple[int, int]] = None
+                                    ) -> list[list[RolloutResult]]:
         """G single requests per prompt with distinct sampling seeds; whole groups only.
 
         ``seed`` (pass a different one per step) makes every sample's ``sampling_seed``
@@ -468,6 +539,9 @@ class RolloutClient:
         what is still running (``abort_request`` with ``abort_all`` on every server - everything
         those servers run, so the caller must own them), and returns only the complete groups
         (possibly more than asked for), in prompt order. Without it, every group is returned.
+        ``routed_experts=(num_layers, top_k)`` asks every request for the experts the server
+        routed each token to (``RolloutResult.routed_experts``); None: not asked for. In router
+        mode such requests go to the router's workers directly (:meth:`_routed_experts_client`).
         """
         import aiohttp
 
@@ -476,6 +550,11 @@ class RolloutClient:
         if min_complete_groups is not None and not 1 <= min_complete_groups <= len(prompts):
             raise ValueError(f"min_complete_groups must be in [1, {len(prompts)}], got "
                              f"{min_complete_groups}")
+        if routed_experts is not None and self.router_url:
+            direct = await self._routed_experts_client()
+            return await direct.generate_groups_async(
+                prompts, group_size, sampling, seed=seed, min_complete_groups=min_complete_groups,
+                rid_prefix=rid_prefix, routed_experts=routed_experts)
         base = seed if seed is not None else random.getrandbits(62)
         prefix = rid_prefix or f"g{uuid.uuid4().hex[:12]}"
         sem, batch = asyncio.Semaphore(self.max_concurrency), _Batch()
@@ -485,7 +564,8 @@ class RolloutClient:
                 for s in range(group_size):
                     sp = replace(sampling, n=1, sampling_seed=sample_seed(base, p, s))
                     task = asyncio.create_task(
-                        self._one(session, sem, batch, f"{prefix}-p{p}-s{s}", prompt, sp))
+                        self._one(session, sem, batch, f"{prefix}-p{p}-s{s}", prompt, sp,
+                                  routed_experts))
                     tasks[task] = (p, s)
             groups: list[list[Optional[RolloutResult]]] = [[None] * group_size for _ in prompts]
             complete: set[int] = set()
@@ -521,10 +601,12 @@ class RolloutClient:
 
     def generate_groups(self, prompts, group_size: int, sampling: SamplingParams, *,
                         seed: Optional[int] = None, min_complete_groups: Optional[int] = None,
-                        rid_prefix: Optional[str] = None) -> list[list[RolloutResult]]:
+                        rid_prefix: Optional[str] = None,
+                        routed_experts: Optional[tuple[int, int]] = None
+                        ) -> list[list[RolloutResult]]:
         return asyncio.run(self.generate_groups_async(
             prompts, group_size, sampling, seed=seed, min_complete_groups=min_complete_groups,
-            rid_prefix=rid_prefix))
+            rid_prefix=rid_prefix, routed_experts=routed_experts))
 
     def wait_healthy(self, timeout_s: Optional[float] = None) -> None:
         wait_healthy(self.worker_urls() if self.router_url is None else [self.router_url],

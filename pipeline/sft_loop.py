@@ -9,6 +9,11 @@ With ``run.save_interval`` > 0 every rank calls ``trainer.save`` (collective) af
 save_interval-th step and after the last, with the sampler's position as the run state; a resumed
 run (``start_step`` and that ``run_state``, from ``trainer.load``) draws exactly the batches the
 uninterrupted run would have drawn. Every step logs ``train/lr``, the learning rate it used.
+
+Stop signals (``stop``, a ``pipeline.loop.StopFlag``: SIGTERM, SIGINT, SIGUSR1 to any rank): after
+each step every rank learns whether any rank was signalled (one tiny all-reduce); if so, every
+rank saves that step's checkpoint (whatever ``run.save_interval`` says, unless the step was just
+saved) and the loop returns with ``preempted`` set; ``sft --resume`` continues right after it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any, Optional, Protocol
 
 from megatron_gspo.config import Config
 from pipeline.data import PromptSampler, build_datasets
+from pipeline.loop import StopFlag
 from pipeline.metrics import MetricsLogger
 
 Pairs = list[tuple[list[int], list[int]]]
@@ -46,14 +52,17 @@ def sft_pairs(prompts: list, encoder) -> Pairs:
 class SFTResult:
     losses: list[float] = field(default_factory=list)
     eval_losses: list[float] = field(default_factory=list)
+    preempted: bool = False
+    """Stopped by a signal after saving the checkpoint of the last step trained."""
 
 
 def run_sft(trainer: SFTStepper, cfg: Config, *, logger: MetricsLogger, start_step: int = 0,
-            run_state: Optional[dict] = None) -> SFTResult:
+            run_state: Optional[dict] = None, stop: Optional[StopFlag] = None) -> SFTResult:
     """Train SFT steps ``start_step + 1 .. run.num_steps``; returns the loss curves of those steps.
 
     ``run_state``: what ``trainer.load`` returned for the checkpoint of ``start_step`` (its
-    ``sampler`` position); None for a fresh run."""
+    ``sampler`` position); None for a fresh run. ``stop``: the installed stop flag (None: no
+    signal handling here); collective when given (every rank calls ``stop.any_rank``)."""
     train_set, eval_set = build_datasets(cfg.data, seed=cfg.run.seed)
     sampler = PromptSampler(train_set, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
     if start_step:
@@ -90,6 +99,12 @@ def run_sft(trainer: SFTStepper, cfg: Config, *, logger: MetricsLogger, start_st
             logger.log(step, metrics, progress=progress)
         else:
             logger.log(step, metrics)
-        if save_interval and (step % save_interval == 0 or step == cfg.run.num_steps):
+        saved = bool(save_interval) and (step % save_interval == 0 or step == cfg.run.num_steps)
+        if saved:
             trainer.save(cfg.run.output_dir, step, {"sampler": sampler.state_dict()})
+        if stop is not None and step < cfg.run.num_steps and stop.any_rank():
+            if not saved:
+                trainer.save(cfg.run.output_dir, step, {"sampler": sampler.state_dict()})
+            result.preempted = True
+            break
     return result

@@ -30,17 +30,20 @@ One push:
    next's): an SGLang server handles one weight update at a time, so two sources broadcasting at
    once to servers that took their requests in different orders would deadlock - and every byte
    crosses each server's link once whoever sends it.
-4. rank 0: ``disk``: the index file, the rename, ``update_weights_from_disk``; then
+4. rank 0: ``disk``: the index file, the rename, ``update_weights_from_disk`` (the directory of
+   the version retired after that is kept as a spare whose files the next push overwrites in
+   place: on tmpfs their pages are reused, not allocated and zeroed again); then
    ``update_weight_version`` (the version changes only once every bucket is in), ``flush_cache``
    (polled until 200), ``continue_generation``.
 
 **Checks** (``verify``): for every bucket the server reports a checksum of the tensors it now
 holds, per TP rank (a local-server extension; ``weight_transport.bucket_checksum``), compared
-with the trainer's own. **Delta** (``delta``, bf16 only): after a full push the sources keep the
-bytes they sent; later pushes send, per tensor, only the changed elements when that is smaller
-(``weight_transport.delta_encode``), and a full push every ``full_every`` pushes or whenever a
-server's weight version is not the one last pushed (a restarted server). A local-server extension
-too: real SGLang refuses the ``delta`` field.
+with the trainer's own, which the gather computes per tensor as it assembles it
+(``BucketStream.tensor_hook``). **Delta** (``delta``, bf16 only): after a full push the sources
+keep the bytes they sent; later pushes send, per tensor, only the changed elements when that is
+smaller (``weight_transport.delta_encode``), and a full push every ``full_every`` pushes or
+whenever a server's weight version is not the one last pushed (a restarted server). A
+local-server extension too: real SGLang refuses the ``delta`` field.
 
 If anything fails, the servers are left paused (their weights may be half-updated), the next delta
 push is a full one, and every rank raises the same :class:`WeightPushError`.
@@ -66,6 +69,20 @@ Transport = Literal["disk", "tensor", "distributed"]
 LOCAL_SERVER = "megatron-gspo local rollout server"  # its /server_info "implementation"
 _TOKEN_TAG = 7  # p2p tag of the sources' turn token (apart from the gather's messages)
 _IN_FLIGHT = 4  # distributed: buckets sent whose answers are not collected yet, per source
+
+
+def _tensor_sums(name: str, tensor: torch.Tensor):
+    return wt.tensor_sums(tensor)
+
+
+class _Done:
+    """A finished future."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
 
 
 class WeightPushError(RuntimeError):
@@ -140,6 +157,7 @@ class WeightPusher:
         self._update_group = None  # this rank's (a source's) update group
         self._group_made = False
         self._written: list[Path] = []
+        self._spare: Optional[Path] = None  # disk: a retired version's directory, to overwrite
         self._base: dict[int, torch.Tensor] = {}  # delta: bucket index -> the bytes last sent
         self._pushes = 0
         self._last_ok: Optional[str] = None  # the version of the last successful push
@@ -182,7 +200,9 @@ class WeightPusher:
             t0 = time.perf_counter()
             error = self._make_groups(stream.sources)
             stats.phases["init_groups_s"] = time.perf_counter() - t0
-        # 3. the buckets
+        # 3. the buckets (the trainer's checksum summed per tensor during the gather, in cache)
+        if self.verify and hasattr(stream, "tensor_hook"):
+            stream.tensor_hook = _tensor_sums
         mine: dict[int, dict] = {}  # bucket index -> {"checksum", "shard", "wire"}
         local_error = self._send_all(stream, version, full, mine, stats) if error is None \
             else self._drain(stream)
@@ -195,6 +215,9 @@ class WeightPusher:
         stats.seconds_send = max(o[3] for o in outcomes)
         stats.wire_bytes = sum(v["wire"] for v in buckets.values())
         stats.verified_buckets = sum(v["verified"] for v in buckets.values())
+        for v in buckets.values():  # the servers' own timings (local-server extension), summed
+            for key, sec in (v.get("timings") or {}).items():
+                stats.phases[f"server_{key}"] = stats.phases.get(f"server_{key}", 0.0) + sec
         # 4. load from disk, tag the version, flush, continue
         end = None
         if rank == 0:
@@ -213,8 +236,12 @@ class WeightPusher:
         return stats
 
     def close(self) -> None:
-        """Destroy the update groups (server side first, then this rank's)."""
+        """Destroy the update groups (server side first, then this rank's); remove the disk
+        transport's spare directory (the versions it wrote stay)."""
         self._destroy_groups()
+        if self._spare is not None:
+            shutil.rmtree(self._spare, ignore_errors=True)
+            self._spare = None
         self._pool.shutdown(wait=True)
 
     def _destroy_groups(self) -> None:
@@ -299,7 +326,13 @@ class WeightPusher:
         if self.transport == "disk":
             tmp = self._version_dir(stats.weight_version, tmp=True)
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            if self._spare is not None and self._spare.is_dir():
+                # The retired version's files are overwritten in place (wt.write_shard): their
+                # pages are reused, not allocated and zeroed again on every push.
+                self._spare.rename(tmp)
+            else:
+                tmp.mkdir(parents=True)
+            self._spare = None
         return {"tp": tp, "full": full, "phases": phases}
 
     def _make_groups(self, sources: list[int]) -> Optional[str]:
@@ -393,7 +426,13 @@ class WeightPusher:
         their checksums and returns the bucket's entry. Everything that reads the bucket's
         buffer is done when this returns (the gather reuses it for a later bucket)."""
         named = bucket.named_tensors()
-        checksum = self._pool.submit(wt.bucket_checksum, named) if self.verify else None
+        parts = getattr(bucket, "parts", None)
+        if not self.verify:
+            checksum = None
+        elif parts is not None and len(parts) == len(bucket.names):
+            checksum = _Done(wt.checksum_digest(parts))
+        else:
+            checksum = self._pool.submit(wt.bucket_checksum, named)
         entry = {"shard": None, "wire": bucket.nbytes, "verified": 0, "checksum": None}
         if self.transport == "disk":
             entry["shard"] = self._shard_name(bucket)
@@ -441,6 +480,10 @@ class WeightPusher:
 
         def finish() -> dict:
             got = [a.result() if isinstance(a, concurrent.futures.Future) else a for a in answers]
+            timings = [a.get("timings") for a in got if isinstance(a, dict) and a.get("timings")]
+            if timings:  # the slowest server's, per phase
+                entry["timings"] = {k: max(float(t.get(k, 0.0)) for t in timings)
+                                    for k in timings[0]}
             if expected is not None:
                 entry["checksum"] = expected
                 for url, answer in zip(self.server_urls, got):
@@ -499,6 +542,10 @@ class WeightPusher:
             weight_map = {}
             for b, meta in buckets.items():
                 weight_map.update({n: meta["shard"] for n in stream.meta[b].names})
+            shards = set(weight_map.values())
+            for leftover in tmp.iterdir():  # a recycled directory's files this push did not write
+                if leftover.name not in shards:
+                    leftover.unlink()
             (tmp / "model.safetensors.index.json").write_text(json.dumps(
                 {"metadata": {"total_size": stats.bytes}, "weight_map": weight_map}, indent=1))
             if final.exists():
@@ -509,6 +556,9 @@ class WeightPusher:
                 u, "/update_weights_from_disk",
                 {"model_path": str(final), "flush_cache": False}, timeout_s=self.timeout_s))
             stats.phases["load_from_disk_s"] = time.perf_counter() - t0
+            loads = [float(((a or {}).get("timings") or {}).get("load_s", 0.0)) for a in answers]
+            if any(loads):
+                stats.phases["server_load_s"] = max(loads)
             if self.verify:
                 for url, answer in zip(self.server_urls, answers):
                     per_file = (answer or {}).get("checksums") or {}
@@ -518,7 +568,13 @@ class WeightPusher:
                 stats.verified_buckets = len(buckets)
             self._written.append(final)
             while len(self._written) > self.keep_versions:
-                shutil.rmtree(self._written.pop(0), ignore_errors=True)
+                retired = self._written.pop(0)
+                if self._spare is None and retired.is_dir():  # kept for the next push's files
+                    self._spare = self.shared_dir / f".{self.group_name}_spare"
+                    shutil.rmtree(self._spare, ignore_errors=True)
+                    retired.rename(self._spare)
+                else:
+                    shutil.rmtree(retired, ignore_errors=True)
         t0 = time.perf_counter()
         self._each_server(lambda u: rollout.control(u, "/update_weight_version",
                                                     {"new_version": version,

@@ -24,9 +24,16 @@ and the local rollout server (``pipeline.local``). SGLang 0.5.23's formats unles
   Without that option it accepts its own safe format only, base64 safetensors
   (:func:`encode_named_tensors`).
 * **Bucket checksums** (:func:`bucket_checksum`): cheap enough to run after every sync on both
-  sides (one streaming pass, int64 sums per 4 KiB block, then sha256 over the block sums), and
-  position-sensitive at 4 KiB granularity (a transposed or shifted tensor changes it). A local-server
-  extension: real SGLang reports none.
+  sides: per tensor, the wrapping int64 sums of its 4 KiB blocks (one vectorised torch reduction,
+  ``view(int64).view(-1, 512).sum(1)``), then sha256 over name, dtype, shape and those sums, in
+  name order. What it detects: any change confined to one 8-byte word of a block, always (the
+  block's sum changes by a nonzero amount below 2**64); random corruption of several words,
+  except with probability ~2**-64 per block; a shifted, truncated or transposed tensor larger
+  than a block (words move between blocks). What it cannot see: 8-byte words permuted within
+  one 4 KiB block, or changes that cancel exactly in a block's sum. Both sides compute it per
+  tensor right after writing the tensor (:func:`tensor_sums`: gather, load), so it reads bytes
+  still in cache rather than making another pass over memory. A local-server extension: real
+  SGLang reports none.
 * **bf16 deltas** (:func:`delta_encode`, :func:`delta_apply`): the changed elements of a bf16
   tensor as int32 indices + bf16 values, when that is smaller than the tensor. A local-server
   extension (``"delta": true`` in ``update_weights_from_distributed`` / ``_tensor``).
@@ -137,15 +144,27 @@ def _block_sums(data: torch.Tensor) -> bytes:
     return torch.cat(parts).cpu().numpy().astype("<i8").tobytes()
 
 
+def tensor_sums(t: torch.Tensor) -> tuple[str, bytes]:
+    """One tensor's part of :func:`bucket_checksum`: its ``name``-free header and block sums.
+    Called right after a tensor is copied (gather, load), it reads bytes still in cache."""
+    return f"{dtype_name(t.dtype)}|{list(t.shape)}|", _block_sums(t)
+
+
+def checksum_digest(parts: dict[str, tuple[str, bytes]]) -> str:
+    """:func:`bucket_checksum` from {name: :func:`tensor_sums`} (any insertion order)."""
+    digest = hashlib.sha256()
+    for name in sorted(parts):
+        head, sums = parts[name]
+        digest.update(f"{name}|{head}".encode())
+        digest.update(sums)
+    return digest.hexdigest()
+
+
 def bucket_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     """Digest of a bucket: sha256 over, per tensor in name order (so a receiver need not know the
     sender's order), ``name|dtype|shape|`` and the int64 sums of its 4 KiB blocks
     (:func:`_block_sums`)."""
-    digest = hashlib.sha256()
-    for name, t in sorted(named, key=lambda item: item[0]):
-        digest.update(f"{name}|{dtype_name(t.dtype)}|{list(t.shape)}|".encode())
-        digest.update(_block_sums(t))
-    return digest.hexdigest()
+    return checksum_digest({name: tensor_sums(t) for name, t in named})
 
 
 def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -407,7 +426,7 @@ def delta_encode(name: str, new: torch.Tensor, old: torch.Tensor
 
 def delta_apply(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
     """target.flat[index] = values (in place)."""
-    target.view(-1)[index.long()] = values.to(target.dtype)
+    target.view(-1)[index.to(target.device, torch.long)] = values.to(target.device, target.dtype)
 
 
 def delta_pairs(named: Iterable[tuple[str, torch.Tensor]]
@@ -438,15 +457,35 @@ _ST_FROM = {v: k for k, v in _ST_DTYPES.items()}
 
 def write_shard(path: str | Path, layout, flat: torch.Tensor) -> None:
     """A safetensors file from a flattened bucket: the header, then the bucket's bytes as they are
-    (safetensors' data section has the same layout). ``flat``: CPU uint8."""
+    (safetensors' data section has the same layout). ``flat``: CPU uint8.
+
+    An existing file at ``path`` is overwritten in place (no truncation first, then cut to the
+    new size): on tmpfs or a page-cached filesystem its pages are reused instead of allocated
+    and zeroed again (``WeightPusher`` recycles the files of the version it retires)."""
+    import os
+
     header = {name: {"dtype": _ST_DTYPES[dtype], "shape": list(shape),
                      "data_offsets": [start, end]} for name, dtype, shape, start, end in layout}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        f.write(memoryview(flat.numpy()))
+    head = struct.pack("<Q", len(raw)) + raw
+    data = memoryview(flat.numpy())
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        _pwrite_all(fd, head, 0)
+        _pwrite_all(fd, data, len(head))
+        os.ftruncate(fd, len(head) + len(data))
+    finally:
+        os.close(fd)
+
+
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    import os
+
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
 
 
 def read_shard_header(path: str | Path) -> tuple[list[tuple[str, torch.dtype, tuple, int, int]], int]:

@@ -39,11 +39,15 @@ tail_log() {  # tail_log FILE: the end of a log, indented, for error messages
     if [ -s "$1" ]; then tail -n "${2:-40}" "$1" | sed 's/^/    | /'; else echo "    | ($1 is empty or missing)"; fi
 }
 
-# --- signals --------------------------------------------------------------------------------
+# --- signals ---------------------------------------------------------------------------------
 # USR1 comes from `#SBATCH --signal=B:USR1@<s>` (time limit near) or `scancel --batch -s USR1`:
 # we forward it to the trainer, which checkpoints, and requeue the job ourselves afterwards.
-# TERM comes from scancel, `scontrol requeue` or a preemption: Slurm has already signalled every
-# step (the trainer checkpoints within KillWait); we forward it and never requeue on our own.
+# TERM comes from scancel, `scontrol requeue` or a preemption (Slurm signals every step itself:
+# the trainer checkpoints within KillWait), or from `scancel --signal=TERM --full`, which signals
+# this script and its children (the srun processes) but not the steps' tasks. Either way we pass
+# it on to the trainer's srun as SIGUSR1, which srun forwards to every task (the trainer stops on
+# TERM and USR1 alike: checkpoint, exit 75); a SIGTERM to srun would make srun kill its tasks.
+# We never requeue on a TERM: Slurm requeues a requeued or preempted job itself.
 GOT_USR1=0
 GOT_TERM=0
 TRAIN_PID=""
@@ -54,11 +58,59 @@ on_usr1() {
 }
 on_term() {
     GOT_TERM=1
-    log "SIGTERM: the job is being cancelled, requeued or preempted; stopping the trainer"
-    [ -n "$TRAIN_PID" ] && kill -TERM "$TRAIN_PID" 2>/dev/null
+    log "SIGTERM: the job is being cancelled, requeued or preempted; asking the trainer to checkpoint and stop"
+    [ -n "$TRAIN_PID" ] && kill -USR1 "$TRAIN_PID" 2>/dev/null
 }
 trap on_usr1 USR1
 trap on_term TERM INT
+
+# srun answers a SIGTERM sent to srun itself ("srun: forcing job termination") with SIGKILL of
+# all its tasks: it blocks SIGTERM, takes it with sigwait() and resets an inherited SIG_IGN, so
+# neither `trap '' TERM` nor an exec wrapper keeps it from doing so. `scancel --signal=TERM
+# --full` and a stop of the batch step's whole process tree send it that SIGTERM. The trainer's
+# srun therefore runs with this preload (start_training: LD_PRELOAD for srun alone; it restores
+# the caller's LD_PRELOAD before srun reads its environment, so the tasks never see it): its
+# sigwait() leaves SIGTERM out of the set, srun never acts on a SIGTERM (it stays pending), and
+# the script passes the stop on to the tasks as SIGUSR1 (on_term). Built at job start with cc;
+# without a C compiler the job says so and such a SIGTERM kills the trainer without a checkpoint.
+SRUN_KEEP_TERM=""
+build_srun_keep_term() {
+    local dir cc=${CC:-cc}
+    command -v "$cc" >/dev/null 2>&1 || {
+        log "WARNING: no C compiler ($cc): srun will answer a SIGTERM of its own (scancel --signal=TERM --full) by killing the trainer without a checkpoint"
+        return 0
+    }
+    dir=$(mktemp -d "${TMPDIR:-/tmp}/megatron-gspo-srun.XXXXXX") || return 0
+    SRUN_KEEP_TERM_DIR=$dir
+    if "$cc" -shared -fPIC -O2 -o "$dir/srun_keep_term.so" -x c - -ldl 2>"$dir/cc.log" <<'C'
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <signal.h>
+#include <stdlib.h>
+/* megatron-gspo (slurm/lib.sh): srun without SIGTERM in its sigwait() set */
+static int (*next_sigwait)(const sigset_t *, int *);
+__attribute__((constructor)) static void restore_preload(void) {
+    const char *before = getenv("MGSPO_LD_PRELOAD_BEFORE");
+    if (!before) return;
+    if (*before) setenv("LD_PRELOAD", before, 1); else unsetenv("LD_PRELOAD");
+    unsetenv("MGSPO_LD_PRELOAD_BEFORE");
+}
+int sigwait(const sigset_t *set, int *sig) {
+    sigset_t without_term = *set;
+    sigdelset(&without_term, SIGTERM);
+    if (!next_sigwait) next_sigwait = (int (*)(const sigset_t *, int *))dlsym(RTLD_NEXT, "sigwait");
+    return next_sigwait(&without_term, sig);
+}
+C
+    then
+        SRUN_KEEP_TERM=$dir/srun_keep_term.so
+    else
+        log "WARNING: could not build the srun preload ($cc failed: $(tail -n 3 "$dir/cc.log" | tr '\n' ' ')); srun will answer a SIGTERM of its own by killing the trainer without a checkpoint"
+    fi
+}
+cleanup_srun_keep_term() { [ -n "${SRUN_KEEP_TERM_DIR:-}" ] && rm -rf "$SRUN_KEEP_TERM_DIR"; return 0; }
+trap cleanup_srun_keep_term EXIT
+
 interrupted() { [ "$GOT_USR1" = 1 ] || [ "$GOT_TERM" = 1 ]; }
 
 wait_pid() {  # wait_pid PID: its exit status; a trapped signal does not end the wait
@@ -220,6 +272,7 @@ run_job() {
     fi
 
     log "starting training (logs $LOG_DIR/train-rank*.log)"
+    build_srun_keep_term
     start_training
     wait_pid "$TRAIN_PID"; rc=$?
     TRAIN_PID=""
@@ -231,10 +284,10 @@ run_job() {
         # 75: the trainer checkpointed; the job says so too (Slurm requeues it if it is being
         # requeued or preempted; otherwise the same command resumes it)
         [ "$rc" = 75 ] && finish 75 "megatron-gspo job: stopped by SIGTERM after a checkpoint (exit 75: Slurm requeues the job if it is being requeued or preempted; otherwise submit the same command to resume)"
-        # 137: srun answers a SIGTERM sent to srun itself (scancel --full, a stop of the whole
-        # cgroup) with SIGKILL of its tasks before they can save; the newest complete checkpoint
-        # is where the next start resumes
-        [ "$rc" = 137 ] && finish 137 "megatron-gspo job: stopped by SIGTERM: srun killed the trainer (srun turns a SIGTERM of its own into SIGKILL of its tasks; use scancel --batch --signal=USR1 or scontrol requeue to stop with a checkpoint); the next start resumes from the newest complete checkpoint in $MGSPO_RUN_DIR/checkpoints"
+        # 137: the trainer was killed before it could save: srun turned a SIGTERM of its own into
+        # SIGKILL of its tasks (no preload: no C compiler), or KillWait ran out; the newest
+        # complete checkpoint is where the next start resumes
+        [ "$rc" = 137 ] && finish 137 "megatron-gspo job: stopped by SIGTERM: the trainer was killed before it saved (srun without its preload turns a SIGTERM of its own into SIGKILL of its tasks, or KillWait ran out); the next start resumes from the newest complete checkpoint in $MGSPO_RUN_DIR/checkpoints"
         finish 143 "megatron-gspo job: stopped by SIGTERM (Slurm requeues the job if it is being requeued or preempted)"
     fi
     # 75: checkpointed on our SIGUSR1 (or on a signal sent to the step directly); > 128: a rank

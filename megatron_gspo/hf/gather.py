@@ -30,7 +30,9 @@ rank lists its weights as HF pieces with the one mapping (``model.local_hf_piece
 **Gather** (per bucket, in that global order, on every rank). A background thread assembles
 bucket k+1 (its source's own regions copied into the flat buffer, the other owners' regions
 received into it) while the caller sends bucket k: two flat buffers per source, reused across
-buckets and syncs, so memory is bounded by two buckets.
+buckets and syncs, so memory is bounded by two buckets. With a ``BucketStream.tensor_hook`` (the
+pusher's checksum) the thread also runs the hook on each tensor as soon as all its regions are
+in, while its bytes are still in cache (``Bucket.parts``).
 
 Nothing here talks to a rollout server: ``pipeline.weight_push`` sends the buckets.
 """
@@ -71,6 +73,9 @@ class Bucket:
     shapes: list[tuple[int, ...]]
     dtype: torch.dtype
     flat: Optional[torch.Tensor] = None
+    parts: Optional[dict] = None
+    """On the source, with a ``BucketStream.tensor_hook``: {name: hook(name, tensor)} of every
+    tensor, each computed right after the tensor was assembled (its bytes still in cache)."""
 
     @property
     def numels(self) -> list[int]:
@@ -275,9 +280,10 @@ class HFGather:
             pool.put(buf)
         return pool
 
-    def _gather(self, b: int, pieces, pool: "queue.Queue", device) -> Optional[torch.Tensor]:
-        """Bucket ``b``'s flat bytes on its source rank; None on the other ranks (which send their
-        regions to the source, if they own any)."""
+    def _gather(self, b: int, pieces, pool: "queue.Queue", device, hook=None):
+        """(bucket ``b``'s flat bytes, {name: hook(name, tensor)} or None) on its source rank;
+        (None, None) on the other ranks (which send their regions to the source, if they own
+        any). ``hook`` runs on each tensor as soon as all its regions are in."""
         plan, rank = self.plan, dist.get_rank()
         bp = plan.buckets[b]
         keys = plan.keys_by_rank
@@ -286,14 +292,32 @@ class HFGather:
             if mine:
                 flat = torch.cat([pieces[p][1].reshape(-1).to(plan.dtype) for p in mine])
                 dist.send(flat, dst=bp.source)
-            return None
+            return None, None
         buf = pool.get()
         values = buf[: bp.numel * plan.dtype.itemsize].view(plan.dtype)
 
-        def target(name_i: int, region) -> torch.Tensor:
+        def whole(name_i: int) -> torch.Tensor:
+            shape = plan.shapes[plan.names[name_i]]
             off = bp.offsets[name_i]
-            full = values[off: off + _numel(tuple((0, s) for s in plan.shapes[plan.names[name_i]]))]
-            return full.view(plan.shapes[plan.names[name_i]])[_slices(region)]
+            return values[off: off + torch.Size(shape).numel()].view(shape)
+
+        def target(name_i: int, region) -> torch.Tensor:
+            return whole(name_i)[_slices(region)]
+
+        parts = {} if hook is not None else None
+        remaining: dict[int, int] = {}  # name index -> regions not copied in yet
+        if hook is not None:
+            for p in bp.own:
+                remaining[keys[rank][p][0]] = remaining.get(keys[rank][p][0], 0) + 1
+            for r, theirs in bp.sends.items():
+                for p in theirs:
+                    remaining[keys[r][p][0]] = remaining.get(keys[r][p][0], 0) + 1
+
+        def copied(name_i: int) -> None:
+            if hook is not None:
+                remaining[name_i] -= 1
+                if not remaining[name_i]:
+                    parts[plan.names[name_i]] = hook(plan.names[name_i], whole(name_i))
 
         works = []
         for r, theirs in sorted(bp.sends.items()):
@@ -303,6 +327,7 @@ class HFGather:
         for p in bp.own:  # meanwhile, the source's own regions
             name_i, region = keys[rank][p]
             target(name_i, region).copy_(pieces[p][1])
+            copied(name_i)
         for r, theirs, recv, work in works:
             work.wait()
             off = 0
@@ -312,7 +337,8 @@ class HFGather:
                 shape = tuple(stop - start for start, stop in region)
                 target(name_i, region).copy_(recv[off:off + n].view(shape))
                 off += n
-        return buf
+                copied(name_i)
+        return buf, parts
 
 
 class BucketStream:
@@ -333,6 +359,10 @@ class BucketStream:
         self.total_bytes = sum(b.nbytes for b in self.meta)
         self.dtype = plan.dtype
         self.seconds_waited = 0.0  # time the consumer waited for the gather (not overlapped)
+        self.tensor_hook = None
+        """Set before iterating: ``hook(name, tensor)`` runs on the source on every full tensor
+        right after its assembly (results in ``Bucket.parts``), e.g. a checksum that then reads
+        bytes still in cache instead of a second pass over the bucket."""
 
     def __len__(self) -> int:
         return self.count
@@ -350,7 +380,8 @@ class BucketStream:
                 if device.type == "cuda":  # the current device is per thread (NCCL p2p, copies)
                     torch.cuda.set_device(device)
                 for b in range(self.count):
-                    ready.put(("ok", self._gather._gather(b, self._pieces, pool, device)))
+                    ready.put(("ok", self._gather._gather(b, self._pieces, pool, device,
+                                                          self.tensor_hook)))
             except BaseException as err:  # noqa: BLE001 - re-raised in the consumer
                 ready.put(("error", err))
 
@@ -358,12 +389,14 @@ class BucketStream:
         thread.start()
         for meta in self.meta:
             t0 = time.perf_counter()
-            kind, flat = ready.get()
+            kind, got = ready.get()
             self.seconds_waited += time.perf_counter() - t0
             if kind == "error":
-                raise flat
+                raise got
+            flat, parts = got
             yield Bucket(index=meta.index, count=meta.count, source=meta.source,
-                         names=meta.names, shapes=meta.shapes, dtype=meta.dtype, flat=flat)
+                         names=meta.names, shapes=meta.shapes, dtype=meta.dtype, flat=flat,
+                         parts=parts)
             if flat is not None:
                 pool.put(flat)  # the consumer is done with it: reuse for a later bucket
         thread.join()

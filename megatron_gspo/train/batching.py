@@ -207,8 +207,19 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int, dp_size: int, *,
     return [[sorted(packs[b]) for b in ranks[r]] for r in range(dp_size)]
 
 
+PAD_VALUES = {"routed_experts": -1}
+"""The value of padding slots of a per-token tensor, where 0 would mean something: the rollout
+servers' expert indices (``routed_experts``, ``[B, T, layers, topk]``) are -1 where unknown.
+Every other per-token tensor is padded with 0."""
+
+
 def _is_per_token(value: torch.Tensor, rows: int, row_length: int) -> bool:
-    return value.dim() == 2 and tuple(value.shape) == (rows, row_length)
+    """``[B, T]`` or ``[B, T, ...]`` (per-token values with trailing dimensions)."""
+    return value.dim() >= 2 and tuple(value.shape[:2]) == (rows, row_length)
+
+
+def _padding(value: torch.Tensor, key: str, shape: tuple) -> torch.Tensor:
+    return value.new_full(shape, PAD_VALUES.get(key, 0))
 
 
 def pack_micro_batch(batch: dict[str, torch.Tensor], indices: Sequence[int], *,
@@ -216,7 +227,8 @@ def pack_micro_batch(batch: dict[str, torch.Tensor], indices: Sequence[int], *,
     """The packed micro-batch of rows ``indices`` of a padded batch, as CP rank ``cp_rank`` holds it.
 
     Per-token tensors (``[B, T]``: tokens, labels, masks, log-probs, per-token advantages) become
-    ``[1, L]`` (this rank's zigzag share of the pack, ``L = pack / cp``); per-row tensors
+    ``[1, L]`` (this rank's zigzag share of the pack, ``L = pack / cp``; ``[B, T, ...]`` become
+    ``[1, L, ...]``, padded with ``PAD_VALUES``); per-row tensors
     (``[B]``, e.g. advantages) become ``[S]``. Added: ``position_ids`` (positions within each
     sequence, restarting at 0), ``cu_seqlens`` (real lengths) and ``cu_seqlens_padded`` (the
     layout, before the CP split; int32, as Megatron/TE take them) and ``cu_seqlens_local`` (this
@@ -239,9 +251,9 @@ def pack_micro_batch(batch: dict[str, torch.Tensor], indices: Sequence[int], *,
             parts = []
             for j, i in enumerate(indices):
                 seq = value[i, :real[j]]
-                parts += [seq, seq.new_zeros(padded[j] - real[j])]
+                parts += [seq, _padding(seq, key, (padded[j] - real[j], *value.shape[2:]))]
             if not indices:
-                parts = [value.new_zeros(padded[0])]
+                parts = [_padding(value, key, (padded[0], *value.shape[2:]))]
             pack = torch.cat(parts)
             out[key] = zigzag_split(pack, cp_rank, cp_size, dim=0,
                                     cu_seqlens_padded=cu_padded)[None].clone()
@@ -282,7 +294,8 @@ def split_rows_for_context_parallel(micro_batch: dict[str, torch.Tensor], cp_ran
         if key == "position_ids":
             continue
         if _is_per_token(value, rows, row_length):
-            value = torch.cat([value, value.new_zeros(rows, target - row_length)], dim=1)
+            value = torch.cat([value, _padding(value, key, (rows, target - row_length,
+                                                            *value.shape[2:]))], dim=1)
             out[key] = zigzag_split(value, cp_rank, cp_size, dim=1).clone()
         else:
             out[key] = value.clone()

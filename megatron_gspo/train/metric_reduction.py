@@ -13,14 +13,18 @@ every metric name how it combines, as ``megatron_gspo.loss.gspo.gspo_loss`` docu
              then divided by the total of ``weight``, i.e. the mean per sequence
     std      a population std over sequences: the pooled population std of all sequences, from
              each micro-batch's std, its mean (the metric named by ``mean``) and its count
+    var      a population variance, pooled the same way (exactly the variance of all the values:
+             sum_j w_j (v_j + (m_j - M)^2) / W is the sum of squares over the sum of counts)
     min/max  over the micro-batches that hold any sequence (an empty one reports a 0 sentinel)
 
-A metric name missing from the table is an error: a new metric states how it combines.
+A metric name missing from the table (and from ``PATTERN_REDUCTIONS``, names with a layer
+index) is an error: a new metric states how it combines.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -29,11 +33,11 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class Reduction:
-    how: Literal["sum", "mean", "sum_per", "std", "min", "max"]
+    how: Literal["sum", "mean", "sum_per", "std", "var", "min", "max"]
     weight: Optional[str] = None
     """The count the metric is taken over: ``num_sequences`` or ``num_tokens``."""
     mean: Optional[str] = None
-    """For ``std``: the metric holding the mean of the same values."""
+    """For ``std`` / ``var``: the metric holding the mean of the same values."""
 
 
 _COUNT = Reduction("sum")
@@ -70,7 +74,28 @@ REDUCTIONS: dict[str, Reduction] = {
     "token_clip_frac": _PER_TOKEN,
     "mismatch_log_prob_abs_diff_mean": _PER_TOKEN,  # token-mean |old - rollout|
     "rollout_trainer_logprob_abs_diff": _PER_TOKEN,  # token-mean |trainer - rollout|
+    # after the step's updates (train.routing_metrics; docs/routing.md)
+    "routing_change_frac": _PER_TOKEN,  # fraction of (response token, layer) pairs
+    "routing_change_any_frac": _PER_TOKEN,  # fraction of response tokens
+    "token_log_ratio_mean": _PER_TOKEN,  # log w_it = lp_new - lp_old over response tokens
+    "token_log_ratio_var": Reduction("var", "num_tokens", mean="token_log_ratio_mean"),
+    "seq_log_ratio_mean": _PER_SEQUENCE,  # log s_i over sequences
+    "seq_log_ratio_var": Reduction("var", "num_sequences", mean="seq_log_ratio_mean"),
 }
+
+PATTERN_REDUCTIONS: tuple[tuple[re.Pattern, Reduction], ...] = (
+    (re.compile(r"routing_change_frac_layer\d+"), _PER_TOKEN),  # per global layer L
+)
+
+
+def reduction_of(key: str) -> Optional[Reduction]:
+    """The rule for metric ``key`` (``REDUCTIONS``, then ``PATTERN_REDUCTIONS``), or None."""
+    if key in REDUCTIONS:
+        return REDUCTIONS[key]
+    for pattern, rule in PATTERN_REDUCTIONS:
+        if pattern.fullmatch(key):
+            return rule
+    return None
 
 NOT_REPORTED = frozenset({"loss_sum"})
 """``train_step``'s raw per-rank loss sum (the same number as ``loss`` here)."""
@@ -83,7 +108,7 @@ def combine_metrics(per_microbatch: list[dict]) -> dict[str, float]:
         for key, value in m.items():
             if key in NOT_REPORTED:
                 continue
-            if key not in REDUCTIONS:
+            if reduction_of(key) is None:
                 raise KeyError(f"metric {key!r} has no entry in "
                                "megatron_gspo.train.metric_reduction.REDUCTIONS: say how it "
                                "combines over micro-batches and ranks (by sequences, by tokens, "
@@ -91,7 +116,7 @@ def combine_metrics(per_microbatch: list[dict]) -> dict[str, float]:
             values.setdefault(key, []).append((float(value), m))
     out = {}
     for key, entries in values.items():
-        rule = REDUCTIONS[key]
+        rule = reduction_of(key)
 
         def weight(m: dict) -> float:
             if rule.weight not in m:
@@ -112,12 +137,13 @@ def combine_metrics(per_microbatch: list[dict]) -> dict[str, float]:
                 out[key] = sum(v for v, _ in entries) / total
             elif rule.how == "mean":
                 out[key] = sum(v * weight(m) for v, m in entries) / total
-            else:  # std: sum_j w_j (s_j^2 + (m_j - M)^2) / W, the population variance of all rows
+            else:  # std / var: sum_j w_j (v_j + (m_j - M)^2) / W, the variance of all rows
                 means = [float(m[rule.mean]) for _, m in entries]
                 grand = sum(mu * weight(m) for mu, (_, m) in zip(means, entries)) / total
-                var = sum(weight(m) * (s * s + (mu - grand) ** 2)
-                          for mu, (s, m) in zip(means, entries)) / total
-                out[key] = math.sqrt(max(var, 0.0))
+                spreads = [s * s if rule.how == "std" else s for s, _ in entries]
+                var = sum(weight(m) * (v + (mu - grand) ** 2)
+                          for mu, v, (_, m) in zip(means, spreads, entries)) / total
+                out[key] = math.sqrt(max(var, 0.0)) if rule.how == "std" else max(var, 0.0)
     return out
 
 

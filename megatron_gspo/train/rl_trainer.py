@@ -22,6 +22,15 @@
    group: ``context_parallel.make_sequence_reduce``); the LR schedule advances once per update and
    ``lr`` reports the learning rate of the batch's last update.
 
+Routing (docs/routing.md). With ``gspo.routing_replay: old`` the forward of step 2 records every
+MoE router's top-k experts per micro-batch and the training forwards of step 3 replay them; with
+``rollout`` both replay the batch's ``routed_experts`` (the rollout servers' experts,
+``[rows, T, num_layers, topk]`` aligned with ``tokens``, -1 where unknown), cut into micro-batches,
+CP shares and SP slices with the tokens. With ``gspo.routing_metrics`` a last forward-only pass over
+the same micro-batches after the k-th update (replaying as the training forwards do) gives
+``routing_change_frac*`` (the routers' own top-k sets, old vs updated policy) and the variances of
+log w_it and log s_i (``megatron_gspo.train.routing_metrics``).
+
 Metrics come back reduced over all micro-batches, mini-batches and ranks, each as its kind needs
 (token fractions weighted by tokens, sequence means by sequences, extremes as extremes:
 ``megatron_gspo.train.metric_reduction``). ``entropy_mean`` and ``rollout_trainer_logprob_abs_diff``
@@ -83,6 +92,13 @@ class RLTrainer(CheckpointedTrainer):
         validate_data_parallel(cfg, pg_collection.dp.size())
         self.gpt = policy.build_model(cfg.model, cfg.parallel, pg_collection)
         load_initial_weights(self.gpt, cfg.model, pg_collection, init_hf_dir, seed=cfg.run.seed)
+        self.routing = None
+        """The policy's MoE routers (``model.routing_replay.MoERouting``), when the step replays
+        or measures routing."""
+        if cfg.gspo.routing_replay != "none" or cfg.gspo.routing_metrics:
+            from megatron_gspo.model.routing_replay import MoERouting
+
+            self.routing = MoERouting(self.gpt, pg_collection)
         self.reference = self._build_reference() if cfg.gspo.kl_coef > 0 else None
         self.state = build_train_state(self.gpt, cfg, pg_collection,
                                        updates_per_step=cfg.gspo.updates_per_rollout)
@@ -138,9 +154,21 @@ class RLTrainer(CheckpointedTrainer):
                                             self._num_microbatches(rows))]
         return [add_logit_index(mb) for mb in mbs]
 
+    def _routing_pass(self, *, replay: bool, capture_key: Optional[str] = None):
+        """The per-micro-batch routing hooks of one pass (None when nothing is replayed or
+        captured): replay ``replay_topk`` when ``replay``, capture the routers' own top-k."""
+        if self.routing is None or (not replay and capture_key is None):
+            return None
+        from megatron_gspo.model.routing_replay import RoutingPass
+
+        return RoutingPass(self.routing, replay_key="replay_topk" if replay else None,
+                           capture_key=capture_key)
+
     def _recompute_old_log_probs(self, minibatches: list[list[dict]]) -> dict:
         """Forward only: log pi_old for every micro-batch (stored in the dicts); returns the
-        reduced ``entropy_mean`` and ``rollout_trainer_logprob_abs_diff`` of pi_old."""
+        reduced ``entropy_mean`` and ``rollout_trainer_logprob_abs_diff`` of pi_old. Replays the
+        rollout's experts with ``gspo.routing_replay: rollout``; records the routers' top-k
+        (``routing_old``) for replay ``old`` and for the routing metrics."""
         temperature = self.cfg.rollout.temperature
 
         def loss_fn(logits, mb):
@@ -154,10 +182,43 @@ class RLTrainer(CheckpointedTrainer):
                 mb["old_log_probs"] = mb["rollout_log_probs"]
             return log_probs.new_zeros(()), _policy_metrics(mb, log_probs, entropy, self.pg.cp)
 
+        gspo = self.cfg.gspo
+        capture = gspo.routing_replay == "old" or gspo.routing_metrics
+        routing = self._routing_pass(replay=gspo.routing_replay == "rollout",
+                                     capture_key="routing_old" if capture else None)
         collected = []
         for microbatches in minibatches:
             collected += forward_backward(self.state, microbatches, loss_fn, num_units_global=1,
-                                          forward_only=True)
+                                          forward_only=True, routing=routing)
+        if gspo.routing_replay == "old":
+            for mb in (mb for microbatches in minibatches for mb in microbatches):
+                mb["replay_topk"] = mb["routing_old"]
+        return reduce_metrics(collected, self.pg)
+
+    def _after_update_metrics(self, minibatches: list[list[dict]]) -> dict:
+        """Forward only, after the step's last update, over the same micro-batches (replaying as
+        the training forwards do): routing volatility and the log-ratio variances
+        (``megatron_gspo.train.routing_metrics``), reduced."""
+        from megatron_gspo.train.routing_metrics import log_ratio_stats, routing_change_metrics
+
+        temperature = self.cfg.rollout.temperature
+
+        def loss_fn(logits, mb):
+            log_probs, _ = policy.micro_batch_log_probs(logits, mb, self.cfg.model, self.pg,
+                                                        temperature=temperature)
+            return log_probs.new_zeros(()), log_ratio_stats(mb, log_probs, self.pg.cp)
+
+        routing = self._routing_pass(replay=self.cfg.gspo.routing_replay != "none",
+                                     capture_key="routing_new")
+        collected = []
+        for microbatches in minibatches:
+            stats = forward_backward(self.state, microbatches, loss_fn, num_units_global=1,
+                                     forward_only=True, routing=routing)
+            changes = routing_change_metrics(microbatches, self.routing, self.pg,
+                                             self.cfg.model.num_layers)
+            if stats:  # the last pipeline stage: one dict per micro-batch, in order
+                changes = [{**c, **s} for c, s in zip(changes, stats, strict=True)]
+            collected += changes
         return reduce_metrics(collected, self.pg)
 
     def _reference_log_probs(self, minibatches: list[list[dict]]) -> None:
@@ -173,7 +234,17 @@ class RLTrainer(CheckpointedTrainer):
     def train_rollout(self, batch: dict, step: int) -> dict:
         """The k GSPO updates of one rollout batch; returns reduced metrics."""
         start = time.monotonic()
+        gspo = self.cfg.gspo
+        if gspo.routing_replay == "rollout":
+            from megatron_gspo.model.routing_replay import validate_routed_experts
+
+            model = self.cfg.model
+            validate_routed_experts(batch, model.num_layers, model.moe_router_topk,
+                                    model.num_experts)
         minibatches = self.minibatches(batch, step)
+        if gspo.routing_replay == "rollout":
+            for mb in (mb for microbatches in minibatches for mb in microbatches):
+                mb["replay_topk"] = self.routing.targets_from_batch(mb["routed_experts"])
         old_policy_metrics = self._recompute_old_log_probs(minibatches)
         if self.reference is not None:
             self._reference_log_probs(minibatches)
@@ -181,12 +252,14 @@ class RLTrainer(CheckpointedTrainer):
                                     temperature=self.cfg.rollout.temperature,
                                     sequence_reduce=make_sequence_reduce(self.pg.cp))
         update_metrics, grad_norms, lr = [], [], None
+        routing = self._routing_pass(replay=gspo.routing_replay != "none")
         for microbatches in minibatches:
             n_global = global_num_sequences([response_counts(mb) for mb in microbatches],
                                             dp_group=self.pg.dp, cp_group=self.pg.cp)
             if n_global == 0:
                 continue
-            out = train_step(self.state, microbatches, loss_fn, num_units_global=n_global)
+            out = train_step(self.state, microbatches, loss_fn, num_units_global=n_global,
+                             routing=routing)
             update_metrics += out["per_microbatch"]
             lr = out["lr"]
             grad_norms.append(float(out["grad_norm"]) if out["grad_norm"] is not None else 0.0)
@@ -196,6 +269,10 @@ class RLTrainer(CheckpointedTrainer):
         metrics.update({k: old_policy_metrics[k] for k in _OLD_POLICY_METRICS})
         metrics["grad_norm"] = max(grad_norms) if grad_norms else 0.0
         metrics["lr"] = lr if lr is not None else current_lr(self.state)
+        if gspo.routing_metrics:
+            after = self._after_update_metrics(minibatches)
+            metrics.update({k: v for k, v in after.items()
+                            if k not in ("num_tokens", "num_sequences")})
         elapsed = time.monotonic() - start
         # the sequences' own tokens (prompt + response), not the padding of the rows
         num_tokens = batch["lengths"].sum() if "lengths" in batch else batch["tokens"].numel()
@@ -217,3 +294,14 @@ class RLTrainer(CheckpointedTrainer):
             self._hf_gather = HFGather(self.cfg.model, bucket_bytes=rollout.weight_sync_bucket_mb << 20,
                                        dtype=dtype)
         return self._hf_gather.buckets(self.gpt, self.pg)
+
+    # --- scoring given sequences (the parity watchdog, calibrate-eps) ---------------------------
+    def score_log_probs(self, batch: dict, *, temperature: float = 1.0) -> torch.Tensor:
+        """Collective: ``[R, T]`` log pi(labels) of the live policy at ``temperature`` on the
+        response positions of ``batch`` (``batching.rl_batch`` rows; 0 elsewhere), the same on
+        every rank (``megatron_gspo.train.scoring``)."""
+        from megatron_gspo.train.scoring import score_log_probs
+
+        return score_log_probs(self.state, batch, self.cfg.model, self.pg,
+                               micro_batch_size=self.cfg.run.micro_batch_size,
+                               temperature=temperature)

@@ -210,14 +210,21 @@ def batch_to_device(batch: dict, device: torch.device) -> dict:
     return batch
 
 
-def forward_step(data_iterator, model, *, device: torch.device, loss_func, pg_collection=None):
+def forward_step(data_iterator, model, *, device: torch.device, loss_func, pg_collection=None,
+                 routing=None):
     """Megatron's ``forward_step_func``: next micro-batch, onto the device, through the model
-    (packed sequences and response-only logits: ``model.gpt.forward_kwargs``)."""
+    (packed sequences and response-only logits: ``model.gpt.forward_kwargs``). ``routing``
+    (``model.routing_replay.RoutingPass``): its ``before_forward(batch)`` / ``after_forward(batch)``
+    run right around this stage's forward of the micro-batch (routing replay and capture)."""
     from megatron_gspo.model.gpt import forward_kwargs
 
     batch = batch_to_device(next(data_iterator), device)
+    if routing is not None:
+        routing.before_forward(batch)
     output = model(batch["tokens"], batch["position_ids"], None,
                    **forward_kwargs(batch, pg_collection))
+    if routing is not None:
+        routing.after_forward(batch)
     return output, partial(loss_func, batch)
 
 
@@ -228,8 +235,10 @@ LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 
 
 def forward_backward(state: TrainState, microbatches: list[dict], loss_fn: LossFn, *,
-                     num_units_global: float, forward_only: bool = False) -> list[dict]:
-    """Run Megatron's schedule over the micro-batches; returns the last stage's metric dicts."""
+                     num_units_global: float, forward_only: bool = False,
+                     routing=None) -> list[dict]:
+    """Run Megatron's schedule over the micro-batches; returns the last stage's metric dicts.
+    ``routing``: the per-micro-batch routing hooks of ``forward_step``."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     num_microbatches = len(microbatches)
@@ -256,7 +265,8 @@ def forward_backward(state: TrainState, microbatches: list[dict], loss_fn: LossF
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         return get_forward_backward_func()(
             forward_step_func=partial(forward_step, device=model_device(state.model[0]),
-                                      loss_func=loss_func, pg_collection=state.pg_collection),
+                                      loss_func=loss_func, pg_collection=state.pg_collection,
+                                      routing=routing),
             data_iterator=iter(microbatches),
             model=state.model,
             num_microbatches=num_microbatches,
@@ -267,7 +277,7 @@ def forward_backward(state: TrainState, microbatches: list[dict], loss_fn: LossF
 
 
 def train_step(state: TrainState, microbatches: list[dict], loss_fn: LossFn, *,
-               num_units_global: float) -> dict:
+               num_units_global: float, routing=None) -> dict:
     """Zero grads, forward/backward over the micro-batches, optimizer step, LR schedule step.
 
     Returns ``per_microbatch`` (the loss function's metrics), ``grad_norm``,
@@ -275,7 +285,8 @@ def train_step(state: TrainState, microbatches: list[dict], loss_fn: LossFn, *,
     for chunk in state.model:
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
-    losses = forward_backward(state, microbatches, loss_fn, num_units_global=num_units_global)
+    losses = forward_backward(state, microbatches, loss_fn, num_units_global=num_units_global,
+                              routing=routing)
     lr = current_lr(state)
     update_successful, grad_norm, _ = state.optimizer.step()
     if update_successful and state.scheduler is not None:

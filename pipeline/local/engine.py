@@ -23,6 +23,11 @@ Sampling (SGLang semantics, ``sglang.srt.layers.sampler.Sampler.forward`` in 0.5
   the server's ``--random-seed`` stream. A request's random numbers therefore do not depend on
   what else is in the batch (its tokens do only through fp32 rounding of the logits).
 
+Routed experts (``--enable-return-routed-experts``, SGLang's ``return_routed_experts``): a forward
+hook on every MoE layer's router records its top-k indices (the experts the layer then runs) for
+each input token of the prefill and of every decode step; a request gets those of positions
+``[routed_experts_start_len, seqlen - 1)`` (``docs/sglang_protocol.md``).
+
 Shape legend: B running rows, T cached positions, V vocabulary, H_kv KV heads, d head dim.
 """
 
@@ -67,13 +72,19 @@ class EngineRequest:
 
     def __init__(self, rid: str, input_ids: list[int], sampling: Sampling, *,
                  return_logprob: bool = False, logprob_start_len: int = -1,
-                 top_logprobs_num: int = 0, on_event: Optional[Callable[[str], None]] = None):
+                 top_logprobs_num: int = 0, on_event: Optional[Callable[[str], None]] = None,
+                 return_routed_experts: bool = False, routed_experts_start_len: int = 0):
         self.rid = rid
         self.input_ids = list(input_ids)
         self.sampling = sampling
         self.return_logprob = return_logprob
         self.logprob_start_len = logprob_start_len
         self.top_logprobs_num = top_logprobs_num
+        self.return_routed_experts = return_routed_experts
+        self.routed_experts_start_len = routed_experts_start_len
+        self.routed: list[torch.Tensor] = []
+        """Engine thread: int32 [positions, num_layers, top_k] chunks, in position order, of the
+        experts each input token was routed to (only with ``return_routed_experts``)."""
         self.on_event = on_event  # called from the engine thread: "token" or "finish"
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
@@ -202,8 +213,17 @@ class LocalEngine:
                  max_running_requests: int = 64, max_prefill_tokens: int = 16384,
                  context_length: Optional[int] = None, weight_version: str = "default",
                  skip_tokenizer_init: bool = False, dtype: str = "float32",
-                 max_queued_requests: Optional[int] = None):
+                 max_queued_requests: Optional[int] = None,
+                 capture_routed_experts: bool = False, device: str = "cpu"):
         from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.device = torch.device(device)
+        """Where the model, its KV cache and its forward passes live (``--device``); requests,
+        sampling (each request's own CPU generator) and the answers stay on the host."""
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: torch {torch.__version__} sees no CUDA device")
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"--device {device}: must be cpu or cuda[:N]")
 
         self.model_path = Path(model_path).resolve()
         if not (self.model_path / "config.json").is_file():
@@ -219,7 +239,7 @@ class LocalEngine:
         except TypeError:
             self.model = AutoModelForCausalLM.from_pretrained(
                 self.model_path, config=config, torch_dtype=self.dtype, **kwargs)
-        self.model.eval().requires_grad_(False)
+        self.model.to(self.device).eval().requires_grad_(False)
         self.config = self.model.config
         self.vocab_size = int(self.config.vocab_size)
         self.context_length = int(context_length or getattr(self.config, "max_position_embeddings", 4096))
@@ -238,6 +258,14 @@ class LocalEngine:
                                        else int.from_bytes(os.urandom(8), "little"))
         forward_params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in forward_params else "past_key_values"
+        self.capture_routed_experts = capture_routed_experts
+        """``--enable-return-routed-experts``: record every MoE layer's top-k for the requests
+        that ask (``return_routed_experts``); without it they get none (as in SGLang)."""
+        self.num_layers = int(self.config.num_hidden_layers)
+        self.top_k = int(getattr(self.config, "num_experts_per_tok", 0) or 0)
+        self._routing: Optional[dict[int, torch.Tensor]] = None  # layer -> [B*S, top_k] int32
+        if capture_routed_experts:
+            self._install_routing_hooks()
 
         self._cv = threading.Condition()
         self._waiting: deque[EngineRequest] = deque()
@@ -436,17 +464,65 @@ class LocalEngine:
         if r.on_event is not None:
             r.on_event("finish")
 
+    # --- routed experts (``return_routed_experts``)
+    def _install_routing_hooks(self) -> None:
+        """A forward hook on every MoE layer's router (transformers 5's ``Qwen3MoeTopKRouter``,
+        ``mlp.gate``: returns ``(logits, weights, indices)``; the experts module runs exactly
+        ``indices``), recording them while :attr:`_routing` is a dict."""
+        hooked = 0
+        for index, layer in enumerate(self.model.model.layers):
+            mlp = getattr(layer, "mlp", None)
+            if getattr(mlp, "gate", None) is None or getattr(mlp, "experts", None) is None:
+                continue  # a dense layer: SGLang's capture buffer keeps zeros there
+            mlp.gate.register_forward_hook(self._routing_hook(index))
+            hooked += 1
+        if not hooked or self.top_k < 1:
+            raise ValueError(f"--enable-return-routed-experts: {self.model_path} has no MoE "
+                             "layer (no mlp.gate router) to record routed experts from")
+
+    def _routing_hook(self, layer: int):
+        def hook(module, args, output) -> None:
+            if self._routing is None:
+                return
+            if not (isinstance(output, tuple) and len(output) == 3):
+                raise RuntimeError(
+                    f"layer {layer}: the MoE router returned {type(output).__name__}; routed "
+                    "experts are read from transformers 5's Qwen3MoeTopKRouter output "
+                    "(router_logits, routing_weights, selected_experts)")
+            self._routing[layer] = output[2].detach().to("cpu", torch.int32)
+        return hook
+
+    def _routes(self, rows: int, width: int) -> torch.Tensor:
+        """The recorded top-k of the last forward as int32 [rows, width, num_layers, top_k]
+        (zeros for layers without a router, as SGLang's buffer)."""
+        routes = torch.zeros(self.num_layers, rows * width, self.top_k, dtype=torch.int32)
+        for layer, indices in self._routing.items():
+            routes[layer] = indices.reshape(rows * width, self.top_k)
+        return routes.view(self.num_layers, rows, width, self.top_k).permute(1, 2, 0, 3)
+
+    def routed_experts(self, r: EngineRequest) -> torch.Tensor:
+        """What SGLang returns for ``r`` (``BaseTopkCapturer.get_topk``): int32
+        ``[seqlen - 1 - start, num_layers, top_k]`` for positions ``[start, seqlen - 1)`` of
+        ``prompt + output``, ``start = min(routed_experts_start_len, seqlen - 1)``."""
+        seqlen = len(r.input_ids) + len(r.output_ids)
+        start = min(r.routed_experts_start_len, seqlen - 1)
+        recorded = (torch.cat(r.routed) if r.routed
+                    else torch.zeros(0, self.num_layers, self.top_k, dtype=torch.int32))
+        return recorded[start:seqlen - 1].contiguous()
+
     # --- model calls
     def _forward(self, ids, mask, pos, cache, *, all_logits: bool):
         """One forward pass; ``cache`` (a DynamicCache, None for a prefill) grows in place."""
         from transformers import DynamicCache
 
         cache = DynamicCache() if cache is None else cache
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                         use_cache=True, logits_to_keep=0 if all_logits else 1,
-                         **{self._cache_kw: cache})
+        dev = self.device
+        out = self.model(input_ids=ids.to(dev), attention_mask=mask.to(dev),
+                         position_ids=pos.to(dev), use_cache=True,
+                         logits_to_keep=0 if all_logits else 1, **{self._cache_kw: cache})
         new_cache = getattr(out, "cache", None) or getattr(out, "past_key_values")
-        return out.logits.float(), new_cache
+        # the cache stays on the device; the logits come to the host (sampling, log-probs)
+        return out.logits.float().to("cpu"), new_cache
 
     @staticmethod
     def _kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -470,7 +546,17 @@ class LocalEngine:
             mask[i, width - lengths[i]:] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         want_input = any(r.return_logprob and r.logprob_start_len >= 0 for r in reqs)
-        logits, cache = self._forward(ids, mask, pos, None, all_logits=want_input)
+        capture = self.capture_routed_experts and any(r.return_routed_experts for r in reqs)
+        self._routing = {} if capture else None
+        try:
+            logits, cache = self._forward(ids, mask, pos, None, all_logits=want_input)
+            if capture:  # positions 0 .. len - 1 of each prompt (the left padding cut off)
+                routes = self._routes(len(reqs), width)
+                for i, r in enumerate(reqs):
+                    if r.return_routed_experts:
+                        r.routed.append(routes[i, width - lengths[i]:].clone())
+        finally:
+            self._routing = None
         if want_input:
             self._input_logprobs(reqs, logits, lengths, width)
         last = logits[:, -1]
@@ -488,8 +574,9 @@ class LocalEngine:
         still = [(i, t) for i, t in zip(keep, tokens) if not reqs[i].finished]
         if not still:
             return
-        rows = torch.tensor([i for i, _ in still])
+        rows = torch.tensor([i for i, _ in still], device=self.device)
         new_kv = [(k[rows], v[rows]) for k, v in self._kv(cache)]
+        rows = rows.cpu()
         self._merge([reqs[i] for i, _ in still], new_kv, mask[rows],
                     torch.tensor([lengths[i] for i, _ in still]),
                     torch.tensor([t for _, t in still]))
@@ -504,7 +591,9 @@ class LocalEngine:
             vals: list[Optional[float]] = []
             tops: list[Optional[list[tuple[float, int]]]] = []
             for p in range(start, lengths[i]):
-                if p == 0:
+                # SGLang 0.5.23 answers [None] + the values of tokens start+1.. (scheduler_components/
+                # logprob_result_processor.py): the token AT logprob_start_len has no value
+                if p == start:
                     vals.append(None)
                     tops.append(None)
                     continue
@@ -546,20 +635,32 @@ class LocalEngine:
             self._next_pos = self._last = None
             return
         idx = torch.tensor(keep)
+        idx_dev = idx.to(self.device)
         mask = self._mask[idx]
         # Drop leading columns that are padding in every remaining row.
         first = int((mask.sum(0) > 0).nonzero()[0])
         self._running = [self._running[i] for i in keep]
         self._mask = mask[:, first:]
-        self._cache = self._cache_from([(k[idx, :, first:], v[idx, :, first:])
+        self._cache = self._cache_from([(k[idx_dev, :, first:], v[idx_dev, :, first:])
                                         for k, v in self._kv(self._cache)])
         self._next_pos, self._last = self._next_pos[idx], self._last[idx]
 
     def _decode_step(self) -> None:
         batch = len(self._running)
         mask = torch.cat([self._mask, torch.ones(batch, 1, dtype=self._mask.dtype)], dim=1)
-        logits, self._cache = self._forward(self._last[:, None], mask, self._next_pos[:, None],
-                                            self._cache, all_logits=False)
+        capture = self.capture_routed_experts and any(r.return_routed_experts
+                                                      for r in self._running)
+        self._routing = {} if capture else None
+        try:
+            logits, self._cache = self._forward(self._last[:, None], mask, self._next_pos[:, None],
+                                                self._cache, all_logits=False)
+            if capture:  # the position of each row's fed token (its last sampled one)
+                routes = self._routes(batch, 1)
+                for i, r in enumerate(self._running):
+                    if r.return_routed_experts:
+                        r.routed.append(routes[i].clone())
+        finally:
+            self._routing = None
         self._mask = mask
         self._next_pos = self._next_pos + 1
         tokens = self._sample_and_record(self._running, logits[:, -1])
@@ -635,10 +736,12 @@ class LocalEngine:
         return weights_checksum((n, self.weights.get(n)) for n in self.weights.names())
 
     def apply_update(self, full: dict[str, torch.Tensor],
-                     deltas: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+                     deltas: dict[str, tuple[torch.Tensor, torch.Tensor]], *,
+                     checksum: bool = False) -> Optional[str]:
         """Full tensors and bf16 deltas (``weight_transport.delta_apply``); checked first, so a
-        bad update changes nothing."""
-        from pipeline.weight_transport import delta_apply
+        bad update changes nothing. ``checksum``: returns :meth:`bucket_checksum` of every
+        touched weight, each summed right after it is written (while its bytes are in cache)."""
+        from pipeline.weight_transport import checksum_digest, delta_apply, tensor_sums
 
         problems = self.weights.check(full)
         for name, (index, values) in deltas.items():
@@ -653,7 +756,11 @@ class LocalEngine:
         if problems:
             raise ValueError("; ".join(problems[:10]) + (
                 f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""))
-        self.weights.load(full)
+        parts = {}
+        for name, t in full.items():
+            self.weights.load({name: t})
+            if checksum:
+                parts[name] = tensor_sums(self.weights.view(name).to(t.dtype))
         for name, (index, values) in deltas.items():
             target = self.weights.view(name)
             if target.is_contiguous():
@@ -662,6 +769,9 @@ class LocalEngine:
                 work = target.contiguous()
                 delta_apply(work, index, values)
                 target.copy_(work)
+            if checksum:
+                parts[name] = tensor_sums(target.to(values.dtype))
+        return checksum_digest(parts) if checksum else None
 
     def bucket_checksum(self, names_dtypes: list[tuple[str, torch.dtype]]) -> str:
         """``weight_transport.bucket_checksum`` of the live weights ``names``, each read in the
@@ -675,7 +785,7 @@ class LocalEngine:
         the parameters (``readinto`` where the weight is contiguous and of the file's dtype);
         returns {file name: bucket checksum of what is now loaded}. Every header is checked
         first, so a bad directory changes nothing."""
-        from pipeline.weight_transport import bucket_checksum
+        from pipeline.weight_transport import checksum_digest, tensor_sums
 
         headers = shard_headers(path)
         problems = []
@@ -691,13 +801,15 @@ class LocalEngine:
                                     f"model's {list(want)}")
         if problems:
             raise ValueError("; ".join(problems[:10]))
-        sums = {}
-        for f, (layout, data_start) in headers.items():
+        def load_one(f: str) -> str:
+            layout, data_start = headers[f]
+            parts = {}  # each tensor summed right after its read, while it is in cache
             with open(Path(path) / f, "rb", buffering=0) as fh:
                 for name, dtype, shape, start, end in layout:
                     target = self.weights.view(name)
                     fh.seek(data_start + start)
-                    if target.is_contiguous() and target.dtype == dtype:
+                    if (target.is_contiguous() and target.dtype == dtype
+                            and target.device.type == "cpu"):
                         dst = target.view(-1).view(torch.uint8) if target.numel() else None
                     else:
                         dst = torch.empty(end - start, dtype=torch.uint8)
@@ -705,8 +817,17 @@ class LocalEngine:
                         raise ValueError(f"{f}: {name}: file ends early")
                     if dst is not None and dst.data_ptr() != target.data_ptr():
                         target.copy_(dst.view(dtype).view(shape))
-            sums[f] = bucket_checksum((n, self.weights.view(n).to(d)) for n, d, *_ in layout)
-        return sums
+                    parts[name] = tensor_sums(target.to(dtype))
+            return checksum_digest(parts)
+
+        # Shards hold disjoint tensors: read them on up to 2 threads (readinto and torch release
+        # the GIL), so one shard's read overlaps another's checksum.
+        files = list(headers)
+        threads = min(2, len(files), os.cpu_count() or 1)
+        if threads <= 1:
+            return {f: load_one(f) for f in files}
+        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="load") as pool:
+            return dict(zip(files, pool.map(load_one, files)))
 
 
 def _truncate(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:

@@ -203,6 +203,11 @@ class GenerateCall:
     stream: bool
     return_text_in_logprobs: bool
     return_prompt_token_ids: bool
+    return_routed_experts: bool = False
+    """One value for every item (SGLang's ``GenerateReqInput`` copies it to each)."""
+    routed_experts_start_len: int = 0
+    """Routed experts cover positions ``[start, seqlen - 1)`` (checked against each prompt's
+    length by :func:`check_routed_experts_start_len`)."""
 
 
 def _per_item(value: Any, n_items: int, name: str, is_batch: bool, parse) -> list:
@@ -267,9 +272,14 @@ def parse_generate(body: Any) -> GenerateCall:
                         lambda v: _int({"v": v}, "v", 0))
     if body.get("token_ids_logprob") is not None:
         raise ValueError("token_ids_logprob is not supported by the local rollout server")
-    if body.get("return_routed_experts"):
-        raise ValueError("return_routed_experts needs --enable-return-routed-experts, which the "
-                         "local rollout server does not implement")
+    # Not in SGLang's schema module: its Python dataclass takes the value as it is (truthy).
+    return_routed = bool(body.get("return_routed_experts", False))
+    if "routed_experts_start_len" in body and not _is_int(body["routed_experts_start_len"]):
+        raise _type_error(body["routed_experts_start_len"], "i64")  # the schema's i64
+    routed_start = int(body.get("routed_experts_start_len", 0))
+    if return_routed and routed_start < 0:  # SGLang's Scheduler message (0.5.23)
+        raise ValueError(f"recv_req.routed_experts_start_len={routed_start} is lower than 0. "
+                         "Please use a non-negative routed_experts_start_len.")
 
     rid = body.get("rid")
     if rid is None:
@@ -290,7 +300,17 @@ def parse_generate(body: Any) -> GenerateCall:
     return GenerateCall(
         items=items, is_batch=is_batch or n > 1, stream=bool(stream),
         return_text_in_logprobs=_bool(body, "return_text_in_logprobs", False),
-        return_prompt_token_ids=_bool(body, "return_prompt_token_ids", False))
+        return_prompt_token_ids=_bool(body, "return_prompt_token_ids", False),
+        return_routed_experts=return_routed, routed_experts_start_len=routed_start)
+
+
+def check_routed_experts_start_len(call: GenerateCall, prompt_len: int) -> None:
+    """SGLang's Scheduler check of one request (a ValueError, HTTP 400): the start of the
+    returned routed experts lies within the prompt."""
+    if call.return_routed_experts and call.routed_experts_start_len > prompt_len:
+        raise ValueError(f"recv_req.routed_experts_start_len={call.routed_experts_start_len} is "
+                         f"higher than the number of input tokens len(req.origin_input_ids)="
+                         f"{prompt_len}. Please use a smaller routed_experts_start_len.")
 
 
 # --- error bodies (§1.3) -------------------------------------------------------------------------

@@ -15,7 +15,12 @@ Deviations (all documented in docs/rollout.md):
   SGLang's own group code when the ``sglang`` package is importable; ``--tp-size N`` joins N group
   ranks (:mod:`pipeline.local.tp_ranks`);
 * extensions: per-bucket ``checksums`` (per TP rank) in every weight-update answer, ``"delta":
-  true`` bf16 deltas, ``weight_sync_impl`` in ``/server_info``;
+  true`` bf16 deltas, ``weight_sync_impl`` in ``/server_info``, the server's own ``timings``
+  (``receive_s``, ``load_s``: load into the model + checksum) in every weight-update answer;
+* weight updates land in place: ``update_weights_from_distributed`` receives into two reused
+  buffers laid out by SGLang's ``FlattenedTensorBucket`` (no fresh allocation per bucket), the
+  trainer's shared-memory buckets stay mapped (``tp_ranks.MappedStorages``), disk shards are
+  ``readinto`` the parameters; each weight is checksummed right after it is written;
 * ``/weights_checker {"action": "checksum"}`` returns :func:`weights_checksum` (sha256 over the HF
   names, dtypes, shapes and bytes), not SGLang's per-engine digest;
 * weight updates are applied between two decoding steps; running requests continue on the new
@@ -56,11 +61,13 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from pipeline import routed_experts
 from pipeline import weight_transport as wt
 from pipeline.local import protocol as proto
 from pipeline.local.engine import (QUEUE_FULL, EngineRequest, LocalEngine, QueueFull,
                                    WeightFileError, shard_headers)
-from pipeline.local.tp_ranks import TPWorkers, join_group, receive, sglang_impl, wire_dtypes
+from pipeline.local.tp_ranks import (MappedStorages, ReceiveBuffers, TPWorkers, join_group, receive,
+                                     sglang_impl)
 from pipeline.weight_transport import decode_named_tensors
 
 log = logging.getLogger("megatron_gspo.serve")
@@ -126,7 +133,9 @@ class LocalRolloutServer:
             max_running_requests=args.max_running_requests,
             max_prefill_tokens=args.max_prefill_tokens, context_length=args.context_length,
             weight_version=args.weight_version, skip_tokenizer_init=args.skip_tokenizer_init,
-            dtype=args.dtype, max_queued_requests=max_queued)
+            dtype=args.dtype, max_queued_requests=max_queued,
+            capture_routed_experts=bool(getattr(args, "enable_return_routed_experts", False)),
+            device=getattr(args, "device", "cpu"))
         self.weight_roots = [self.engine.model_path] + [
             Path(r).resolve() for r in (getattr(args, "weight_roots", None) or [])]
         """Directories update_weights_from_disk may read (resolved): the model's and
@@ -138,9 +147,16 @@ class LocalRolloutServer:
         self._groups: dict[str, Any] = {}  # group_name -> rank 0's update group
         self._group_lock = threading.Lock()
         self.impl = sglang_impl()  # SGLang's own weight-update code where it is installed
+        self._receive_buffers = ReceiveBuffers(2)  # bucket k loads while bucket k+1 arrives
+        self._mapped = MappedStorages()  # the trainer's shared-memory buckets stay mapped
         self.tp_workers = TPWorkers(self.tp_size, args.model_path, args.dtype)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 * self.tp_size + 2)
         self.app = self._build_app()
+        if getattr(args, "fault_perturb_weights", 0.0):  # tests of the parity watchdog only
+            from pipeline.local import fault_injection
+
+            fault_injection.install(self.app, self.engine, args.fault_perturb_weights,
+                                    seed=args.random_seed or 0)
 
     def shutdown(self) -> None:
         """Stop the engine thread and the TP rank processes."""
@@ -215,6 +231,10 @@ class LocalRolloutServer:
         meta["e2e_latency"] = r.e2e_latency
         if not queued_abort:
             meta["response_sent_to_client_ts"] = time.time()
+        if r.return_routed_experts and eng.capture_routed_experts and not queued_abort:
+            # SGLang: base64 of the int32 [seqlen - 1 - start, layers, top_k] bytes; only with
+            # --enable-return-routed-experts (without it the key is absent), never while queued
+            meta["routed_experts"] = routed_experts.encode(eng.routed_experts(r))
         out: dict[str, Any] = {}
         if eng.tokenizer is not None:
             out["text"] = self._text(r)
@@ -241,12 +261,15 @@ class LocalRolloutServer:
             ids = item.input_ids if item.input_ids is not None else self.engine.encode(item.text)
             if not ids:
                 raise ValueError("input_ids cannot be empty.")
+            proto.check_routed_experts_start_len(call, len(ids))
             n = item.sampling.n
             for s in range(n):
                 rid = item.rid if n == 1 else uuid.uuid4().hex
                 req = EngineRequest(rid, ids, item.sampling, return_logprob=item.return_logprob,
                                     logprob_start_len=item.logprob_start_len,
-                                    top_logprobs_num=item.top_logprobs_num)
+                                    top_logprobs_num=item.top_logprobs_num,
+                                    return_routed_experts=call.return_routed_experts,
+                                    routed_experts_start_len=call.routed_experts_start_len)
                 expanded.append((req, item, len(ids)))
         for index, (req, _, _) in enumerate(expanded):
             req.on_event = notify(index, req)
@@ -360,7 +383,7 @@ class LocalRolloutServer:
                 "model_path": str(eng.model_path), "tokenizer_path": str(eng.model_path),
                 "host": a.host, "port": a.port, "tp_size": self.tp_size, "dp_size": 1, "ep_size": 1,
                 "pp_size": 1, "attn_dp_size": 1, "random_seed": a.random_seed,
-                "skip_tokenizer_init": eng.tokenizer is None, "device": "cpu",
+                "skip_tokenizer_init": eng.tokenizer is None, "device": eng.device.type,
                 "dtype": a.dtype, "load_format": "auto", "context_length": eng.context_length,
                 "max_running_requests": eng.max_running_requests,
                 "max_prefill_tokens": eng.max_prefill_tokens,
@@ -480,15 +503,15 @@ class LocalRolloutServer:
             full, deltas = wt.delta_pairs(named) if delta else (dict(named), {})
 
             def load():
-                eng.apply_update(full, deltas)
+                checksum = eng.apply_update(full, deltas, checksum=True)
                 if version is not None:
                     eng.weight_version = str(version)
-                return eng.bucket_checksum(wire_dtypes(full, deltas))
+                return checksum
             return await asyncio.wrap_future(eng.call(load))
 
         def on_workers(cmd: str, kws: list[dict]) -> list[concurrent.futures.Future]:
             """Start ``cmd`` on TP ranks 1.. (one kwargs dict each); futures of their results."""
-            return [self._pool.submit(self.tp_workers.call, i, cmd, kw) for i, kw in enumerate(kws)]
+            return [self.tp_workers.submit(i, cmd, kw) for i, kw in enumerate(kws)]
 
         async def results(futures) -> list:
             return [await asyncio.wrap_future(f) for f in futures]
@@ -520,9 +543,11 @@ class LocalRolloutServer:
                 return failed(f"Failed to update weights: {err}. The weights are unchanged.",
                               num_paused_requests=0)
             try:
+                t0 = time.perf_counter()
                 others = on_workers("disk", [{"path": path}] * len(self.tp_workers))
                 sums = await asyncio.wrap_future(eng.call(load))
                 sums_others = await results(others)
+                timings = {"load_s": time.perf_counter() - t0}
             except Exception as err:  # noqa: BLE001 - reported in the body
                 return failed(f"Failed to update weights: {err}", num_paused_requests=0)
             msg = "Succeeded to update model weights."
@@ -530,7 +555,7 @@ class LocalRolloutServer:
                 msg += f" Weight version updated to {version}."
             checksums = {f: [d, *(o[f] for o in sums_others)] for f, d in sums.items()}
             return {"success": True, "message": msg, "num_paused_requests": 0,
-                    "checksums": checksums}
+                    "checksums": checksums, "timings": timings}
 
         @app.post("/update_weights_from_tensor")
         async def update_weights_from_tensor(request: Request):
@@ -567,16 +592,22 @@ class LocalRolloutServer:
                 if pickled:  # each TP rank deserialises its own entry, as SGLang's do
                     others = on_workers("tensor", [{"payload": payloads[i + 1], "delta": delta}
                                                    for i in range(len(self.tp_workers))])
+                    t0 = time.perf_counter()
                     named = await asyncio.to_thread(lambda: list(self.impl.deserialize(payloads[0])))
+                    self._mapped.keep(named)
                 else:
+                    t0 = time.perf_counter()
                     named = list((await asyncio.to_thread(decode_named_tensors, payloads[0])).items())
                     others = on_workers("named", [{"named": named, "delta": delta}]
                                         * len(self.tp_workers))
+                t1 = time.perf_counter()
                 checksum = await apply_and_check(named, delta, body.get("weight_version"))
                 checksums = [checksum, *(await results(others))]
+                timings = {"receive_s": t1 - t0, "load_s": time.perf_counter() - t1}
             except Exception as err:  # noqa: BLE001 - a malformed payload is an answer, not a 500
                 return failed(f"Failed to update weights: {type(err).__name__}: {err}")
-            return {"success": True, "message": "Success", "checksums": checksums}
+            return {"success": True, "message": "Success", "checksums": checksums,
+                    "timings": timings}
 
         @app.post("/init_weights_update_group")
         async def init_weights_update_group(request: Request):
@@ -638,16 +669,24 @@ class LocalRolloutServer:
                     others = on_workers("distributed", [
                         {"name": name, "names": names, "dtypes": dtypes, "shapes": shapes,
                          "load_format": load_format, "delta": delta}] * len(self.tp_workers))
-                    return receive(self.impl, group, names, dtypes, shapes, load_format), others
+                    return receive(self.impl, group, names, dtypes, shapes, load_format,
+                                   self._receive_buffers), others
 
+            buf = None
             try:
-                named, others = await asyncio.to_thread(receive_all)
+                t0 = time.perf_counter()
+                (named, buf), others = await asyncio.to_thread(receive_all)
+                t1 = time.perf_counter()
                 checksum = await apply_and_check(named, delta, body.get("weight_version"))
                 checksums_others = await results(others)
+                timings = {"receive_s": t1 - t0, "load_s": time.perf_counter() - t1}
             except Exception as err:  # noqa: BLE001 - reported in the body
                 return failed(f"Failed to update parameter online: {err}")
+            finally:
+                if buf is not None:  # loaded (or failed): the buffer takes the next bucket
+                    self._receive_buffers.release(buf)
             return {"success": True, "message": "Succeeded to update parameter online.",
-                    "checksums": [checksum, *checksums_others]}
+                    "checksums": [checksum, *checksums_others], "timings": timings}
 
         @app.post("/destroy_weights_update_group")
         async def destroy_weights_update_group(request: Request):

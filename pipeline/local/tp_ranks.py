@@ -17,6 +17,7 @@ report the checksum of what it holds; the server answers only when every rank ha
 
 from __future__ import annotations
 
+import concurrent.futures
 import multiprocessing as mp
 import threading
 from dataclasses import dataclass
@@ -39,19 +40,69 @@ class SGLangImpl:
 class _FlattenedTensorBucket:
     """Fallback with the interface of SGLang's ``FlattenedTensorBucket`` (receive side)."""
 
-    def __init__(self, flat: torch.Tensor, layout):
-        self.flat, self.layout = flat, layout
+    def __init__(self, named_tensors=None, flattened_tensor=None, metadata=None):
+        if named_tensors is not None:
+            raise NotImplementedError("the fallback bucket only receives")
+        self.flat, self.layout = flattened_tensor, metadata
 
     @classmethod
     def empty(cls, names, dtypes, shapes, device):
         layout, total = wt.flat_layout(names, dtypes, shapes)
-        return cls(torch.empty(total, dtype=torch.uint8, device=device), layout)
+        return cls(flattened_tensor=torch.empty(total, dtype=torch.uint8, device=device),
+                   metadata=layout)
 
     def get_flattened_tensor(self) -> torch.Tensor:
         return self.flat
 
+    def get_metadata(self):
+        return self.layout
+
     def reconstruct_tensors(self):
         return wt.unflatten(self.flat, self.layout)
+
+
+class ReceiveBuffers:
+    """Reused receive buffers for flattened buckets (``count`` of them, each grown to the largest
+    bucket seen): a fresh 64 MiB ``torch.empty`` per bucket costs a page fault and the kernel's
+    zeroing per 4 KiB page, about two memory copies, on every bucket of every sync.
+
+    :meth:`bucket` lays the bucket out with the implementation's own ``FlattenedTensorBucket``
+    (``empty`` on the ``meta`` device: SGLang's checks and metadata, no allocation) over one of
+    these buffers; :meth:`release` hands it back once the bucket is loaded. When all ``count``
+    are out (loads still running) it waits up to ``wait_s``, then allocates a fresh buffer rather
+    than block the receive for longer (a buffer never released must not hang the server)."""
+
+    def __init__(self, count: int = 2, wait_s: float = 10.0):
+        self.count, self.wait_s = count, wait_s
+        self._free: list[torch.Tensor] = []
+        self._out = 0
+        self._cond = threading.Condition()
+
+    def bucket(self, impl: "SGLangImpl", names, dtypes, shapes):
+        import time
+
+        shell = impl.bucket_class.empty(names, dtypes, shapes, "meta")
+        total = shell.get_flattened_tensor().numel()
+        with self._cond:
+            deadline = time.monotonic() + self.wait_s
+            while not self._free and self._out >= self.count:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            buf = self._free.pop() if self._free else torch.empty(0, dtype=torch.uint8)
+            self._out += 1
+        if buf.numel() < total:
+            buf = torch.empty(total, dtype=torch.uint8)
+        bucket = impl.bucket_class(flattened_tensor=buf[:total], metadata=shell.get_metadata())
+        return bucket, buf
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._cond:
+            self._out -= 1
+            if len(self._free) + self._out < self.count:  # keep at most ``count``
+                self._free.append(buf)
+            self._cond.notify()
 
 
 def sglang_impl() -> SGLangImpl:
@@ -76,15 +127,25 @@ def join_group(impl: SGLangImpl, address: str, port: int, rank: int, world: int,
         rank=rank, group_name=name, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def receive(impl: SGLangImpl, group, names, dtypes, shapes, load_format) -> list:
+def receive(impl: SGLangImpl, group, names, dtypes, shapes, load_format,
+            buffers: Optional[ReceiveBuffers] = None) -> tuple[list, Optional[torch.Tensor]]:
     """What SGLang's ``receive_weights_from_distributed`` does: one broadcast of the flattened
-    bucket, or one (async) broadcast per tensor."""
+    bucket, or one (async) broadcast per tensor. Returns (named tensors, the ``buffers`` buffer
+    they are views of, to :meth:`ReceiveBuffers.release` once loaded; None without one)."""
     import torch.distributed as dist
 
     if load_format == "flattened_bucket":
-        bucket = impl.bucket_class.empty(names, dtypes, shapes, "cpu")
-        dist.broadcast(bucket.get_flattened_tensor(), src=0, group=group)
-        return bucket.reconstruct_tensors()
+        if buffers is None:
+            bucket, buf = impl.bucket_class.empty(names, dtypes, shapes, "cpu"), None
+        else:
+            bucket, buf = buffers.bucket(impl, names, dtypes, shapes)
+        try:
+            dist.broadcast(bucket.get_flattened_tensor(), src=0, group=group)
+        except BaseException:
+            if buf is not None:
+                buffers.release(buf)
+            raise
+        return bucket.reconstruct_tensors(), buf
     weights, handles = [], []
     for name, dtype, shape in zip(names, dtypes, shapes):
         w = torch.empty([int(s) for s in shape], dtype=wt.parse_dtype(dtype))
@@ -92,12 +153,33 @@ def receive(impl: SGLangImpl, group, names, dtypes, shapes, load_format) -> list
         weights.append((name, w))
     for h in handles:
         h.wait()
-    return weights
+    return weights, None
 
 
-def wire_dtypes(full: dict, deltas: dict) -> list[tuple[str, torch.dtype]]:
-    """(name, dtype it was sent in) of every tensor an update touched."""
-    return [(n, t.dtype) for n, t in full.items()] + [(n, v.dtype) for n, (_, v) in deltas.items()]
+class MappedStorages:
+    """Keeps the shared-memory storages of the last ``count`` tensor payloads mapped.
+
+    torch rebuilds a ``file_system`` shared-memory storage from its cache
+    (``torch.multiprocessing.reductions.shared_cache``, keyed by the storage's file name) while
+    a mapping of it is alive; otherwise every payload maps the file afresh and pays a page fault
+    per 4 KiB page on first touch (about a memory copy). The trainer reuses its two bucket
+    buffers, so holding the last few mappings makes every later payload a cache hit. What is
+    held: at most ``count`` buckets of the sender's memory, released when newer ones arrive."""
+
+    def __init__(self, count: int = 4):
+        self.count = count
+        self._held: dict[int, torch.UntypedStorage] = {}  # data_ptr -> storage, oldest first
+
+    def keep(self, named) -> None:
+        for _, t in named:
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            self._held.pop(key, None)
+            self._held[key] = storage
+        while len(self._held) > self.count:
+            self._held.pop(next(iter(self._held)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -119,17 +201,22 @@ class _Replica:
                 self.weights[name] = t.to(self.dtype)
         self.impl = sglang_impl()
         self.groups: dict[str, Any] = {}
+        self.buffers = ReceiveBuffers(1)  # one command at a time: one receive buffer
+        self.mapped = MappedStorages()
 
     def apply(self, named: list, delta: bool) -> str:
         full, deltas = wt.delta_pairs(named) if delta else (dict(named), {})
         for name, t in full.items():
             if name not in self.weights or tuple(self.weights[name].shape) != tuple(t.shape):
                 raise ValueError(f"{name}: not a weight of this shape")
+        parts = {}  # each weight summed right after it is written, while it is in cache
         for name, t in full.items():
             self.weights[name].copy_(t)
+            parts[name] = wt.tensor_sums(self.weights[name].to(t.dtype))
         for name, (index, values) in deltas.items():
             wt.delta_apply(self.weights[name], index, values)
-        return wt.bucket_checksum((n, self.weights[n].to(d)) for n, d in wire_dtypes(full, deltas))
+            parts[name] = wt.tensor_sums(self.weights[name].to(values.dtype))
+        return wt.checksum_digest(parts)
 
     def run(self, cmd: str, kw: dict):
         if cmd == "init_group":
@@ -143,11 +230,17 @@ class _Replica:
                 wt.destroy_group(group)
             return None
         if cmd == "distributed":
-            named = receive(self.impl, self.groups[kw["name"]], kw["names"], kw["dtypes"],
-                            kw["shapes"], kw["load_format"])
-            return self.apply(named, kw["delta"])
+            named, buf = receive(self.impl, self.groups[kw["name"]], kw["names"], kw["dtypes"],
+                                 kw["shapes"], kw["load_format"], self.buffers)
+            try:
+                return self.apply(named, kw["delta"])
+            finally:
+                if buf is not None:
+                    self.buffers.release(buf)
         if cmd == "tensor":
-            return self.apply(list(self.impl.deserialize(kw["payload"])), kw["delta"])
+            named = list(self.impl.deserialize(kw["payload"]))
+            self.mapped.keep(named)
+            return self.apply(named, kw["delta"])
         if cmd == "named":
             return self.apply(kw["named"], kw["delta"])
         if cmd == "disk":
@@ -184,7 +277,10 @@ def worker_main(conn, model_path: str, dtype: str) -> None:
 
 
 class TPWorkers:
-    """The server's TP ranks 1 .. tp_size - 1 (processes); rank r's calls are serialized."""
+    """The server's TP ranks 1 .. tp_size - 1 (processes); rank r's calls are serialized, in the
+    order they were submitted (:meth:`submit`: one thread per rank). The order matters: two
+    broadcasts of one update group must reach every member in the same order, and a lock's
+    waiters are not woken in arrival order."""
 
     def __init__(self, tp_size: int, model_path: str, dtype: str):
         ctx = mp.get_context("spawn")
@@ -201,6 +297,12 @@ class TPWorkers:
             kind, value = conn.recv()
             if kind != "ok":
                 raise RuntimeError(f"TP rank {i + 1} did not start: {value}")
+        self.executors = [concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"tp{i + 1}")
+                          for i in range(len(self.procs))]
+
+    def submit(self, i: int, cmd: str, kw: Optional[dict] = None) -> concurrent.futures.Future:
+        """:meth:`call` on TP rank ``i + 1``, after every command submitted to it before."""
+        return self.executors[i].submit(self.call, i, cmd, kw)
 
     def __len__(self) -> int:
         return len(self.procs)
@@ -215,6 +317,8 @@ class TPWorkers:
         return value
 
     def stop(self) -> None:
+        for ex in getattr(self, "executors", []):
+            ex.shutdown(wait=False)
         for conn, proc in zip(self.conns, self.procs):
             try:
                 conn.send(("stop", None))

@@ -40,3 +40,8 @@ def run_train_rollout(rank, world_size, cfg_dict, batch, step):
            "reduce_inputs": reduce_inputs}
     parallel.destroy_model_parallel()
     return out
+
+
+def run_train_rollouts(rank, world_size, cfg_dicts, batch, step):
+    """``run_train_rollout`` for several configurations (the same layout) in one spawn."""
+    return [run_train_rollout(rank, world_size, cfg, batch, step) for cfg in cfg_dicts]

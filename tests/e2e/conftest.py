@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -16,3 +18,26 @@ def megatron_gspo(*args: str, timeout: float = 600, check: bool = True) -> subpr
         raise AssertionError(f"megatron-gspo {' '.join(args)} exited {proc.returncode}\n"
                              f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+CONFIG = "launch/configs/tiny_cpu.yaml"
+# The uninterrupted 6-step EP2 run (padded rows, bit-exact deterministic rollouts) that both
+# test_gspo_run.py's kill -9 test and test_gspo_context_parallel.py compare against.
+EP2_REFERENCE = ("run.num_steps=6", "run.save_interval=2", "run.eval_interval=0",
+                 "run.global_batch_size=64", "rollout.deterministic=true")
+
+
+def train_args(run_dir: Path, init: Path, *extra: str) -> list[str]:
+    args = ["train", "--config", CONFIG, "--set", f"run.output_dir={run_dir}",
+            "--set", f"run.init_from={init}"]
+    for item in extra:
+        args += ["--set", item]
+    return args
+
+
+@pytest.fixture(scope="session")
+def ep2_reference(sft_policy, tmp_path_factory) -> Path:
+    """The run directory of ``EP2_REFERENCE`` from the session's SFT policy (run once)."""
+    run_dir = tmp_path_factory.mktemp("ep2_reference") / "run"
+    megatron_gspo(*train_args(run_dir, sft_policy, *EP2_REFERENCE), timeout=900)
+    return run_dir

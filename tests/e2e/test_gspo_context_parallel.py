@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.metrics import read_metrics
-from tests.e2e.conftest import ROOT, megatron_gspo
+from tests.e2e.conftest import EP2_REFERENCE, ROOT, megatron_gspo
 
 CONFIG = "launch/configs/tiny_cpu.yaml"
 LAYOUT = ("parallel.context=2", "parallel.expert=2", "run.max_tokens_per_micro_batch=96")
@@ -46,17 +46,16 @@ def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-SETTINGS = ("run.num_steps=6", "run.save_interval=2", "run.eval_interval=0",
-            "run.global_batch_size=64", "rollout.deterministic=true")
+SETTINGS = EP2_REFERENCE  # the settings of the session's EP2 reference run (tests/e2e/conftest.py)
 TRACKED = ("train/reward_mean", "train/log_ratio_seq_mean", "train/clip_frac",
            "train/response_length_mean")
 
 
-def test_context_parallel_packed_run_tracks_ep2_and_resumes_exactly(sft_policy, tmp_path):
+def test_context_parallel_packed_run_tracks_ep2_and_resumes_exactly(sft_policy, ep2_reference,
+                                                                   tmp_path):
     settings = SETTINGS
-    baseline = tmp_path / "ep2_padded"
     # the same run without CP and packing: test_gspo_run.py's layout (EP2, padded rows)
-    megatron_gspo(*_args(baseline, sft_policy, *settings, layout=()), timeout=900)
+    baseline = ep2_reference
     reference = tmp_path / "uninterrupted"
     proc = megatron_gspo(*_args(reference, sft_policy, *settings), timeout=900)
     assert "context 2" in proc.stdout  # the layout line: world 2 = ... x context 2 x ...

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.metrics import read_metrics
-from tests.e2e.conftest import ROOT, megatron_gspo
+from tests.e2e.conftest import EP2_REFERENCE, ROOT, megatron_gspo
 
 CONFIG = "launch/configs/tiny_cpu.yaml"
 
@@ -56,14 +56,13 @@ def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_kill9_of_a_training_rank_then_resume_is_exact(sft_policy, tmp_path):
+def test_kill9_of_a_training_rank_then_resume_is_exact(sft_policy, ep2_reference, tmp_path):
     # Bit-exact comparison: batched decoding moves logits by ~1e-6 with the batch composition
     # (which depends on timing), so the servers decode one request at a time
     # (rollout.deterministic); every sample then depends only on its prompt, seed and weights.
-    settings = ("run.num_steps=6", "run.save_interval=2", "run.eval_interval=0",
-                "run.global_batch_size=64", "rollout.deterministic=true")
-    reference = tmp_path / "uninterrupted"
-    megatron_gspo(*_args(reference, sft_policy, *settings), timeout=900)
+    # The uninterrupted run with the same settings: the session's ``ep2_reference``.
+    settings = EP2_REFERENCE
+    reference = ep2_reference
 
     run_dir = tmp_path / "killed"
     log_path = tmp_path / "killed.log"

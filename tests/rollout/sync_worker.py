@@ -248,3 +248,35 @@ def run_delta(rank: int, world_size: int, parallel_section: dict, hf_dir: str,
     pusher.close()
     parallel.destroy_model_parallel()
     return report if rank == 0 else None
+
+
+def run_disk_recycled(rank: int, world_size: int, hf_dir: str, server_urls: list[str],
+                      shared_dir: str, bucket_sizes: list[int]):
+    """Disk pushes by one pusher, new weights and a new bucket size each time: from the third on
+    the pusher overwrites the files of the version it retired (in place); every push must still
+    leave exactly the trainer's weights on every TP rank, and exactly its own shards on disk."""
+    import json
+    from pathlib import Path
+
+    par = ParallelConfig()
+    pg = parallel.initialize(par)
+    model_cfg = model_config_from_hf(hf_dir)
+    gpt = policy.build_model(model_cfg, par, pg)
+    pusher = WeightPusher(server_urls, transport="disk", shared_dir=shared_dir,
+                          group=_control_group())
+    report = []
+    for k, bucket_bytes in enumerate(bucket_sizes):
+        policy.init_weights(gpt, model_cfg, pg, seed=700 + k)
+        stats = pusher.push(HFGather(model_cfg, bucket_bytes=bucket_bytes).buckets(gpt, pg),
+                            f"recycled-{k}")
+        final = Path(shared_dir) / f"weights_vrecycled-{k}"
+        index = json.loads((final / "model.safetensors.index.json").read_text())
+        report.append({"stats": stats, "expected": _expected_checksum(_full_hf(gpt, model_cfg, pg)),
+                       "servers": _server_checksums(server_urls),
+                       "listing": sorted(p.name for p in Path(shared_dir).iterdir()),
+                       "files": sorted(p.name for p in final.iterdir()),
+                       "indexed": sorted(set(index["weight_map"].values()))})
+    pusher.close()
+    report.append({"after_close": sorted(p.name for p in Path(shared_dir).iterdir())})
+    parallel.destroy_model_parallel()
+    return report

@@ -7,7 +7,8 @@ its own CLI, registering the servers through ``POST /workers``. Checked: groups 
 through the router; a server SIGKILLed mid-batch loses nothing and duplicates nothing; the
 restarted server rejoins the router and serves again; direct mode skips a dead server; a request
 that times out is aborted on its server; over-sampling returns only complete groups and leaves
-the servers idle.
+the servers idle; routed experts reach a client in router mode although the router drops the
+request field.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def cluster(model_dir, tmp_path_factory):
     # running requests per server make groups finish in waves (over-sampling has work to abort).
     with LocalRolloutCluster(model_dir, 2, log_dir=tmp_path_factory.mktemp("cluster_logs"),
                              router_policy="round_robin",
-                             server_args=["--max-running-requests", "8"]) as c:
+                             server_args=["--max-running-requests", "8",
+                                          "--enable-return-routed-experts"]) as c:
         yield c
 
 
@@ -74,6 +76,23 @@ def test_groups_complete_through_the_router(cluster):
     assert len(seeds_differ) > 1  # G samples of a prompt differ (distinct sampling seeds)
     again = client.generate_groups(prompts(8), GROUP, SamplingParams(max_new_tokens=16), seed=1)
     assert_same_samples(again, groups)  # seeded: whichever server answers
+
+
+def test_routed_experts_bypass_the_router_that_drops_the_field(cluster):
+    body = {"input_ids": [5, 6, 7], "return_routed_experts": True,
+            "sampling_params": {"max_new_tokens": 3}}
+    direct = http_json("POST", cluster.server_urls[0] + "/generate", body)[1]
+    assert "routed_experts" in direct["meta_info"]
+    via_router = http_json("POST", cluster.router_url + "/generate", body)[1]
+    assert "routed_experts" not in via_router["meta_info"]  # sglang-router 0.3.2 drops it
+    client = RolloutClient(router_url=cluster.router_url, request_timeout_s=60)
+    groups = client.generate_groups(prompts(4), 2, SamplingParams(max_new_tokens=8), seed=6,
+                                    routed_experts=(2, 2))  # tests/rollout/tiny.py: 2 layers, top-2
+    check_whole(groups, prompts(4), group_size=2)
+    for r in (r for g in groups for r in g):
+        assert r.server_url in cluster.server_urls  # straight to a worker
+        assert r.routed_experts.shape == (len(r.prompt_ids) + len(r.output_ids) - 1, 2, 2)
+        assert bool(((r.routed_experts >= 0) & (r.routed_experts < 4)).all())
 
 
 def test_killed_server_loses_nothing_and_the_restarted_one_rejoins(cluster):

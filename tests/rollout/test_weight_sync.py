@@ -15,6 +15,8 @@ pickles or bucket layout differ from SGLang's fails here.
 * every transport from DP2, TP2, EP2, PP2 and TP2xEP2: every bucket's checksum verified on every
   TP rank of both servers, and every TP rank's whole-model checksum = the trainer's weights;
 * bf16 delta syncs (PP2, distributed and tensor): bit-exact server weights after each of N syncs;
+* repeated disk pushes that overwrite the retired version's files in place (a changing number of
+  shards): exact server weights and exactly the new shards on disk after each;
 * the key mismatch that hung before: a group made the plain TCPStore way never meets SGLang's.
 """
 
@@ -124,6 +126,25 @@ def test_every_layout_syncs_checksum_verified(layout, model_dir, servers, shared
         assert stats.num_buckets > 1 and stats.verified_buckets == stats.num_buckets, stats
         # every TP rank of both servers holds exactly the trainer's weights
         assert push["servers"] == [[push["expected"]], [push["expected"]] * 2], push["transport"]
+
+
+def test_disk_pushes_overwrite_the_retired_version_in_place(model_dir, servers, shared_root):
+    shared = shared_root / "recycled"
+    shared.mkdir()
+    sizes = [48 * 1024, 48 * 1024, 96 * 1024, 32 * 1024]  # fewer, then more shards than before
+    report = run_on_ranks(1, sync_worker.run_disk_recycled,
+                          (str(model_dir), servers, str(shared), sizes), timeout_s=300)[0]
+    pushes, closed = report[:-1], report[-1]["after_close"]
+    spare = ".megatron_gspo_weights_spare"
+    for k, push in enumerate(pushes):
+        stats = push["stats"]
+        assert stats.num_buckets > 1 and stats.verified_buckets == stats.num_buckets, stats
+        assert push["servers"] == [[push["expected"]], [push["expected"]] * 2], k
+        assert push["files"] == sorted(push["indexed"] + ["model.safetensors.index.json"]), k
+        # the kept version, and from the second push on the retired one kept as the spare
+        assert push["listing"] == ([spare] if k else []) + [f"weights_vrecycled-{k}"], push
+    assert len({len(p["indexed"]) for p in pushes}) == 3  # three different shard counts
+    assert closed == ["weights_vrecycled-3"]
 
 
 @pytest.mark.parametrize("transport", ["distributed", "tensor"])

@@ -9,11 +9,13 @@ requeue passed before the fix: here it died of the signal, the save raised ``Bro
 a ``step_N.tmp`` was left and the training step exited 1). The trainer must checkpoint, exit 75,
 and the requeued job resume right after that checkpoint.
 
-``scancel --signal=TERM --full`` signals the same processes without ending the job, ``srun``
-among them - and srun answers a SIGTERM of its own by killing its tasks with SIGKILL ("srun:
-forcing job termination", Slurm's src/srun/srun_job.c; nothing in a task can catch that). What
-the job owes then: to say so, to leave the newest complete checkpoint usable, and a resubmitted
-job resumes from it and finishes.
+``scancel --signal=TERM --full`` signals the batch script and its children without ending the job:
+the srun processes get the SIGTERM, the steps' tasks do not (Slurm 22.05), and srun answers a
+SIGTERM of its own by killing its tasks with SIGKILL ("srun: forcing job termination"). Before the
+fix the trainer died without a checkpoint (exit 137). Now the trainer's srun runs with the
+preload of slurm/lib.sh (it leaves SIGTERM alone) and the batch script passes the stop on to the
+ranks: the ranks save the step they were on, the job exits 75 and a resubmitted job resumes right
+after that step and finishes, every step logged once.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def latest(run_dir: Path) -> int:
 
 
 @pytest.mark.timeout(1800)  # three starts of a het job (servers, router, 2 ranks) in a row
-def test_requeue_checkpoints_with_the_writer_helper_alive_and_scancel_full_resumes(
+def test_requeue_and_scancel_full_both_checkpoint_exit_75_and_resume(
         local_slurm, sft_policy, tmp_path):
     run_dir = tmp_path / "run"
     options = ("--set", f"run.init_from={sft_policy}", "--set", "run.eval_interval=0",
@@ -66,15 +68,24 @@ def test_requeue_checkpoints_with_the_writer_helper_alive_and_scancel_full_resum
     # 2. scancel --signal=TERM --full once the restart wrote a checkpoint of its own
     local_slurm.wait(job.id, JOB_TIMEOUT_S, what="a checkpoint of the restart", log=job.batch_log,
                      until=lambda s: latest(run_dir) >= first + 2)
+    logged = len(raw_steps(run_dir))
     local_slurm.run("scancel", "--signal=TERM", "--full", job.id)
     local_slurm.wait(job.id, JOB_TIMEOUT_S, log=job.batch_log)
     run1 = re.split(r"^.*restart 1\n", job.batch_log.read_text(), flags=re.M)[1]
+    ranks1 = job.rank_log(1) + job.rank_log(1, 1)
     assert f"resumed from" in job.rank_log(1) and f"(step {first})" in job.rank_log(1)
-    assert "srun: forcing job termination" in run1 and \
-        "training step exited with status 137" in run1, run1[-3000:]
-    assert "srun killed the trainer" in run1 and "resumes from the newest complete checkpoint" in run1
+    assert "training step exited with status 75" in run1, \
+        f"the trainer did not checkpoint on scancel --full:\n{run1[-3000:]}\n{ranks1[-4000:]}"
+    assert "stopped by SIGTERM after a checkpoint (exit 75" in run1, run1[-3000:]
+    assert local_slurm.job(job.id)["ExitCode"] == "75:0", local_slurm.job(job.id)
+    assert "preempted: checkpoint saved; exit 75" in job.rank_log(1), job.rank_log(1)[-3000:]
+    assert "BrokenPipeError" not in ranks1 and "Traceback" not in ranks1, ranks1[-4000:]
+    assert not [c for c in checkpoints(run_dir) if c.endswith(".tmp")], checkpoints(run_dir)
+    # the checkpoint holds the step the ranks were on when the signal came (or a later one they
+    # finished before they saw it), every step logged once
     second = latest(run_dir)
-    assert second >= first + 2
+    steps = raw_steps(run_dir)
+    assert second >= logged >= first + 2 and steps == list(range(1, second + 1)), (second, logged, steps)
     assert json.loads((run_dir / "checkpoints" / f"step_{second:06d}" / "run_state.json")
                       .read_text())["step"] == second
 

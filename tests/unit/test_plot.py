@@ -32,6 +32,10 @@ def _write_run(run_dir, steps: int = 12, *, eval_every: int = 4):
                 "train/grad_norm": 0.5 + rng.random(),
                 "train/rollout_trainer_logprob_abs_diff": 1e-3 * (1 + rng.random()),
                 "train/rollout_tokens_per_s": 900.0, "train/train_tokens_per_s": 400.0,
+                "train/routing_change_frac": 0.1 / step, "train/routing_change_any_frac": 0.3 / step,
+                "train/routing_change_frac_layer0": 0.05 / step,
+                "train/routing_change_frac_layer1": 0.15 / step,
+                "train/token_log_ratio_var": 1e-3 * step, "train/seq_log_ratio_var": 1e-4 * step,
             }
             if step == 3:
                 record["train/entropy_mean"] = "nan"  # MetricsLogger writes non-finite as strings

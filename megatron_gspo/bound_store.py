@@ -1,0 +1,73 @@
+"""TCPStores that listen on the job's address only.
+
+torch's ``TCPStore(host, port, is_master=True)`` listens on every interface (``::`` / ``0.0.0.0``)
+whatever ``host`` it is given; ``host`` is only where its own client connects. A store is the
+rendezvous of every process group of the run, so anyone who can reach the port can join or poison
+it. Here the listening socket is bound to ``host``'s address (127.0.0.1 for a local run, the
+node's job address, ``MASTER_ADDR``, under Slurm) and handed to the store (``master_listen_fd``).
+
+Used by ``parallel.init_distributed`` (rank 0's store when no torchrun agent hosts one) and by
+``launch.torchrun_agent`` (torchrun's rendezvous store and the store it shares with the ranks).
+The rollout side binds its weight-update stores the same way (``pipeline.weight_transport``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from typing import Optional
+
+LOCALHOST_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
+
+
+def resolve(host: str) -> str:
+    """The address ``host`` names (its first IPv4 address when it has one); "localhost" is
+    127.0.0.1. Raises ``OSError`` naming the host when it does not resolve."""
+    if host in LOCALHOST_NAMES:
+        return "127.0.0.1"
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as err:
+        raise OSError(f"cannot resolve the store address {host!r}: {err}") from err
+    v4 = [info[4][0] for info in infos if info[0] == socket.AF_INET]
+    return v4[0] if v4 else infos[0][4][0]
+
+
+def listen_socket(host: str, port: int, *, backlog: int = 128) -> socket.socket:
+    """A listening TCP socket on ``host``'s address (:func:`resolve`) and ``port`` (0: any free
+    one). ``OSError`` names the address when it cannot be bound (port in use, not this host's)."""
+    address = resolve(host)
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, port))
+        sock.listen(backlog)
+    except OSError as err:
+        sock.close()
+        raise OSError(err.errno, f"cannot listen on {address}:{port} (the store address "
+                                 f"{host!r}): {err.strerror}") from err
+    return sock
+
+
+def tcp_store(host: str, port: int, *, is_master: bool, world_size: Optional[int] = None,
+              timeout: datetime.timedelta = datetime.timedelta(seconds=300),
+              wait_for_workers: bool = True, multi_tenant: bool = False):
+    """``torch.distributed.TCPStore(host, port, ...)``; the master listens on ``host``'s address
+    only. ``port`` 0 on the master: a free port (``store.port`` says which)."""
+    import torch.distributed as dist
+
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, False, timeout,
+                             wait_for_workers=wait_for_workers, multi_tenant=multi_tenant)
+    sock = listen_socket(host, port, backlog=max(world_size or 0, 128))
+    address, bound_port = sock.getsockname()[:2]
+    try:
+        store = dist.TCPStore(address, bound_port, world_size, True, timeout,
+                              wait_for_workers=wait_for_workers, multi_tenant=multi_tenant,
+                              master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the listening socket now
+    return store

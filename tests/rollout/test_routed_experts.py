@@ -1,0 +1,355 @@
+"""Routed experts (routing replay ``rollout``): the local server answers as SGLang 0.5.23 does.
+
+Run: ``.venv/bin/python -m pytest -q tests/rollout/test_routed_experts.py``
+
+* SGLang's own code from its wheel, cut out with ``ast`` and run here: the encoder
+  (``DetokenizerManager._b64_encode_per_request``), the decoder it ships for users
+  (``extract_routed_experts_from_meta_info``) and the position selection
+  (``BaseTopkCapturer.get_topk``: rows ``[start, seqlen - 1)``);
+* the experts the local server returns equal the top-k of transformers' Qwen3-MoE computed in
+  float64 from its router logits on the whole sequence (a model with 16 experts, top-4, 3 layers,
+  so that routing differs between tokens), for a batch with ``n > 1`` and uneven lengths;
+* the client asks for them, decodes them, and the loop puts them in the layout of ``tokens``
+  (padded rows and a packed micro-batch), -1 where unknown;
+* SGLang's errors and its silence: a bad ``routed_experts_start_len``, a server started without
+  ``--enable-return-routed-experts`` (no key; the client names the flag).
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import textwrap
+import zipfile
+from types import SimpleNamespace
+from typing import List, Optional
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline import routed_experts as rx
+from pipeline.rollout import (RolloutClient, RolloutError, RolloutResult, SamplingParams,
+                              generate_payload, http_json)
+from tests.rollout.conftest import InProcessServer, _wheel
+
+NUM_LAYERS, NUM_EXPERTS, TOP_K = 3, 16, 4
+
+
+# ------------------------------------------------------------------------------------------------
+# SGLang's own functions, from the wheel
+
+
+def _sglang_function(member: str, name: str, namespace: dict, cls: Optional[str] = None):
+    """The function ``name`` (a method of class ``cls``) of wheel file ``member``, its source
+    unchanged (dedented), defined in ``namespace`` (the module globals it reads)."""
+    with zipfile.ZipFile(_wheel()) as wheel:
+        source = wheel.read(member).decode()
+    tree = ast.parse(source)
+    body = tree.body
+    if cls is not None:
+        body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
+    node = next(n for n in body if isinstance(n, ast.FunctionDef) and n.name == name)
+    lines = source.splitlines(keepends=True)[node.lineno - 1:node.end_lineno]
+    exec(textwrap.dedent("".join(lines)), namespace)  # noqa: S102 - SGLang's code, pinned wheel
+    return namespace[name]
+
+
+@pytest.fixture(scope="module")
+def sglang_code():
+    encode = _sglang_function("sglang/srt/managers/detokenizer_manager.py",
+                              "_b64_encode_per_request",
+                              {"pybase64": base64, "torch": torch, "Optional": Optional,
+                               "List": List}, cls="DetokenizerManager")
+    extract = _sglang_function("sglang/srt/state_capturer/routed_experts.py",
+                               "extract_routed_experts_from_meta_info",
+                               {"pybase64": base64, "np": np})
+    get_topk = _sglang_function("sglang/srt/state_capturer/base.py", "get_topk",
+                                {"torch": torch, "ReqToTokenPool": object}, cls="BaseTopkCapturer")
+    return SimpleNamespace(encode=encode, extract=extract, get_topk=get_topk)
+
+
+def sglang_rows(get_topk, full: torch.Tensor, seqlen: int, start_len: int) -> torch.Tensor:
+    """SGLang's ``get_topk`` over a host cache holding ``full`` (one row per position; the
+    request's KV slots are its positions)."""
+    capturer = SimpleNamespace(host_cache=SimpleNamespace(buffer=full))
+    pool = SimpleNamespace(req_to_token=torch.arange(seqlen + 1)[None])
+    return get_topk(capturer, req_pool_idx=0, seqlen=seqlen, req_to_token_pool=pool,
+                    start_len=start_len)
+
+
+def test_wire_format_is_sglangs_encoder_and_decoder(sglang_code):
+    experts = torch.randint(0, NUM_EXPERTS, (7, NUM_LAYERS, TOP_K), dtype=torch.int32,
+                            generator=torch.Generator().manual_seed(0))
+    [theirs] = sglang_code.encode([experts])
+    assert rx.encode(experts) == theirs
+    assert torch.equal(rx.decode(theirs, 7, NUM_LAYERS, TOP_K), experts)
+    flat = sglang_code.extract({"meta_info": {"routed_experts": rx.encode(experts.long())}})
+    assert flat.dtype == np.int32 and np.array_equal(flat, experts.reshape(-1).numpy())
+    assert rx.encode(torch.zeros(0, NUM_LAYERS, TOP_K)) == sglang_code.encode(
+        [torch.zeros(0, NUM_LAYERS, TOP_K, dtype=torch.int32)])[0] == ""
+    with pytest.raises(ValueError, match=r"holds 336 bytes; expected 6 positions x 3 layers x "
+                                         r"top-4 int32 = 288 bytes"):
+        rx.decode(theirs, 6, NUM_LAYERS, TOP_K)
+    with pytest.raises(ValueError, match="not base64"):
+        rx.decode("not base64!", 1, 1, 1)
+    # positions [start, seqlen - 1): SGLang's own selection, and its expected row count
+    for seqlen, start in ((8, 0), (8, 3), (8, 7), (1, 0)):
+        rows = sglang_rows(sglang_code.get_topk, experts, seqlen, start)
+        assert rows.shape[0] == rx.expected_rows(seqlen, 0, start) == seqlen - 1 - min(
+            start, seqlen - 1)
+        assert torch.equal(rows, experts[start:seqlen - 1])
+
+
+# ------------------------------------------------------------------------------------------------
+# The local server against transformers' router, in float64
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    from tests.hf_tiny import build_hf_model
+    from tests.rollout.tiny import CASE, EOS_ID, save_tokenizer
+
+    model = build_hf_model(CASE, seed=3, num_layers=NUM_LAYERS, num_experts=NUM_EXPERTS,
+                           num_experts_per_tok=TOP_K)
+    model.config.eos_token_id = model.generation_config.eos_token_id = EOS_ID
+    directory = tmp_path_factory.mktemp("routed") / "moe16"
+    model.save_pretrained(directory)
+    save_tokenizer(directory, model.config.vocab_size)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def routed_server(moe_dir):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    server = InProcessServer(moe_dir, enable_return_routed_experts=True)
+    yield server
+    server.close()
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def oracle(moe_dir):
+    """sequence -> int64 [len - 1, layers, top_k]: transformers' Qwen3-MoE in float64 on
+    ``ids[:-1]`` (its router logits), top-k of their softmax in float64."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float64,
+                                                 attn_implementation="eager",
+                                                 experts_implementation="eager").eval()
+
+    @torch.no_grad()
+    def route(ids: list[int]) -> torch.Tensor:
+        out = model(input_ids=torch.tensor([ids[:-1]]), output_router_logits=True)
+        assert len(out.router_logits) == NUM_LAYERS
+        return torch.stack([torch.topk(torch.softmax(logits.double(), dim=-1), TOP_K, dim=-1)
+                            .indices for logits in out.router_logits], dim=1)
+    return route
+
+
+def generate(server, body, api_types):
+    api_types.GenerateRequest.from_json_value(body)
+    status, answer = http_json("POST", server.url + "/generate", body, timeout_s=60)
+    assert status == 200, answer
+    for item in answer if isinstance(answer, list) else [answer]:
+        api_types.GenerateResponse.from_json_value(item)
+    return answer
+
+
+def test_server_returns_the_experts_its_moe_routed_each_token_to(routed_server, oracle,
+                                                                 api_types):
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23]]
+    answer = generate(routed_server, {
+        "input_ids": prompts, "return_routed_experts": True,
+        "sampling_params": {"max_new_tokens": 10, "n": 2, "temperature": 1.0,
+                            "sampling_seed": 11}}, api_types)
+    assert len(answer) == 6  # n = 2 per prompt, grouped by prompt, each with its own routing
+    varied = set()
+    for j, item in enumerate(answer):
+        prompt, output = prompts[j // 2], item["output_ids"]
+        ids = prompt + output
+        got = rx.decode(item["meta_info"]["routed_experts"], len(ids) - 1, NUM_LAYERS, TOP_K)
+        expected = oracle(ids)
+        assert torch.equal(got.long(), expected), f"sample {j}: {ids}"
+        varied |= {tuple(row) for row in got.reshape(-1, TOP_K).tolist()}
+    assert len(varied) > 10  # routing is token-dependent: the comparison discriminates
+
+
+def test_start_len_selects_the_rows_sglang_selects(routed_server, sglang_code, api_types):
+    prompt = [30, 31, 32, 33, 34]
+    greedy = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    body = {"input_ids": prompt, "return_routed_experts": True, "sampling_params": greedy}
+    full_answer = generate(routed_server, body, api_types)
+    seqlen = len(prompt) + len(full_answer["output_ids"])
+    full = rx.decode(full_answer["meta_info"]["routed_experts"], seqlen - 1, NUM_LAYERS, TOP_K)
+    for start in (1, 3, len(prompt)):
+        answer = generate(routed_server, {**body, "routed_experts_start_len": start}, api_types)
+        assert answer["output_ids"] == full_answer["output_ids"]
+        rows = rx.expected_rows(len(prompt), len(answer["output_ids"]), start)
+        got = rx.decode(answer["meta_info"]["routed_experts"], rows, NUM_LAYERS, TOP_K)
+        assert torch.equal(got, sglang_rows(sglang_code.get_topk, full, seqlen, start))
+    # no generation at all: the prompt's last token is not returned (it is seqlen - 1)
+    none = generate(routed_server, {**body, "sampling_params": {"max_new_tokens": 0}}, api_types)
+    got = rx.decode(none["meta_info"]["routed_experts"], len(prompt) - 1, NUM_LAYERS, TOP_K)
+    assert torch.equal(got, full[:len(prompt) - 1])
+    plain = generate(routed_server, {"input_ids": prompt, "sampling_params": greedy}, api_types)
+    assert "routed_experts" not in plain["meta_info"]  # not asked for
+
+
+def test_bad_start_len_is_sglangs_400_and_a_server_without_the_flag_stays_silent(
+        routed_server, local_server, api_types):
+    def post(server, body):
+        return http_json("POST", server.url + "/generate", body, timeout_s=60)
+
+    base = {"input_ids": [5, 6, 7], "return_routed_experts": True,
+            "sampling_params": {"max_new_tokens": 2}}
+    status, answer = post(routed_server, {**base, "routed_experts_start_len": 4})
+    assert status == 400 and answer == {"error": {"message": (
+        "recv_req.routed_experts_start_len=4 is higher than the number of input tokens "
+        "len(req.origin_input_ids)=3. Please use a smaller routed_experts_start_len.")}}
+    status, answer = post(routed_server, {**base, "routed_experts_start_len": -1})
+    assert status == 400 and answer["error"]["message"].startswith(
+        "recv_req.routed_experts_start_len=-1 is lower than 0.")
+    with pytest.raises(api_types.JsonContractError) as schema:
+        api_types.GenerateRequest.from_json_value({**base, "routed_experts_start_len": "1"})
+    status, answer = post(routed_server, {**base, "routed_experts_start_len": "1"})
+    assert status == 400 and answer == {"error": str(schema.value)}
+
+    # without --enable-return-routed-experts SGLang answers without the key; the client says why
+    quiet = generate(local_server, base, api_types)
+    assert quiet["output_ids"] and "routed_experts" not in quiet["meta_info"]
+    client = RolloutClient(server_urls=[local_server.url], max_attempts=1)
+    with pytest.raises(RolloutError, match="--enable-return-routed-experts"):
+        client.generate_groups([[5, 6, 7]], 1, SamplingParams(max_new_tokens=2),
+                               routed_experts=(2, 2))
+
+
+# ------------------------------------------------------------------------------------------------
+# The client and the training batch
+
+
+def test_client_decodes_them_and_the_batch_holds_them_at_the_token_positions(
+        routed_server, oracle, api_types):
+    from megatron_gspo.train.batching import pack_micro_batch, rl_batch
+
+    assert "return_routed_experts" not in generate_payload("r", [1], SamplingParams())
+    body = generate_payload("r", [1, 2], SamplingParams(), return_routed_experts=True)
+    assert body["return_routed_experts"] is True
+    assert api_types.GenerateRequest.from_json_value(body).routed_experts_start_len == 0
+
+    client = RolloutClient(server_urls=[routed_server.url])
+    prompts = [[40, 41, 42], [43, 44, 45, 46, 47, 48]]
+    groups = client.generate_groups(prompts, 2, SamplingParams(max_new_tokens=6), seed=5,
+                                    routed_experts=(NUM_LAYERS, TOP_K))
+    results = [r for g in groups for r in g]
+    prompt_ids = [r.prompt_ids for r in results]
+    outputs = [r.output_ids for r in results]
+    for r in results:
+        ids = r.prompt_ids + r.output_ids
+        assert r.routed_experts.dtype == torch.int32
+        assert torch.equal(r.routed_experts.long(), oracle(ids))
+    seq_length = 16
+    routed = rx.batch_routed_experts(prompt_ids, outputs, [r.routed_experts for r in results],
+                                     seq_length, NUM_LAYERS, TOP_K)
+    batch = rl_batch(prompt_ids, outputs, [r.output_logprobs for r in results],
+                     torch.zeros(len(results)), seq_length, pad_id=0)
+    assert routed.dtype == torch.int64
+    assert routed.shape == (*batch["tokens"].shape, NUM_LAYERS, TOP_K)
+    for i, r in enumerate(results):
+        ids = r.prompt_ids + r.output_ids
+        n = len(ids) - 1
+        assert batch["tokens"][i, :n].tolist() == ids[:-1]  # position t: input token ids[t] ...
+        assert torch.equal(routed[i, :n], oracle(ids))  # ... and the experts that routed it
+        assert bool((routed[i, n:] == -1).all())  # padding: unknown
+    # a packed micro-batch keeps each sequence's routing with its tokens, -1 in the padding
+    batch["routed_experts"] = routed
+    packed = pack_micro_batch(batch, [1, 2], tp_size=8)  # the pack padded to a multiple of 8
+    n1, n2 = (int(batch["lengths"][i]) for i in (1, 2))
+    assert torch.equal(packed["routed_experts"][0, :n1 + n2], torch.cat([routed[1, :n1],
+                                                                         routed[2, :n2]]))
+    assert packed["routed_experts"].shape[1] == -(-(n1 + n2) // 8) * 8 > n1 + n2
+    assert bool((packed["routed_experts"][0, n1 + n2:] == -1).all())
+
+
+def test_batch_layout_unknown_samples_and_shape_errors():
+    experts = torch.arange(4 * 2 * 3, dtype=torch.int32).reshape(4, 2, 3)  # prompt 2 + output 3
+    out = rx.batch_routed_experts([[7, 8], [9]], [[1, 2, 3], [4]], [experts, None], 6, 2, 3)
+    assert out.shape == (2, 6, 2, 3) and out.dtype == torch.int64
+    assert torch.equal(out[0, :4], experts.long()) and bool((out[0, 4:] == -1).all())
+    assert bool((out[1] == -1).all())  # no routing data: unknown everywhere
+    with pytest.raises(ValueError, match=r"sample 0: routed_experts of shape \[4, 2, 3\]; "
+                                         r"expected \[3, 2, 3\]"):
+        rx.batch_routed_experts([[7]], [[1, 2, 3]], [experts], 6, 2, 3)
+    with pytest.raises(ValueError, match="sample 0: 4 routed positions exceed run.seq_length 3"):
+        rx.batch_routed_experts([[7, 8]], [[1, 2, 3]], [experts], 3, 2, 3)
+
+
+def test_rollout_phase_asks_for_them_only_with_rollout_replay_and_batches_them(tmp_path):
+    from megatron_gspo.config import config_from_dict
+    from pipeline import loop
+    from pipeline.data import PromptSampler, TaskPromptDataset
+    from pipeline.metrics import MetricsLogger
+    from pipeline.rewards import build_reward
+    from pipeline.tasks import AdditionTask, decode
+
+    class Client:
+        def __init__(self):
+            self.asked = []
+
+        def generate_groups(self, prompts, group_size, sampling, *, seed=None, **kw):
+            self.asked.append(kw.get("routed_experts"))
+            shape = kw.get("routed_experts")
+            groups = []
+            for p, ids in enumerate(prompts):
+                group = []
+                for s in range(group_size):
+                    out = [ord("1"), 10][: 1 + s % 2]
+                    rows = len(ids) + len(out) - 1
+                    routed = (None if shape is None else
+                              torch.full((rows, *shape), p * 10 + s, dtype=torch.int32))
+                    group.append(RolloutResult(
+                        rid=f"p{p}s{s}", prompt_ids=list(ids), output_ids=out,
+                        output_logprobs=[-0.5] * len(out), finish_reason="stop", matched_stop=10,
+                        prompt_tokens=len(ids), completion_tokens=len(out), weight_version="0",
+                        server_url="fake", routed_experts=routed))
+                groups.append(group)
+            return groups
+
+    def ctx_for(replay):
+        cfg = config_from_dict({
+            "gspo": {"group_size": 2, "routing_replay": replay},
+            "model": {"num_layers": 3, "moe_router_topk": 2},
+            "run": {"num_steps": 1, "global_batch_size": 4, "micro_batch_size": 2,
+                    "seq_length": 16, "eval_interval": 0, "save_interval": 0}})
+        dataset = TaskPromptDataset(AdditionTask(digits=2, seed=0))
+        return loop.LoopContext(
+            cfg=cfg, run_dir=str(tmp_path), sampler=PromptSampler(dataset, seed=0),
+            reward_fn=build_reward(cfg.reward, cfg.data), client=Client(), decode=decode,
+            stop_token_ids=[10], logger=MetricsLogger(tmp_path, enabled=False),
+            stop=loop.StopFlag())
+
+    ctx = ctx_for("rollout")
+    batch, _ = loop.rollout_phase(ctx, 1)
+    assert ctx.client.asked == [(3, 2)]
+    routed = batch["routed_experts"]
+    assert routed.shape == (4, 16, 3, 2) and routed.dtype == torch.int64
+    lengths = batch["lengths"].tolist()  # len(prompt) + len(output) - 1: the routed positions
+    for i, n in enumerate(lengths):
+        assert bool((routed[i, :n] == (i // 2) * 10 + i % 2).all())
+        assert bool((routed[i, n:] == -1).all())
+
+    for replay in ("none", "old"):
+        ctx = ctx_for(replay)
+        batch, _ = loop.rollout_phase(ctx, 1)
+        assert ctx.client.asked == [None] and "routed_experts" not in batch
+
+
+def test_launchers_start_servers_that_return_them():
+    from launch.slurm import server_command
+
+    for server in ("sglang", "local"):
+        layout = SimpleNamespace(nodes_per_server=1, server=server, server_tp=1)
+        assert "--enable-return-routed-experts" in server_command(layout, 0, False,
+                                                                  routed_experts=True)
+        assert "--enable-return-routed-experts" not in server_command(layout, 0, False)
