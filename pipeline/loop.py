@@ -574,10 +574,14 @@ def run(ctx: LoopContext, trainer: Trainer, *, start_step: int) -> dict:
             train_metrics = trainer.train_rollout(batch, step)
 
             metrics = {f"train/{k}": v for k, v in {**rollout_metrics, **train_metrics}.items()}
+            # the variant's own clip fraction: sequences (GSPO) or tokens (token-clip variants)
+            clip = ("clip" if "clip_frac" in train_metrics else
+                    "token clip" if "token_clip_frac" in train_metrics else None)
+            clip_value = train_metrics.get("clip_frac", train_metrics.get("token_clip_frac"))
             progress = (f"step {step}/{cfg.run.num_steps}  reward "
                         f"{rollout_metrics['reward_mean']:.3f}"
-                        f"  clip {train_metrics.get('clip_frac', 0.0):.3f}"
-                        f"  len {rollout_metrics['response_length_mean']:.1f}")
+                        + (f"  {clip} {clip_value:.3f}" if clip else "")
+                        + f"  len {rollout_metrics['response_length_mean']:.1f}")
             with guard.after_update():
                 if colocated:  # weights first, then the sync fills them, then the KV cache
                     on_main(ctx, _resume_servers, ctx, ["weights"], what="resume server memory")

@@ -77,17 +77,22 @@ def decode(text: str, rows: int, num_layers: int, top_k: int) -> "torch.Tensor":
     return torch.from_numpy(flat.reshape(rows, num_layers, top_k))
 
 
+MAX_BATCH_EXPERT = 32767
+
+
 def batch_routed_experts(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
                          routed: Sequence[Optional["torch.Tensor"]], seq_length: int,
                          num_layers: int, top_k: int) -> "torch.Tensor":
-    """int64 ``[num_seqs, seq_length, num_layers, top_k]`` in the layout of ``rl_batch``'s
+    """int16 ``[num_seqs, seq_length, num_layers, top_k]`` (expert ids below 32768: a quarter
+    of int64's memory for every position of every padded row) in the layout of ``rl_batch``'s
     ``tokens`` (``prompt + output`` without its last token, right-padded): row ``i``, position
     ``t`` = ``routed[i][t]`` (routing data from position 0, as the client asks for it), ``-1``
     at padding and for a sample whose ``routed[i]`` is None. ValueError naming the sample when
     its routing data does not have one row per input token or the wrong layers / top-k."""
     import torch
 
-    out = torch.full((len(prompts), seq_length, num_layers, top_k), UNKNOWN, dtype=torch.int64)
+    BATCH_DTYPE = torch.int16
+    out = torch.full((len(prompts), seq_length, num_layers, top_k), UNKNOWN, dtype=BATCH_DTYPE)
     for i, (prompt, output, experts) in enumerate(zip(prompts, outputs, routed, strict=True)):
         if experts is None:
             continue
@@ -100,5 +105,8 @@ def batch_routed_experts(prompts: Sequence[Sequence[int]], outputs: Sequence[Seq
         if rows > seq_length:
             raise ValueError(f"sample {i}: {rows} routed positions exceed run.seq_length "
                              f"{seq_length}")
-        out[i, :rows] = experts.to(torch.int64)
+        if experts.numel() and int(experts.max()) > MAX_BATCH_EXPERT:
+            raise ValueError(f"sample {i}: expert id {int(experts.max())} does not fit the "
+                             f"int16 routed_experts batch tensor (ids up to {MAX_BATCH_EXPERT})")
+        out[i, :rows] = experts.to(BATCH_DTYPE)
     return out

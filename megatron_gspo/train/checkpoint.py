@@ -452,6 +452,8 @@ def _raise_on_every_rank(outcomes: list, final: Path, tmp: Path) -> None:
     kind, message = next((o for o in failed if o[0] == "disk_full"), failed[0])
     if _rank_world()[0] == 0:  # every rank is past its writes: the partial save can go
         shutil.rmtree(tmp, ignore_errors=True)
+    if _dist_on():  # and is gone when any rank raises (a caller may look, or retry at once)
+        dist.barrier()
     if kind == "disk_full":
         raise CheckpointDiskFull(message, tmp)
     raise CheckpointError(message)

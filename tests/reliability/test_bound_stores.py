@@ -3,23 +3,22 @@
 torch's ``TCPStore`` listens on ``::`` / ``0.0.0.0`` whatever host it is given. Before the fix a
 local ``megatron-gspo train`` had three such listeners: torchrun's c10d rendezvous store, the
 store torchrun shares with the ranks, and (under srun, no torchrun) rank 0's ``env://`` store.
-Here every listening TCP socket of every process of a running local train (launcher, torchrun,
-ranks, the rollout server, the router, Megatron's writer helper) is read from ``/proc`` while it
-trains: none may listen on a wildcard address, and the stores listen on 127.0.0.1.
+:func:`check_no_wildcard_listener` reads every listening TCP socket of every process of a running
+local train (launcher, torchrun, ranks, the rollout server, the router, Megatron's writer helper)
+from ``/proc``: none may listen on a wildcard address, and the stores listen on 127.0.0.1. It runs
+inside tests/reliability/test_signals.py's first start (a 2-rank train that is running anyway).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import signal
 import socket
 from pathlib import Path
 
 import pytest
 
 from megatron_gspo.bound_store import resolve, tcp_store
-from tests.reliability.conftest import Run, metric_steps, tagged_pids, train_args
 
 WILDCARDS = {"0.0.0.0", "::", "::ffff:0.0.0.0"}
 
@@ -71,20 +70,13 @@ def test_master_store_listens_on_its_host_only():
         resolve("no-such-host.invalid")
 
 
-@pytest.mark.slow
-def test_local_train_has_no_listener_on_every_interface(tmp_path):
-    run_dir = tmp_path / "run"
-    run = Run([*train_args(run_dir, "run.num_steps=40"), "--nproc", "2"], tmp_path / "train.log")
-    try:
-        run.wait_until(lambda: len(metric_steps(run_dir)) >= 1, "a GSPO step")
-        found = listeners(tagged_pids(run.tag))
-        agents = [pid for pid in tagged_pids(run.tag)
-                  if b"launch.torchrun_agent" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-        run.proc.send_signal(signal.SIGTERM)
-        code = run.wait(timeout=300)
-    finally:
-        run.kill_everything()
-    assert code == 75, run.output()[-3000:]
+def check_no_wildcard_listener(pids: list[int]) -> None:
+    """Every listening TCP socket of ``pids`` (the processes of a running local train) is bound
+    to a specific address, and torchrun's two stores listen on 127.0.0.1. Called by
+    tests/reliability/test_signals.py while its 2-rank train runs (one start serves both)."""
+    found = listeners(pids)
+    agents = [pid for pid in pids
+              if b"launch.torchrun_agent" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     wild = [entry for entry in found if entry[1] in WILDCARDS]
     assert not wild, f"listening on every interface (pid, address, port): {wild}\nall: {found}"
     # torchrun's rendezvous store and the store it shares with the ranks, on 127.0.0.1

@@ -7,7 +7,8 @@ each stopped a different way once it has written a periodic checkpoint of its ow
 writer's helper exists when the signal comes), and a sixth that finishes:
 
 1. SIGTERM to the launcher (what ``timeout``, systemd, CI cancellation and ``docker stop`` send);
-   meanwhile a second ``train`` on the same run directory is refused, naming the first (item 3);
+   meanwhile a second ``train`` on the same run directory is refused, naming the first (item 3),
+   and no process of the run listens on every interface (item 10, test_bound_stores.py);
 2. SIGINT to the launcher (Ctrl-C);
 3. SIGTERM to every process of the run at once (Slurm's scancel / requeue, systemd's stop of a
    cgroup): launcher, torchrun, ranks, the writer's helper, the server, the router;
@@ -33,9 +34,10 @@ import pytest
 
 from tests.reliability.conftest import (Run, descendants, latest_step, megatron_gspo, metric_steps,
                                         tagged_pids, train_args)
+from tests.reliability.test_bound_stores import check_no_wildcard_listener
 
 pytestmark = pytest.mark.slow
-STEPS = 40
+STEPS = 28  # > 5 stops x (2 checkpointed steps + at most 2 in flight): the last start finishes the rest
 SETTINGS = (f"run.num_steps={STEPS}", "run.save_interval=2")
 
 
@@ -92,6 +94,8 @@ def test_every_stop_signal_checkpoints_exits_75_and_the_run_resumes_every_step_o
             before = saved
             run.wait_until(lambda: latest_step(run_dir) >= before + 2,
                            f"{what}: a checkpoint after step {before}")
+            if i == 0:  # item 10: no store (nor anything else of ours) on every interface
+                check_no_wildcard_listener(tagged_pids(run.tag))
             if i == 0:  # item 3: the run directory is taken
                 second = megatron_gspo(*args, timeout=300)
                 assert second.returncode == 2, second.stdout + second.stderr

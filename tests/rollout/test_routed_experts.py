@@ -254,7 +254,7 @@ def test_client_decodes_them_and_the_batch_holds_them_at_the_token_positions(
                                      seq_length, NUM_LAYERS, TOP_K)
     batch = rl_batch(prompt_ids, outputs, [r.output_logprobs for r in results],
                      torch.zeros(len(results)), seq_length, pad_id=0)
-    assert routed.dtype == torch.int64
+    assert routed.dtype == torch.int16
     assert routed.shape == (*batch["tokens"].shape, NUM_LAYERS, TOP_K)
     for i, r in enumerate(results):
         ids = r.prompt_ids + r.output_ids
@@ -275,7 +275,7 @@ def test_client_decodes_them_and_the_batch_holds_them_at_the_token_positions(
 def test_batch_layout_unknown_samples_and_shape_errors():
     experts = torch.arange(4 * 2 * 3, dtype=torch.int32).reshape(4, 2, 3)  # prompt 2 + output 3
     out = rx.batch_routed_experts([[7, 8], [9]], [[1, 2, 3], [4]], [experts, None], 6, 2, 3)
-    assert out.shape == (2, 6, 2, 3) and out.dtype == torch.int64
+    assert out.shape == (2, 6, 2, 3) and out.dtype == torch.int16
     assert torch.equal(out[0, :4], experts.long()) and bool((out[0, 4:] == -1).all())
     assert bool((out[1] == -1).all())  # no routing data: unknown everywhere
     with pytest.raises(ValueError, match=r"sample 0: routed_experts of shape \[4, 2, 3\]; "
@@ -333,7 +333,7 @@ def test_rollout_phase_asks_for_them_only_with_rollout_replay_and_batches_them(t
     batch, _ = loop.rollout_phase(ctx, 1)
     assert ctx.client.asked == [(3, 2)]
     routed = batch["routed_experts"]
-    assert routed.shape == (4, 16, 3, 2) and routed.dtype == torch.int64
+    assert routed.shape == (4, 16, 3, 2) and routed.dtype == torch.int16
     lengths = batch["lengths"].tolist()  # len(prompt) + len(output) - 1: the routed positions
     for i, n in enumerate(lengths):
         assert bool((routed[i, :n] == (i // 2) * 10 + i % 2).all())

@@ -9,10 +9,15 @@ The three jobs are submitted together (``jobs``) so that their waits overlap; th
 check them one by one:
 
 * ``test_requeued_job_resumes_without_losing_or_repeating_a_step``: the job is requeued twice
-  mid-training, by ``scontrol requeue`` (Slurm's SIGTERM to every step: what a preemption does)
-  and by SIGUSR1 to the batch script (what ``--signal=B:USR1@S`` sends before the time limit:
-  the script forwards it to the trainer and requeues the job itself); it resumes from the
-  checkpoint each time and logs every step exactly once.
+  mid-training, by ``scontrol requeue`` (Slurm's SIGTERM to every process of every step: what a
+  preemption does) and by SIGUSR1 to the batch script (what ``--signal=B:USR1@S`` sends before
+  the time limit: the script forwards it to the trainer and requeues the job itself); it resumes
+  from the checkpoint each time and logs every step exactly once. It checkpoints every 2 steps
+  as well, and the requeue comes after the first such checkpoint, so Megatron's checkpoint-writer
+  helper process exists when SIGTERM reaches every process: before the fix of issue 11 item 2 it
+  died of that signal, the save raised ``BrokenPipeError``, a ``step_N.tmp`` was left and the
+  training step exited 1 (with checkpoints only on the signal the helper did not exist yet,
+  which is how this test passed before that fix).
 * ``test_gspo_job_completes_with_rising_reward``: an uninterrupted run.
 * ``test_server_that_cannot_start_fails_the_job_naming_it``.
 """
@@ -53,11 +58,14 @@ def jobs(local_slurm, sft_policy, tmp_path_factory) -> dict[str, Job]:
         run_dir = tmp_path_factory.mktemp(name) / "run"
         return Job(launch(local_slurm, run_dir, *options), run_dir)
 
-    gspo = ("--set", f"run.init_from={sft_policy}", "--set", "run.eval_interval=0",
-            "--set", "run.save_interval=0")   # checkpoints only on the signals (and at the end)
+    gspo = ("--set", f"run.init_from={sft_policy}", "--set", "run.eval_interval=0")
     return {
-        "requeued": submit("requeued", *gspo, "--set", f"run.num_steps={REQUEUE_STEPS}"),
-        "complete": submit("complete", *gspo, "--set", f"run.num_steps={COMPLETE_STEPS}"),
+        # every 2 steps and on the signals: the writer's helper is alive when SIGTERM comes
+        "requeued": submit("requeued", *gspo, "--set", "run.save_interval=2",
+                           "--set", f"run.num_steps={REQUEUE_STEPS}"),
+        # checkpoints only at the end
+        "complete": submit("complete", *gspo, "--set", "run.save_interval=0",
+                           "--set", f"run.num_steps={COMPLETE_STEPS}"),
         "broken": submit("broken", "--model-path", "/nonexistent/model", "--health-timeout-s", "120"),
     }
 
@@ -86,9 +94,16 @@ def progress_steps(rank0_log: str) -> list[int]:
     return [int(m) for m in re.findall(r"^step (\d+)/\d+ ", rank0_log, re.M)]
 
 
+def latest_checkpoint(run_dir: Path) -> int:
+    marker = run_dir / "checkpoints" / "latest"
+    return int(marker.read_text().split("_")[1]) if marker.is_file() else 0
+
+
 def test_requeued_job_resumes_without_losing_or_repeating_a_step(local_slurm, jobs):
     job = jobs["requeued"]
     wait_for_steps(local_slurm, job, 2)
+    local_slurm.wait(job.id, JOB_TIMEOUT_S, what="the periodic checkpoint of step 2",
+                     log=job.batch_log, until=lambda s: latest_checkpoint(job.run_dir) >= 2)
     local_slurm.run("scontrol", "requeue", job.id)                     # preemption: SIGTERM
     local_slurm.wait(job.id, JOB_TIMEOUT_S, what="restarted",
                      until=lambda s: "restart 1\n" in job.batch_log.read_text(), log=job.batch_log)
@@ -106,6 +121,9 @@ def test_requeued_job_resumes_without_losing_or_repeating_a_step(local_slurm, jo
     # servers and the router are going away too, and exit 75
     assert "training step exited with status 75" in run0, \
         f"the trainer did not checkpoint on SIGTERM; end of rank 0's log:\n{logs[0][-3000:]}"
+    ranks0 = logs[0] + job.rank_log(0, 1)  # the writer's helper survived the signal
+    assert "BrokenPipeError" not in ranks0 and "Traceback" not in ranks0, ranks0[-4000:]
+    assert not [p for p in (job.run_dir / "checkpoints").iterdir() if p.name.endswith(".tmp")]
     assert "SIGUSR1: asking the trainer to checkpoint and stop" in run1
     assert "training step exited with status 75" in run1 and "megatron-gspo job: requeued" in run1, \
         f"the trainer did not checkpoint on SIGUSR1; end of rank 0's log:\n{logs[1][-3000:]}"

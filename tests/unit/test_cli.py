@@ -24,7 +24,7 @@ EXPECTED_OPTIONS = {
               "--max-prefill-tokens", "--dtype", "--log-level", "--cpu-threads",
               "--weight-update-timeout", "--tp-size", "--allow-pickled-tensors", "--max-n",
               "--max-queued-requests", "--weight-roots", "--enable-return-routed-experts",
-              "--fault-perturb-weights"},
+              "--fault-perturb-weights", "--device"},
     "launch slurm": {"--config", "--set", "--nodes", "--rollout-nodes", "--gpus-per-node",
                      "--ntasks-per-node", "--server", "--model-path", "--partition", "--account",
                      "--time", "--job-name", "--signal-before-s", "--health-timeout-s",
