@@ -16,22 +16,15 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.metrics import read_metrics
-from tests.e2e.conftest import EP2_REFERENCE, ROOT, megatron_gspo
-
-CONFIG = "launch/configs/tiny_cpu.yaml"
+from tests.e2e.conftest import EP2_REFERENCE, ROOT, megatron_gspo, train_args
 
 
-def _args(run_dir: Path, init: Path, *extra: str) -> list[str]:
-    args = ["train", "--config", CONFIG, "--set", f"run.output_dir={run_dir}",
-            "--set", f"run.init_from={init}"]
-    for item in extra:
-        args += ["--set", item]
-    return args
+
 
 
 def test_gspo_reward_rises_and_metrics_are_written(sft_policy, tmp_path):
     run_dir = tmp_path / "gspo"
-    proc = megatron_gspo(*_args(run_dir, sft_policy, "run.num_steps=20", "run.eval_interval=20",
+    proc = megatron_gspo(*train_args(run_dir, sft_policy, "run.num_steps=20", "run.eval_interval=20",
                                 "run.save_interval=0"), timeout=900)
     records = read_metrics(run_dir)
     steps = [r["step"] for r in records]
@@ -67,7 +60,7 @@ def test_kill9_of_a_training_rank_then_resume_is_exact(sft_policy, ep2_reference
     run_dir = tmp_path / "killed"
     log_path = tmp_path / "killed.log"
     log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "launch.cli", *_args(run_dir, sft_policy,
+    proc = subprocess.Popen([sys.executable, "-m", "launch.cli", *train_args(run_dir, sft_policy,
                                                                         *settings)],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
     latest = run_dir / "checkpoints" / "latest"
@@ -84,7 +77,7 @@ def test_kill9_of_a_training_rank_then_resume_is_exact(sft_policy, ep2_reference
     steps_before = [r["step"] for r in read_metrics(run_dir)]
     assert not (run_dir / "hf").exists()
 
-    resumed = megatron_gspo(*_args(run_dir, sft_policy, *settings), "--resume", timeout=900)
+    resumed = megatron_gspo(*train_args(run_dir, sft_policy, *settings), "--resume", timeout=900)
     assert "resumed from" in resumed.stdout
     first_resumed_step = int(resumed.stdout.split("resumed from")[1].split("(step ")[1].split(")")[0]) + 1
     assert first_resumed_step - 1 in (2, 4) and first_resumed_step - 1 <= max(steps_before)

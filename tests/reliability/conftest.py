@@ -105,6 +105,14 @@ def tagged_pids(tag: str) -> list[int]:
     return found
 
 
+def wait_gone(tag: str, timeout: float = 15) -> list[int]:
+    """The processes of ``tag`` still alive after waiting up to ``timeout`` s for them to end."""
+    deadline = time.monotonic() + timeout
+    while (left := tagged_pids(tag)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
 def descendants(pid: int) -> list[int]:
     """``pid``'s children, grandchildren, ... (from /proc/<pid>/task/*/children)."""
     out, todo = [], [pid]

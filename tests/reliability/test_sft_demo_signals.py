@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.reliability.conftest import (SFT_CONFIG, Run, latest_step, megatron_gspo, metric_steps,
-                                        tagged_pids)
+                                        wait_gone)
 
 pytestmark = pytest.mark.slow
 STEPS = 16
@@ -50,13 +49,6 @@ def trained_steps(run_dir: Path) -> list[int]:
         return []
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r["step"] for r in map(json.loads, lines) if "train/loss" in r]
-
-
-def wait_gone(tag: str, timeout: float = 15) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while (left := tagged_pids(tag)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return left
 
 
 def test_sft_sigterm_checkpoints_exits_75_and_resumes_exactly(tmp_path):

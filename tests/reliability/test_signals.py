@@ -27,13 +27,12 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.reliability.conftest import (Run, descendants, latest_step, megatron_gspo, metric_steps,
-                                        tagged_pids, train_args)
+                                        tagged_pids, train_args, wait_gone)
 from tests.reliability.test_bound_stores import check_no_wildcard_listener
 
 pytestmark = pytest.mark.slow
@@ -75,13 +74,6 @@ STAGES = [
     ("SIGTERM to torchrun's process group", to_torchrun_group),
     ("SIGUSR1 to rank 1", to_rank_1),
 ]
-
-
-def wait_gone(tag: str, timeout: float = 15) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while (left := tagged_pids(tag)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return left
 
 
 def test_every_stop_signal_checkpoints_exits_75_and_the_run_resumes_every_step_once(tmp_path):
