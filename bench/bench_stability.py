@@ -191,6 +191,12 @@ def fmt(values: Sequence[Optional[float]], digits: int = 3, sci: bool = False) -
     return f"{f(mean)} +- {f(std)}" if len(values) > 1 else f(mean)
 
 
+def cell_runs(results: dict, arm: str, k: int) -> list[dict]:
+    """The reported runs (chosen lr, every seed) of one arm x k cell that have results."""
+    cell = results.get("cells", {}).get(f"{arm}/k{k}")
+    return [results["runs"][key] for key in (cell or {}).get("runs", []) if key in results["runs"]]
+
+
 def make_table(results: dict, arms: Sequence[str], ks: Sequence[int]) -> str:
     """Markdown, one row per arm x k: mean +- std over the seeds (the chosen lr's runs)."""
     head = ("| arm | k | lr (grid best) | seeds | held-out before | held-out after | change | "
@@ -199,10 +205,7 @@ def make_table(results: dict, arms: Sequence[str], ks: Sequence[int]) -> str:
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     for k in ks:
         for arm in arms:
-            cell = results.get("cells", {}).get(f"{arm}/k{k}")
-            if not cell:
-                continue
-            runs = [results["runs"][key] for key in cell["runs"] if key in results["runs"]]
+            runs = cell_runs(results, arm, k)
             if not runs:
                 continue
             col = lambda name: [r.get(name) for r in runs]
@@ -210,7 +213,7 @@ def make_table(results: dict, arms: Sequence[str], ks: Sequence[int]) -> str:
                          f"{sum(1 for r in runs if r.get('eval_collapsed'))} of {len(runs)}")
             unit = runs[0]["clip_unit"][:3]
             lines.append(
-                f"| {arm} | {k} | {cell['lr']:g} | {len(runs)} | {fmt(col('eval_start'))} | "
+                f"| {arm} | {k} | {results['cells'][f'{arm}/k{k}']['lr']:g} | {len(runs)} | {fmt(col('eval_start'))} | "
                 f"{fmt(col('eval_final'))} | {fmt(col('eval_delta'))} | {collapses} | "
                 f"{fmt(col('clip_frac'))} ({unit}) | {fmt(col('routing_change_frac'))} | "
                 f"{fmt(col('routing_change_any_frac'))} | {fmt(col('token_log_ratio_var'), sci=True)} | "
@@ -349,10 +352,7 @@ def plot(results: dict, arms: Sequence[str], ks: Sequence[int], out_dir: Path) -
     for k in ks:
         fig, axes = plt.subplots(2, 3, figsize=(15, 8))
         for i, arm in enumerate(arms):
-            cell = results.get("cells", {}).get(f"{arm}/k{k}")
-            if not cell:
-                continue
-            runs = [results["runs"][key] for key in cell["runs"] if key in results["runs"]]
+            runs = cell_runs(results, arm, k)
             if not runs:
                 continue
             for ax, (title, name) in zip(axes.flat, panels):

@@ -77,9 +77,6 @@ def decode(text: str, rows: int, num_layers: int, top_k: int) -> "torch.Tensor":
     return torch.from_numpy(flat.reshape(rows, num_layers, top_k))
 
 
-MAX_BATCH_EXPERT = 32767
-
-
 def batch_routed_experts(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
                          routed: Sequence[Optional["torch.Tensor"]], seq_length: int,
                          num_layers: int, top_k: int) -> "torch.Tensor":
@@ -91,8 +88,9 @@ def batch_routed_experts(prompts: Sequence[Sequence[int]], outputs: Sequence[Seq
     its routing data does not have one row per input token or the wrong layers / top-k."""
     import torch
 
-    BATCH_DTYPE = torch.int16
-    out = torch.full((len(prompts), seq_length, num_layers, top_k), UNKNOWN, dtype=BATCH_DTYPE)
+    dtype = torch.int16
+    largest = torch.iinfo(dtype).max
+    out = torch.full((len(prompts), seq_length, num_layers, top_k), UNKNOWN, dtype=dtype)
     for i, (prompt, output, experts) in enumerate(zip(prompts, outputs, routed, strict=True)):
         if experts is None:
             continue
@@ -105,8 +103,8 @@ def batch_routed_experts(prompts: Sequence[Sequence[int]], outputs: Sequence[Seq
         if rows > seq_length:
             raise ValueError(f"sample {i}: {rows} routed positions exceed run.seq_length "
                              f"{seq_length}")
-        if experts.numel() and int(experts.max()) > MAX_BATCH_EXPERT:
+        if experts.numel() and int(experts.max()) > largest:
             raise ValueError(f"sample {i}: expert id {int(experts.max())} does not fit the "
-                             f"int16 routed_experts batch tensor (ids up to {MAX_BATCH_EXPERT})")
-        out[i, :rows] = experts.to(BATCH_DTYPE)
+                             f"int16 routed_experts batch tensor (ids up to {largest})")
+        out[i, :rows] = experts.to(dtype)
     return out

@@ -41,3 +41,14 @@ def ep2_reference(sft_policy, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("ep2_reference") / "run"
     megatron_gspo(*train_args(run_dir, sft_policy, *EP2_REFERENCE), timeout=900)
     return run_dir
+
+
+def hf_weights(hf_dir: Path) -> dict:
+    """Every tensor of a Hugging Face directory's safetensors shards (a run's ``RUN_DIR/hf``
+    export, the SFT policy): name -> tensor."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for shard in sorted(hf_dir.glob("*.safetensors")):
+        out.update(load_file(str(shard)))
+    return out

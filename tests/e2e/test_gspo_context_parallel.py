@@ -22,28 +22,17 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from pipeline.metrics import read_metrics
-from tests.e2e.conftest import EP2_REFERENCE, ROOT, megatron_gspo
+from tests.e2e.conftest import EP2_REFERENCE, ROOT, hf_weights, megatron_gspo, train_args
 
-CONFIG = "launch/configs/tiny_cpu.yaml"
 LAYOUT = ("parallel.context=2", "parallel.expert=2", "run.max_tokens_per_micro_batch=96")
 
 
-def _args(run_dir: Path, init: Path, *extra: str, layout: tuple = LAYOUT) -> list[str]:
-    args = ["train", "--config", CONFIG, "--set", f"run.output_dir={run_dir}",
-            "--set", f"run.init_from={init}"]
-    for item in layout + extra:
-        args += ["--set", item]
-    return args
+def _args(run_dir: Path, init: Path, *extra: str) -> list[str]:
+    return train_args(run_dir, init, *LAYOUT, *extra)
 
 
-def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for shard in sorted((run_dir / "hf").glob("*.safetensors")):
-        out.update(load_file(str(shard)))
-    return out
 
 
 SETTINGS = EP2_REFERENCE  # the settings of the session's EP2 reference run (tests/e2e/conftest.py)
@@ -88,11 +77,9 @@ def test_context_parallel_packed_run_tracks_ep2_and_resumes_exactly(sft_policy, 
     resumed = megatron_gspo(*_args(run_dir, sft_policy, *settings), "--resume", timeout=900)
     assert "resumed from" in resumed.stdout
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 7))
-    ref, got = _final_weights(reference), _final_weights(run_dir)
+    ref, got = hf_weights(reference / "hf"), hf_weights(run_dir / "hf")
     assert ref.keys() == got.keys()
     for name in ref:
         assert torch.equal(ref[name], got[name]), name
-    start = {}
-    for shard in sft_policy.glob("*.safetensors"):
-        start.update(load_file(str(shard)))
+    start = hf_weights(sft_policy)
     assert any(not torch.equal(ref[n], start[n]) for n in ref)

@@ -13,10 +13,9 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from pipeline.metrics import read_metrics
-from tests.e2e.conftest import EP2_REFERENCE, ROOT, megatron_gspo, train_args
+from tests.e2e.conftest import EP2_REFERENCE, ROOT, hf_weights, megatron_gspo, train_args
 
 
 
@@ -42,11 +41,6 @@ def test_gspo_reward_rises_and_metrics_are_written(sft_policy, tmp_path):
     assert (run_dir / "hf" / "model.safetensors.index.json").is_file()
 
 
-def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for shard in sorted((run_dir / "hf").glob("*.safetensors")):
-        out.update(load_file(str(shard)))
-    return out
 
 
 def test_kill9_of_a_training_rank_then_resume_is_exact(sft_policy, ep2_reference, tmp_path):
@@ -82,11 +76,9 @@ def test_kill9_of_a_training_rank_then_resume_is_exact(sft_policy, ep2_reference
     first_resumed_step = int(resumed.stdout.split("resumed from")[1].split("(step ")[1].split(")")[0]) + 1
     assert first_resumed_step - 1 in (2, 4) and first_resumed_step - 1 <= max(steps_before)
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 7))
-    ref, got = _final_weights(reference), _final_weights(run_dir)
+    ref, got = hf_weights(reference / "hf"), hf_weights(run_dir / "hf")
     assert ref.keys() == got.keys()
     for name in ref:
         assert torch.equal(ref[name], got[name]), name
-    start = {}
-    for shard in sft_policy.glob("*.safetensors"):
-        start.update(load_file(str(shard)))
+    start = hf_weights(sft_policy)
     assert any(not torch.equal(ref[n], start[n]) for n in ref)  # training moved the weights

@@ -79,6 +79,13 @@ class Run:
             self._log.close()
         return code
 
+    def stopped_by(self, send: Callable[[], None], timeout: float = 300) -> tuple[int, list[int]]:
+        """``send()`` (a stop signal to some process of the run), then the launcher's exit code
+        and the run's processes still alive shortly after it exited (should be none)."""
+        send()
+        code = self.wait(timeout=timeout)
+        return code, wait_gone(self.tag)
+
     def kill_everything(self) -> None:
         for pid in tagged_pids(self.tag):
             try:

@@ -21,8 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.conftest import (SFT_CONFIG, Run, latest_step, megatron_gspo, metric_steps,
-                                        wait_gone)
+from tests.reliability.conftest import SFT_CONFIG, Run, latest_step, megatron_gspo, metric_steps
 
 pytestmark = pytest.mark.slow
 STEPS = 16
@@ -57,9 +56,7 @@ def test_sft_sigterm_checkpoints_exits_75_and_resumes_exactly(tmp_path):
     try:
         run.wait_until(lambda: len(trained_steps(run_dir)) >= 3, "3 SFT steps")
         logged = len(trained_steps(run_dir))
-        run.proc.send_signal(signal.SIGTERM)
-        code = run.wait(timeout=300)
-        left = wait_gone(run.tag)
+        code, left = run.stopped_by(lambda: run.proc.send_signal(signal.SIGTERM))
     finally:
         run.kill_everything()
     out = run.output()
@@ -96,9 +93,7 @@ def test_demo_passes_sigterm_to_its_stage_and_exits_75(tmp_path):
     sft_dir = out_dir / "sft"
     try:
         run.wait_until(lambda: len(trained_steps(sft_dir)) >= 2, "2 steps of the demo's SFT")
-        run.proc.send_signal(signal.SIGTERM)
-        code = run.wait(timeout=300)
-        left = wait_gone(run.tag)
+        code, left = run.stopped_by(lambda: run.proc.send_signal(signal.SIGTERM))
     finally:
         run.kill_everything()
     out = run.output()

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from tests.reliability.conftest import (Run, descendants, latest_step, megatron_gspo, metric_steps,
-                                        tagged_pids, train_args, wait_gone)
+                                        tagged_pids, train_args)
 from tests.reliability.test_bound_stores import check_no_wildcard_listener
 
 pytestmark = pytest.mark.slow
@@ -94,9 +94,7 @@ def test_every_stop_signal_checkpoints_exits_75_and_the_run_resumes_every_step_o
                 lines = [line for line in second.stderr.splitlines() if line.strip()]
                 assert len(lines) == 1 and "is in use by another run (pid " in lines[0], lines
                 assert "starting" not in second.stdout
-            send(run, run_dir)
-            code = run.wait(timeout=300)
-            left = wait_gone(run.tag)
+            code, left = run.stopped_by(lambda: send(run, run_dir))
         finally:
             run.kill_everything()
         out = run.output()
