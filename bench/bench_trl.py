@@ -17,7 +17,8 @@ What is compared (both start from the same SFT policy, an HF directory written b
   ``generate``, no vLLM) with ``importance_sampling_level="sequence"``, ``loss_type="grpo"``
   (mean over each sequence's tokens, then over sequences: exactly the GSPO objective for a
   sequence-level ratio), ``epsilon=3e-4``, ``epsilon_high=4e-4``, ``beta=0``,
-  ``scale_rewards="group"``.
+  ``scale_rewards="group"``. Ours skips the routing-volatility pass (``gspo.routing_metrics:
+  false``: one forward per step that TRL does not have).
 
 Identical for both: the task (2-digit AdditionTask, byte tokens, exact-match reward), the prompts
 and their order (TRL gets our PromptSampler's order with shuffling off), G samples per prompt,
@@ -72,7 +73,9 @@ TRL_VERSION = "1.16.0"
 def model_overrides(args) -> list[str]:
     m = {"num_layers": args.layers, "hidden_size": args.hidden, "num_attention_heads": args.heads,
          "num_query_groups": args.kv_heads, "head_dim": args.head_dim, "num_experts": args.experts,
-         "moe_router_topk": args.topk, "moe_ffn_hidden_size": args.ffn}
+         "moe_router_topk": args.topk, "moe_ffn_hidden_size": args.ffn,
+         # RoPE's position range must cover the longest sequence (the tiny configs say 64)
+         "max_position_embeddings": max(64, args.seq_length)}
     return [x for k, v in m.items() for x in ("--set", f"model.{k}={v}")]
 
 
@@ -177,6 +180,8 @@ def run_ours(args, sft_hf: Path, out: Path) -> dict:
               "--set", f"gspo.updates_per_rollout={args.k}",
               "--set", f"rollout.max_new_tokens={args.max_new_tokens}",
               "--set", "rollout.temperature=1.0",
+              # TRL computes no routing-volatility metrics: skip their extra forward pass
+              "--set", "gspo.routing_metrics=false",
               "--set", f"optim.lr={args.lr}", "--set", f"optim.adam_beta2={args.beta2}")
     print("ours:", " ".join(cmd[1:]), flush=True)
     log = open(run_dir / "train.log", "w")

@@ -17,7 +17,10 @@ that clips the target fraction of those sequences (A > 0 above 1 + eps_high, A <
 1 - eps_low; over all of them, zero advantages included, as ``train/clip_frac`` counts), split
 keeping the configured eps_high / eps_low ratio (``--split ratio``) or half per side
 (``--split equal``). It prints the s_i quantiles and the range, and writes both to
-``DIR/calibration.json`` (default DIR: <run.output_dir>/calibrate_eps).
+``DIR/calibration.json`` (default DIR: <run.output_dir>/calibrate_eps), with every measured
+(s_i, A_i) under ``sequences`` (to re-calibrate for another target offline). With N sequences it
+clips floor(target x N) of them unless candidates tie (identical responses of one group have the
+same s_i and A_i): then the largest count at most that.
 
 How to read it: later mini-batches of a step (k > 2) see larger ratios and clip more, while the
 first clips nothing, so ``train/clip_frac`` (a mean over all k mini-batches) is not the target;
@@ -150,7 +153,8 @@ def run_calibration(cfg: Config, session_cfg: Config, *, target: float, rollouts
                   "eps_low": result.eps_low, "eps_high": result.eps_high,
                   "clip_frac_low": result.clip_frac_low, "clip_frac_high": result.clip_frac_high,
                   "clip_frac": result.clip_frac, "max_clip_frac": result.max_clip_frac,
-                  "configured": {"eps_low": cfg.gspo.eps_low, "eps_high": cfg.gspo.eps_high}}
+                  "configured": {"eps_low": cfg.gspo.eps_low, "eps_high": cfg.gspo.eps_high},
+                  "sequences": {"s": s.tolist(), "advantage": advantages.double().tolist()}}
         path = Path(session_cfg.run.output_dir) / "calibration.json"
         path.write_text(json.dumps(report, indent=2))
         print(_describe(report, path), flush=True)

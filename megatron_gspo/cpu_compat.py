@@ -88,24 +88,38 @@ def _is_cuda_device(device) -> bool:
     return isinstance(device, int) and not isinstance(device, bool)
 
 
+_SPECIAL = frozenset({torch.Tensor.cuda, torch.Tensor.to, torch.Tensor.pin_memory,
+                      torch.Tensor.record_stream})
+
+
 class CudaDeviceToCpu(TorchFunctionMode):
-    """Rewrite CUDA device arguments to the CPU (accommodation 1)."""
+    """Rewrite CUDA device arguments to the CPU (accommodation 1).
+
+    Every torch call of the training step passes through here, so the common case (no
+    ``device`` / ``pin_memory`` keyword, not one of the four special methods) is a lookup and
+    the call: this mode's Python overhead was ~9% of a CPU training step before that fast path."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if _is_cuda_device(kwargs.get("device")):
-            kwargs["device"] = torch.device("cpu")
-        if kwargs.get("pin_memory"):
-            kwargs["pin_memory"] = False  # pinned host memory exists only for an accelerator
-        if func is torch.Tensor.cuda:
-            # ``tensor.cuda()``: the tensor already lives where the work happens.
-            return args[0]
-        if func is torch.Tensor.to:
-            args = tuple(torch.device("cpu") if _is_cuda_device(a) else a for a in args)
-        if func is torch.Tensor.pin_memory:
-            return args[0]
-        if func is torch.Tensor.record_stream:
-            return None
+        if kwargs:
+            device = kwargs.get("device")
+            if (device is not None and _is_cuda_device(device)) or kwargs.get("pin_memory"):
+                kwargs = dict(kwargs)
+                if _is_cuda_device(device):
+                    kwargs["device"] = torch.device("cpu")
+                if kwargs.get("pin_memory"):
+                    kwargs["pin_memory"] = False  # pinned host memory exists only for an accelerator
+        else:
+            kwargs = {}
+        if func in _SPECIAL:
+            if func is torch.Tensor.cuda:
+                # ``tensor.cuda()``: the tensor already lives where the work happens.
+                return args[0]
+            if func is torch.Tensor.to:
+                args = tuple(torch.device("cpu") if _is_cuda_device(a) else a for a in args)
+            elif func is torch.Tensor.pin_memory:
+                return args[0]
+            elif func is torch.Tensor.record_stream:
+                return None
         return func(*args, **kwargs)
 
 
