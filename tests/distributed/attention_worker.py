@@ -17,7 +17,12 @@ def cp_attention(rank, world_size, q, k, v, weight, cu_padded, block):
     q_l, k_l, v_l = (share(x).requires_grad_() for x in (q, k, v))
     out = causal_attention(q_l, k_l, v_l, cu_padded, cp_group=dist.group.WORLD, block=block)
     grads = torch.autograd.grad((out * share(weight)).sum(), (q_l, k_l, v_l))
-    return {"out": out.detach(), "grads": [g.detach() for g in grads]}
+    try:  # SDPA's causal mask cannot express the zigzag layout: refused, not silently wrong
+        causal_attention(q_l, k_l, v_l, cu_padded, cp_group=dist.group.WORLD, kernel="sdpa")
+        sdpa_refused = ""
+    except ValueError as err:
+        sdpa_refused = str(err)
+    return {"out": out.detach(), "grads": [g.detach() for g in grads], "sdpa_refused": sdpa_refused}
 
 
 def megatron_modules(rank, world_size, q, k, v):
