@@ -1,6 +1,8 @@
 """The GSPO paper's MoE stability claim, in miniature: one command runs the whole study grid.
 
-    .venv/bin/python bench/bench_stability.py --out runs/bench_stability            # the full grid
+    .venv/bin/python bench/bench_stability.py --out runs/bench_stability_long \
+        --sft-from runs/bench_trl_long/sft/hf                       # the grid of docs/stability.md
+    .venv/bin/python bench/bench_stability.py --out runs/bench_stability_long --report-only
     .venv/bin/python bench/bench_stability.py --out runs/bench_stability_smoke --smoke
 
 What is compared (docs/stability.md explains every number this writes):
@@ -11,24 +13,29 @@ What is compared (docs/stability.md explains every number this writes):
   paper's range (``gspo.eps_low|high``, 3e-4 / 4e-4), token-ratio variants GRPO's
   (``gspo.token_eps_low|high``, 0.2 / 0.28): the config's defaults.
 * **k** mini-batch updates per rollout (``gspo.updates_per_rollout``): 1, 4, 8.
-* **learning rate**: a grid per arm and k (``--lrs``); each (arm, k, lr) is trained once on a
-  tuning seed (``run.seed`` = ``--tune-seed``, never one of the reported seeds) and the lr with the
-  highest FINAL held-out reward is chosen (ties: the smaller lr). The reported runs then use that lr
-  with ``--seeds`` other seeds. A grid of one lr skips tuning.
+* **learning rate**: a grid (``--lrs``) tuned per arm: each (arm, lr) is trained once at
+  k = ``--tune-k`` on a tuning seed (``run.seed`` = ``--tune-seed``, never one of the reported
+  seeds) and the lr with the highest FINAL held-out reward is chosen (ties: the smaller lr), then
+  used for every k with ``--seeds`` other seeds. A grid of one lr skips tuning.
 * **equal budgets**: every run has the same number of rollout steps (``--steps``), prompts per step
   (``--prompts``) and samples per prompt (``--group-size``): the same samples; k only splits each
   rollout batch into k mini-batches.
-* **one start**: one cold-start SFT policy (``megatron-gspo sft``, run once, cached in
-  ``<out>/sft/hf``) of a tiny Qwen3-MoE (default 4 layers, 32 experts, top-4).
+* **one start**: one cold-start SFT policy of a tiny Qwen3-MoE (default 4 layers, 16 experts,
+  top-2, hidden 128) on the long-response carry task (``--digits 24``: 62-243 response tokens):
+  ``--sft-from`` an existing one (its config.json must match the model flags), or
+  ``megatron-gspo sft`` run once here and cached in ``<out>/sft/hf``.
 
-Per run (``<out>/runs/<arm>_k<k>_lr<lr>_s<seed>/``: the run directory, its ``metrics.jsonl`` and
+Order: the tuning runs first, then the reported runs seed-major (seed 1 of every arm x k, then
+seed 2, ...), so a grid stopped part-way has every cell at the same seeds. Per run
+(``<out>/runs/<arm>_k<k>_lr<lr>_s<seed>/``: the run directory, its ``metrics.jsonl`` and
 ``result.json``): held-out reward before / after (and every ``--eval-interval`` steps), reward
 collapses (:func:`find_collapse`), clip fractions, routing volatility
 (``train/routing_change_frac``, ``..._any_frac``) and the variances of log w_it / log s_i
 (``train/token_log_ratio_var``, ``train/seq_log_ratio_var``), each as a mean over steps and as the
 per-step series. A run whose ``result.json`` exists is not run again (resumable; delete the file
-to redo it). Outputs: ``<out>/results.json``, ``<out>/table.md`` (mean +- std over the seeds per
-arm x k) and ``<out>/plots/stability_k<k>.png``.
+to redo it). Outputs, rewritten after every run: ``<out>/results.json``, ``<out>/table.md``
+(mean +- std over the seeds per arm x k, the tuning grid, how many runs are done); at the end (or
+with ``--report-only``, which trains nothing) ``<out>/plots/stability_k<k>.png``.
 
 ``--smoke``: gspo and grpo, k in {1, 2}, 1 seed, 1 lr, 3 steps, a 2-layer 8-expert model, the short
 addition task, a 60-step SFT: a check that the pipeline runs end to end (minutes), not a result.
@@ -75,6 +82,7 @@ SERIES = {
 EVAL = "eval/reward_mean"
 
 SMOKE = dict(arms="gspo,grpo", ks="1,2", seeds=1, lrs="5e-4", steps=3, layers=2, experts=8, topk=2,
+             hidden=64, ffn=64,
              task="addition", digits=2, sft_steps=60, prompts=8, eval_prompts=16, eval_interval=0)
 
 
@@ -259,7 +267,28 @@ def run_cli(cmd: list[str], log: Path) -> None:
         raise SystemExit(f"failed (exit {proc.returncode}): {' '.join(cmd[3:])}\n{tail}")
 
 
+# --sft-from's config.json must agree with the model flags (name in config.json -> flag)
+_SFT_FIELDS = {"num_hidden_layers": "layers", "hidden_size": "hidden", "num_attention_heads": "heads",
+               "num_key_value_heads": "kv_heads", "head_dim": "head_dim", "num_experts": "experts",
+               "num_experts_per_tok": "topk", "moe_intermediate_size": "ffn"}
+
+
+def check_sft_from(args, hf: Path) -> Path:
+    """``--sft-from``: an existing Hugging Face policy; its shape must be the model flags'."""
+    path = hf / "config.json"
+    if not path.is_file():
+        raise SystemExit(f"--sft-from {hf}: no config.json there (a Hugging Face directory is needed)")
+    config = json.loads(path.read_text())
+    wrong = [f"{name} = {config.get(name)} but --{flag.replace('_', '-')} {getattr(args, flag)}"
+             for name, flag in _SFT_FIELDS.items() if config.get(name) != getattr(args, flag)]
+    if wrong:
+        raise SystemExit(f"--sft-from {path}: " + "; ".join(wrong))
+    return hf
+
+
 def ensure_sft(args, out: Path) -> Path:
+    if args.sft_from:
+        return check_sft_from(args, Path(args.sft_from))
     sft = out / "sft"
     hf = sft / "hf"
     if (hf / "config.json").is_file():
@@ -285,7 +314,10 @@ def micro_batch(args, k: int) -> int:
     return math.gcd(args.micro_batch, max(1, per_rank))
 
 
-def train_one(args, out: Path, sft_hf: Path, arm: str, k: int, lr: float, seed: int) -> dict:
+def train_one(args, out: Path, sft_hf: Path, arm: str, k: int, lr: float,
+              seed: int) -> Optional[dict]:
+    """One run's result: read back if its result.json exists, else trained now (None under
+    ``--report-only``)."""
     key = run_key(arm, k, lr, seed)
     run_dir = out / "runs" / key
     result_path = run_dir / "result.json"
@@ -297,6 +329,8 @@ def train_one(args, out: Path, sft_hf: Path, arm: str, k: int, lr: float, seed: 
 
             result.update(summarize(read_metrics(run_dir), collapse_kw=collapse_kw(args)))
         return result
+    if args.report_only:
+        return None
     if run_dir.exists():  # an interrupted run: start it again from scratch
         import shutil
 
@@ -398,6 +432,50 @@ def plot(results: dict, arms: Sequence[str], ks: Sequence[int], out_dir: Path) -
     return written
 
 
+def plot_summary(results: dict, arms: Sequence[str], ks: Sequence[int], out_dir: Path) -> Path:
+    """One figure across k: per arm, the mean +- std over seeds of the held-out reward after
+    training, the clip fraction, the routing change and the two log-ratio variances."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    # (title, result field, symlog threshold or None for a linear axis)
+    panels = [("held-out reward after training", "eval_final", None),
+              ("clip fraction (low + high; seq or tok, see table)", "clip_frac", 1e-4),
+              ("routing_change_frac (token, layer)", "routing_change_frac", None),
+              ("var log w_it (tokens)", "token_log_ratio_var", 1e-8),
+              ("var log s_i (sequences)", "seq_log_ratio_var", 1e-8)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4))
+    colors = plt.get_cmap("tab10")
+    for i, arm in enumerate(arms):
+        for ax, (title, name, log) in zip(axes, panels):
+            pts = []
+            for k in ks:
+                mean, std = mean_std([r.get(name) for r in cell_runs(results, arm, k)])
+                if not math.isnan(mean):
+                    pts.append((k, mean, std))
+            if not pts:
+                continue
+            x, m, sd = zip(*pts)
+            ax.errorbar([v + 0.08 * (i - len(arms) / 2) for v in x], m, yerr=sd, label=arm,
+                        color=colors(i % 10), marker="o", ms=4, capsize=2)
+    for ax, (title, name, log) in zip(axes, panels):
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("k (updates per rollout)")
+        ax.set_xticks(list(ks))
+        if log and ax.has_data():
+            ax.set_yscale("symlog", linthresh=log)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("mean over the reported seeds (bars: +- std)", fontsize=10)
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "stability_summary.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 # ------------------------------------------------------------------------------------------------
 
 
@@ -408,27 +486,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="the small end-to-end check (see above)")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
     p.add_argument("--ks", default="1,4,8")
-    p.add_argument("--lrs", default="1e-4,3e-4,1e-3", help="the lr grid (every arm and k)")
+    p.add_argument("--lrs", default="3e-5,1e-4,3e-4", help="the lr grid (every arm, at --tune-k)")
+    p.add_argument("--tune-k", type=int, default=4,
+                   help="k of the lr-tuning runs; the lr chosen there is used for every k")
     p.add_argument("--seeds", type=int, default=3, help="reported seeds: run.seed 1 .. N")
     p.add_argument("--tune-seed", type=int, default=0, help="run.seed of the lr-tuning runs")
-    p.add_argument("--steps", type=int, default=40, help="rollout steps per run (equal budget)")
-    p.add_argument("--prompts", type=int, default=16, help="prompts per rollout step")
+    p.add_argument("--steps", type=int, default=20, help="rollout steps per run (equal budget)")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per rollout step")
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--micro-batch", type=int, default=16)
-    p.add_argument("--eval-interval", type=int, default=10, help="0: held-out only before/after")
+    p.add_argument("--eval-interval", type=int, default=0, help="0: held-out only before/after")
     p.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts (x 4 samples)")
     p.add_argument("--task", choices=["addition", "carry_addition"], default="carry_addition")
-    p.add_argument("--digits", type=int, default=6,
+    p.add_argument("--digits", type=int, default=24,
                    help="carry_addition: up to this many columns (10 n + 3 response tokens)")
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--experts", type=int, default=32)
-    p.add_argument("--topk", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--ffn", type=int, default=64)
-    p.add_argument("--sft-steps", type=int, default=700)
+    p.add_argument("--ffn", type=int, default=128)
+    p.add_argument("--sft-steps", type=int, default=2000)
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--sft-batch", type=int, default=64)
     p.add_argument("--sft-seed", type=int, default=1234)
@@ -437,6 +517,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--collapse-window", type=int, default=3)
     p.add_argument("--collapse-floor", type=float, default=0.05)
     p.add_argument("--only-sft", action="store_true", help="run (or reuse) the SFT and stop")
+    p.add_argument("--sft-from", default=None,
+                   help="an existing Hugging Face policy to start every run from, instead of "
+                        "<out>/sft/hf (its config.json must match the model flags)")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: table, results.json and plots from the runs done so far")
     args = p.parse_args(argv)
     if args.smoke:  # the preset's values, except where a flag was given explicitly
         for key, value in SMOKE.items():
@@ -446,6 +531,39 @@ def parse_args(argv=None) -> argparse.Namespace:
         if arm not in ARMS:
             p.error(f"unknown arm {arm!r}; known: {', '.join(ARMS)}")
     return args
+
+
+def tuning_table(results: dict, arms: Sequence[str], lrs: Sequence[float], tune_k: int) -> str:
+    """Markdown: the held-out reward after training of each (arm, lr) on the tuning seed."""
+    lines = ["| arm | " + " | ".join(f"lr {x:g}" for x in lrs) + " | chosen |",
+             "|" + "|".join(["---"] * (len(lrs) + 2)) + "|"]
+    for arm in arms:
+        t = results["tuning"].get(arm) or {}
+        if not t:
+            continue
+        cells = []
+        for x in lrs:
+            r = results["runs"].get(run_key(arm, tune_k, x, results["setup"]["tune_seed"]))
+            cells.append("-" if r is None or r["eval_final"] is None else
+                         f"{r['eval_final']:.3f}" + (" (collapsed)" if r["collapsed"] else ""))
+        chosen = results["chosen_lr"].get(arm)
+        lines.append(f"| {arm} | " + " | ".join(cells) + f" | {'-' if chosen is None else f'{chosen:g}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(results: dict, arms, ks, lrs, args, out: Path) -> str:
+    table = make_table(results, arms, ks)
+    text = table
+    if len(lrs) > 1:
+        text += (f"\nlr tuning at k = {args.tune_k} (held-out reward after training, tuning seed "
+                 f"{args.tune_seed}; the chosen lr is used for every k):\n\n"
+                 + tuning_table(results, arms, lrs, args.tune_k))
+    done = sum(len(c["runs"]) for c in results["cells"].values())
+    planned = len(arms) * len(ks) * args.seeds
+    text += f"\nreported runs done: {done} of {planned}\n"
+    (out / "table.md").write_text(text)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    return text
 
 
 def main(argv=None) -> int:
@@ -459,50 +577,44 @@ def main(argv=None) -> int:
     if args.tune_seed in seeds:
         raise SystemExit(f"--tune-seed {args.tune_seed} is one of the reported seeds {seeds}")
     t0 = time.monotonic()
-    sft_hf = ensure_sft(args, out)
+    sft_hf = ensure_sft(args, out) if not args.report_only else Path(args.sft_from or out / "sft" / "hf")
     if args.only_sft:
         return 0
     results: dict = {"setup": {k: v for k, v in vars(args).items()}, "runs": {}, "cells": {},
-                     "tuning": {}}
-    results_path = out / "results.json"
-    for k in ks:
-        for arm in arms:
-            tuning = {}
-            if len(lrs) > 1:
-                for lr in lrs:
-                    r = train_one(args, out, sft_hf, arm, k, lr, args.tune_seed)
-                    results["runs"][run_key(arm, k, lr, args.tune_seed)] = r
-                    tuning[lr] = r["eval_final"] if r["eval_final"] is not None else float("-inf")
-                lr = choose_lr(tuning)
-            else:
-                lr = lrs[0]
-            results["tuning"][f"{arm}/k{k}"] = {f"{x:g}": v for x, v in tuning.items()}
-            keys = []
-            for seed in seeds:
+                     "tuning": {}, "chosen_lr": {}}
+    # 1. the lr, per arm: every lr of the grid at k = --tune-k on the tuning seed
+    for arm in arms:
+        if len(lrs) == 1:
+            results["chosen_lr"][arm] = lrs[0]
+            continue
+        tuning = {}
+        for lr in lrs:
+            r = train_one(args, out, sft_hf, arm, args.tune_k, lr, args.tune_seed)
+            if r is not None:
+                results["runs"][run_key(arm, args.tune_k, lr, args.tune_seed)] = r
+                tuning[lr] = r["eval_final"] if r["eval_final"] is not None else float("-inf")
+        results["tuning"][arm] = {f"{x:g}": v for x, v in tuning.items()}
+        results["chosen_lr"][arm] = choose_lr(tuning) if len(tuning) == len(lrs) else None
+        write_report(results, arms, ks, lrs, args, out)
+    # 2. the reported runs, seed-major: a grid stopped part-way has every cell at the same seeds
+    for seed in seeds:
+        for k in ks:
+            for arm in arms:
+                lr = results["chosen_lr"][arm]
+                if lr is None:  # --report-only before its tuning finished
+                    continue
                 r = train_one(args, out, sft_hf, arm, k, lr, seed)
-                key = run_key(arm, k, lr, seed)
-                results["runs"][key] = r
-                keys.append(key)
-            results["cells"][f"{arm}/k{k}"] = {"lr": lr, "runs": keys}
-            results_path.write_text(json.dumps(results, indent=1))
-    table = make_table(results, arms, ks)
-    tuning_lines = ["| arm | k | " + " | ".join(f"lr {x:g}" for x in lrs) + " | chosen |",
-                    "|" + "|".join(["---"] * (len(lrs) + 3)) + "|"]
-    for k in ks:
-        for arm in arms:
-            t = results["tuning"].get(f"{arm}/k{k}") or {}
-            if t:
-                tuning_lines.append(f"| {arm} | {k} | " + " | ".join(
-                    f"{t.get(f'{x:g}', float('nan')):.3f}" for x in lrs)
-                    + f" | {results['cells'][f'{arm}/k{k}']['lr']:g} |")
-    text = table + ("\nlr tuning (held-out reward after training, tuning seed "
-                    f"{args.tune_seed}):\n\n" + "\n".join(tuning_lines) + "\n"
-                    if len(tuning_lines) > 2 else "")
-    (out / "table.md").write_text(text)
+                cell = results["cells"].setdefault(f"{arm}/k{k}", {"lr": lr, "runs": []})
+                if r is not None:
+                    key = run_key(arm, k, lr, seed)
+                    results["runs"][key] = r
+                    cell["runs"].append(key)
+                write_report(results, arms, ks, lrs, args, out)
     results["wall_s"] = time.monotonic() - t0
-    results_path.write_text(json.dumps(results, indent=1))
+    text = write_report(results, arms, ks, lrs, args, out)
     print(text)
-    for path in plot(results, arms, ks, out / "plots"):
+    for path in [*plot(results, arms, ks, out / "plots"),
+                 plot_summary(results, arms, ks, out / "plots")]:
         print(f"wrote {path}")
     return 0
 

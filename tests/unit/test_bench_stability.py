@@ -142,3 +142,104 @@ def test_held_out_collapse():
     assert not bs.held_out_collapsed([(0, 0.2)])
     assert not bs.held_out_collapsed([(0, 0.04), (20, 0.0)])  # below the floor
     assert not bs.held_out_collapsed([])
+
+
+# ------------------------------------------------------------------------------------------------
+# the orchestration of main(): lr tuning per arm at --tune-k, then the reported runs seed-major
+
+
+def _sft_dir(tmp_path: Path, **changes) -> Path:
+    args = bs.parse_args([])
+    config = {name: getattr(args, flag) for name, flag in bs._SFT_FIELDS.items()}
+    config.update(changes)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(__import__("json").dumps(config))
+    return hf
+
+
+def test_sft_from_must_match_the_model_flags(tmp_path):
+    hf = _sft_dir(tmp_path, num_experts=8)
+    with pytest.raises(SystemExit, match="num_experts = 8 but --experts 16"):
+        bs.main(["--out", str(tmp_path / "out"), "--sft-from", str(hf), "--only-sft"])
+    with pytest.raises(SystemExit, match="no config.json"):
+        bs.main(["--out", str(tmp_path / "out"), "--sft-from", str(tmp_path), "--only-sft"])
+
+
+def _fake_result(final: float) -> dict:
+    r = bs.summarize(_records("sequence"))
+    r.update(eval_final=final, eval_delta=final - 0.2, seconds=1.0)
+    return r
+
+
+def test_main_tunes_each_arm_once_then_runs_seed_major(tmp_path, monkeypatch):
+    hf = _sft_dir(tmp_path)
+    best = {"gspo": 1e-4, "grpo": 3e-4}
+    calls = []
+
+    def fake_train_one(args, out, sft_hf, arm, k, lr, seed):
+        assert sft_hf == hf
+        calls.append((arm, k, lr, seed))
+        return _fake_result(0.5 if lr == best[arm] else 0.3)
+
+    monkeypatch.setattr(bs, "train_one", fake_train_one)
+    monkeypatch.setattr(bs, "plot", lambda *a, **kw: [])
+    monkeypatch.setattr(bs, "plot_summary", lambda *a, **kw: tmp_path / "none.png")
+    out = tmp_path / "out"
+    assert bs.main(["--out", str(out), "--sft-from", str(hf), "--arms", "gspo,grpo", "--ks", "1,8",
+                    "--lrs", "1e-4,3e-4", "--seeds", "2", "--tune-k", "4"]) == 0
+    tuning = [(a, 4, lr, 0) for a in ("gspo", "grpo") for lr in (1e-4, 3e-4)]
+    reported = [(a, k, best[a], s) for s in (1, 2) for k in (1, 8) for a in ("gspo", "grpo")]
+    assert calls == tuning + reported
+    results = __import__("json").loads((out / "results.json").read_text())
+    assert results["chosen_lr"] == best
+    assert results["cells"]["grpo/k8"] == {
+        "lr": 3e-4, "runs": [bs.run_key("grpo", 8, 3e-4, s) for s in (1, 2)]}
+    table = (out / "table.md").read_text()
+    assert "| gspo | 0.500 | 0.300 | 0.0001 |" in table
+    assert "| grpo | 0.300 | 0.500 | 0.0003 |" in table
+    assert "reported runs done: 8 of 8" in table
+
+
+def test_report_only_reads_finished_runs_and_trains_nothing(tmp_path, monkeypatch):
+    import json
+
+    out = tmp_path / "out"
+    for key, final in ((bs.run_key("gspo", 4, 1e-4, 0), 0.4), (bs.run_key("gspo", 4, 3e-4, 0), 0.6),
+                       (bs.run_key("gspo", 1, 3e-4, 1), 0.7)):
+        (out / "runs" / key).mkdir(parents=True)
+        (out / "runs" / key / "result.json").write_text(json.dumps(_fake_result(final)))
+
+    def no_training(*a, **kw):
+        raise AssertionError("--report-only started a run")
+
+    monkeypatch.setattr(bs, "run_cli", no_training)
+    monkeypatch.setattr(bs, "plot", lambda *a, **kw: [])
+    monkeypatch.setattr(bs, "plot_summary", lambda *a, **kw: tmp_path / "none.png")
+    assert bs.main(["--out", str(out), "--report-only", "--arms", "gspo,grpo", "--ks", "1,8",
+                    "--lrs", "1e-4,3e-4", "--seeds", "2"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["chosen_lr"] == {"gspo": 3e-4, "grpo": None}  # grpo's tuning has not run
+    assert results["cells"]["gspo/k1"]["runs"] == [bs.run_key("gspo", 1, 3e-4, 1)]
+    table = (out / "table.md").read_text()
+    assert "| gspo | 1 | 0.0003 | 1 | " in table
+    assert "reported runs done: 1 of 8" in table
+
+
+def test_plots_are_written_from_results(tmp_path):
+    runs, cells = {}, {}
+    for arm, unit in (("gspo", "sequence"), ("grpo", "token")):
+        for k in (1, 4):
+            keys = []
+            for seed in (1, 2):
+                r = bs.summarize(_records(unit))
+                r.update(seconds=1.0, eval_final=0.4 + 0.1 * seed)
+                runs[bs.run_key(arm, k, 1e-4, seed)] = r
+                keys.append(bs.run_key(arm, k, 1e-4, seed))
+            cells[f"{arm}/k{k}"] = {"lr": 1e-4, "runs": keys}
+    results = {"runs": runs, "cells": cells}
+    paths = bs.plot(results, ["gspo", "grpo"], [1, 4], tmp_path)
+    paths.append(bs.plot_summary(results, ["gspo", "grpo"], [1, 4], tmp_path))
+    assert [p.name for p in paths] == ["stability_k1.png", "stability_k4.png", "stability_summary.png"]
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
