@@ -42,7 +42,7 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     from megatron_gspo.plan import plan_memory
 
     cfg = load_from_args(args)
-    world = args.world_size or minimal_world_size(cfg.parallel)
+    world = args.world_size if args.world_size is not None else minimal_world_size(cfg.parallel)
     plan = plan_memory(cfg, world, args.gpu_memory_gib, spec=args.spec,
                        moe_imbalance=args.moe_imbalance)
     print(plan.format())

@@ -14,11 +14,15 @@ data files exist and parse (every row)    yes     yes     yes     yes
 ``run.init_from`` exists                   yes     yes     yes     yes
 data-parallel split of a mini-batch       yes     yes     yes     yes
 longest prompt + rollout.max_new_tokens   yes     yes     -       yes
+the same within a packed micro-batch      yes     yes     -       yes
 longest prompt + label (SFT rows)         -       -       yes     -
 reward function / service configured      yes     yes     -       yes
 external router reachable (5 s)           note    yes     -       - (the job starts its own)
+run directory writable (probed)           -       yes     yes     yes
 run directory not locked by a live run    -       yes     yes     yes
 GPU-only limits (``validate_rl``)          -       yes     -       -
+apex wgrad kernel (with CUDA, when         -       yes     yes     -
+``model.gradient_accumulation_fusion``)
 ========================================  ======  ======  ======  ============
 
 ``config`` only notes an unreachable external router (a ``# note:`` line, exit 0): the file it
@@ -50,6 +54,8 @@ ROUTER_TIMEOUT_S = 5.0
 def check(cfg: Config, *, program: Program, world_size: Optional[int]) -> None:
     """Raise the first input error of ``cfg`` for ``program`` (see the module docstring).
     ``world_size``: the ranks the run will have (None: unknown, the split is not checked)."""
+    if program in ("train", "sft"):
+        check_gradient_accumulation_fusion(cfg)
     _check_init_from(cfg)
     if world_size is not None:
         from megatron_gspo.parallel import derive_layout
@@ -58,6 +64,7 @@ def check(cfg: Config, *, program: Program, world_size: Optional[int]) -> None:
     if program in ("train", "sft", "launch slurm"):
         from launch.run_lock import check_free
 
+        check_writable(cfg.run.output_dir)
         check_free(cfg.run.output_dir)
     if program == "train":
         from launch.rl_session import validate_rl
@@ -90,6 +97,64 @@ def before_ranks(cfg: Config, *, program: Program, world_size: int, resume: bool
     if not resume and (run_dir / "checkpoints" / "latest").exists():
         raise ConfigError(f"run.output_dir: {run_dir} already holds checkpoints; pass --resume "
                           "to continue that run or choose another run.output_dir")
+
+
+def check_writable(run_dir: str | os.PathLike) -> None:
+    """``run.output_dir`` must be a directory this process can create files in (or one it can
+    create): probed by creating and removing a file in it (or a directory in its nearest existing
+    parent), since permission bits do not stop root and a read-only mount only shows when written
+    to. Leaves nothing behind."""
+    import tempfile
+
+    path = Path(run_dir)
+    probe_in = path
+    while not probe_in.exists():
+        if probe_in.parent == probe_in:
+            break
+        probe_in = probe_in.parent
+    if not probe_in.is_dir():
+        what = "is" if probe_in == path else f"is under {probe_in}, which is"
+        raise ConfigError(f"run.output_dir: {path} {what} not a directory; choose another "
+                          "run.output_dir")
+    try:
+        if probe_in == path:
+            fd, name = tempfile.mkstemp(prefix=".write-probe-", dir=probe_in)
+            os.close(fd)
+            os.unlink(name)
+        else:
+            os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=probe_in))
+    except OSError as err:
+        where = "" if probe_in == path else f" (it would be created in {probe_in})"
+        raise ConfigError(f"run.output_dir: {path} is not writable{where}: "
+                          f"{err.strerror or err}; choose a writable run.output_dir") from None
+
+
+GRAD_ACCUM_FUSION_MODULE = "fused_weight_gradient_mlp_cuda"
+"""apex's CUDA extension that megatron-core's own linear layers (the output layer, which is not a
+Transformer Engine module) call for ``gradient_accumulation_fusion``: megatron-core 0.16.1 imports
+it in ``tensor_parallel/layers.py`` and raises in ``ColumnParallelLinear`` when it is missing,
+i.e. only once the model is being built on every rank."""
+
+
+def check_gradient_accumulation_fusion(cfg: Config) -> None:
+    """``model.gradient_accumulation_fusion`` on a CUDA machine needs apex's
+    ``fused_weight_gradient_mlp_cuda`` (without CUDA the field is refused as GPU-only when the
+    model is built)."""
+    if not cfg.model.gradient_accumulation_fusion:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    try:
+        __import__(GRAD_ACCUM_FUSION_MODULE)
+    except ImportError as err:
+        raise ConfigError(
+            f"model.gradient_accumulation_fusion: true needs apex's {GRAD_ACCUM_FUSION_MODULE} "
+            "CUDA extension (Megatron's output layer fuses its weight-gradient GEMM with it), "
+            f"which does not import here ({err}); install apex with --cpp_ext --cuda_ext (in an "
+            "apex checkout: APEX_CPP_EXT=1 APEX_CUDA_EXT=1 pip install -v --no-build-isolation ., "
+            "as slurm/Dockerfile does), or set model.gradient_accumulation_fusion: false") from None
 
 
 def _check_init_from(cfg: Config) -> None:
@@ -140,6 +205,32 @@ def _check_rl_lengths(cfg: Config) -> None:
             f"rollout.max_new_tokens {new} = {tokens + new} tokens do not fit a training row of "
             f"run.seq_length {length} + 1 tokens; raise run.seq_length to {tokens + new - 1} or "
             "lower rollout.max_new_tokens (or shorten the prompts)")
+    _check_token_budget(cfg, tokens, where)
+
+
+def _check_token_budget(cfg: Config, prompt_tokens: int, where: str) -> None:
+    """``run.max_tokens_per_micro_batch`` must hold the longest sequence an update can see, once
+    padded as a packed micro-batch pads it (``train.batching.plan_micro_batches`` refuses a
+    longer one mid-run): prompt + response - 1 label positions (``train.batching.rl_batch``'s
+    ``lengths``), at most run.seq_length."""
+    budget = cfg.run.max_tokens_per_micro_batch
+    if budget is None:
+        return
+    from megatron_gspo.train.batching import pack_tokens
+
+    cp, tp, new = cfg.parallel.context, cfg.parallel.tensor, cfg.rollout.max_new_tokens
+    longest = min(prompt_tokens + new - 1, cfg.run.seq_length)
+    per_rank = pack_tokens([longest], cp, tp) // cp
+    if per_rank > budget:
+        padded = f", {per_rank} per context-parallel rank once padded for cp={cp}, tp={tp}" \
+            if per_rank != longest else ""
+        raise ConfigError(
+            f"run.max_tokens_per_micro_batch: {budget} tokens cannot hold the longest sequence: "
+            f"the longest prompt ({where}, {prompt_tokens} tokens) + rollout.max_new_tokens "
+            f"{new} makes {longest} positions to train on (prompt + response - 1, at most "
+            f"run.seq_length {cfg.run.seq_length}{padded}); raise "
+            f"run.max_tokens_per_micro_batch to at least {per_rank} or lower "
+            "rollout.max_new_tokens")
 
 
 def _check_sft_lengths(cfg: Config) -> None:

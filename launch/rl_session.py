@@ -237,6 +237,7 @@ class RLSession:
                               shared_dir=r.weight_sync_dir or str(self.run_dir / "weights"),
                               master_address=r.weight_sync_master_address,
                               verify=r.weight_sync_verify, delta=r.weight_sync_delta,
+                              timeout_s=r.request_timeout_s,
                               full_every=r.weight_sync_full_every, group=self.control)
         self._resources.callback(pusher.close)
         return pusher
@@ -252,7 +253,11 @@ class RLSession:
                 print(f"final policy written to {final}", flush=True)
         if self.is_main:
             history = result["history"]["eval/reward_mean"]
-            if result["status"] == "preempted":
+            if result["status"] == "preempted" and not result.get("saved", True):
+                print(f"preempted before a step finished: no checkpoint saved (nothing done "
+                      f"after step {result.get('start_step', 0)}); exit "
+                      f"{loop.PREEMPTED_EXIT_CODE}", flush=True)
+            elif result["status"] == "preempted":
                 print(f"preempted: checkpoint saved; exit {loop.PREEMPTED_EXIT_CODE}", flush=True)
             elif len(history) >= 2:
                 print(f"held-out reward: step {history[0][0]} {history[0][1]:.3f} -> "

@@ -41,7 +41,20 @@ STALE_AFTER_S = 120.0
 
 
 class RunDirLocked(RuntimeError):
-    """``run.output_dir`` is in use by another live run (the message names it)."""
+    """``run.output_dir`` is in use by another live run (the message names it), or its lock file
+    cannot be used at all (a directory in its place, an unwritable run directory: the message
+    names the path)."""
+
+
+def _unusable(path: Path) -> Optional[str]:
+    """Why ``path`` cannot be a lock file (something other than a regular file is there)."""
+    if path.is_dir():
+        return (f"run.output_dir: the lock file {path} is a directory; remove it (or choose "
+                "another run.output_dir)")
+    if path.exists() and not path.is_file():
+        return (f"run.output_dir: the lock file {path} is not a regular file; remove it (or "
+                "choose another run.output_dir)")
+    return None
 
 
 def lock_path(run_dir: str | Path) -> Path:
@@ -96,6 +109,9 @@ def _alive(holder: dict[str, Any], path: Path, *, flock_free: Optional[bool]) ->
 def check_free(run_dir: str | Path) -> None:
     """Raise :class:`RunDirLocked` if a live run holds ``run_dir``'s lock (takes nothing)."""
     path = lock_path(run_dir)
+    problem = _unusable(path)
+    if problem:
+        raise RunDirLocked(problem)
     holder = _read(path)
     if holder is None:
         return
@@ -140,8 +156,15 @@ class RunLock:
                            "slurm_job": os.environ.get("SLURM_JOB_ID")}).encode()
 
     def acquire(self, *, wait_for_stale_s: float = STALE_AFTER_S) -> "RunLock":
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        problem = _unusable(self.path)
+        if problem:
+            raise RunDirLocked(problem)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise RunDirLocked(f"run.output_dir: cannot create the lock file {self.path}: "
+                               f"{err.strerror or err}") from None
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

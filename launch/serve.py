@@ -11,7 +11,10 @@ client, the sglang-router and the weight sync run unchanged::
 The flags are SGLang's launch-flag names where one exists (``--model-path``, ``--host``,
 ``--port``, ``--random-seed``, ``--skip-tokenizer-init``, ``--weight-version``,
 ``--context-length``, ``--max-running-requests``, ``--max-prefill-tokens``, ``--dtype``,
-``--log-level``, ``--tp-size``, ``--max-queued-requests``, ``--enable-return-routed-experts``);
+``--log-level``, ``--tp-size``, ``--max-queued-requests``, ``--enable-return-routed-experts``,
+``--dp-size``, ``--attn-dp-size``, ``--enable-dp-attention``, ``--enable-metrics``; the layout
+flags are reported in ``/server_info`` and enforced as SGLang enforces them, while the server
+computes as one replica); ``--no-extensions`` turns this server's protocol extensions off;
 ``--cpu-threads``, ``--weight-update-timeout``, ``--allow-pickled-tensors``, ``--max-n`` and
 ``--weight-roots`` are this server's own, and so is ``--fault-perturb-weights`` (fault injection
 for the parity watchdog's tests only: docs/parity.md).
@@ -80,6 +83,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="accept SGLang's update_weights_from_tensor payloads (pickles of "
                         "shared-memory handles; deserialising them runs code, so only with "
                         "--host 127.0.0.1). Without it the server reads base64 safetensors only")
+    p.add_argument("--no-extensions", action="store_true",
+                   help="offer none of this server's protocol extensions (bucket checksums, "
+                        "bf16 delta pushes, timings): /server_info lists "
+                        "megatron_gspo_extensions: [] and every request is answered exactly as "
+                        "SGLang 0.5.23 answers it. Without the flag they are still used only by "
+                        "a request that asks with the X-Megatron-Gspo-Extensions header")
+    p.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1,
+                   help="REPORTED ONLY (SGLang's flag): data-parallel replicas in /server_info; "
+                        "as in SGLang a server with more than one refuses tensor / distributed "
+                        "updates and update groups (HTTP 500), disk updates work. This server "
+                        "always computes as one replica")
+    p.add_argument("--attn-dp-size", "--attention-data-parallel-size", dest="attn_dp_size",
+                   type=int, default=1,
+                   help="REPORTED ONLY (SGLang's flag): attention data-parallel groups (must "
+                        "divide --tp-size)")
+    p.add_argument("--enable-dp-attention", action="store_true",
+                   help="SGLang's deprecated spelling: with --dp-size N it means --attn-dp-size "
+                        "N --dp-size 1, as 0.5.23 resolves it")
+    p.add_argument("--enable-metrics", action="store_true",
+                   help="serve /metrics (SGLang's flag; without it /metrics is a 404, as there)")
     p.add_argument("--fault-perturb-weights", type=float, default=0.0, metavar="R",
                    help="FAULT INJECTION, for tests of the parity watchdog only: after every "
                         "weight update add noise of R x each weight's RMS to every weight, so the "

@@ -36,6 +36,20 @@ place with hyperparameters. The job:
 
 Logs: ``<run dir>/logs/slurm-<job id>.out`` (the batch script, appended across restarts) and
 ``<run dir>/logs/<job id>-<restart>/{router,server-task<t>,train-rank<r>}.log``.
+
+Environment of the steps: ``--env NAME=VALUE`` exports NAME in every step (``--env NAME``: its
+value in this shell). On GPUs the training ranks get
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless ``--env`` names that variable.
+Nodes with several network interfaces: name the one the nodes reach each other on, for gloo
+(the control group, CPU collectives) and NCCL alike, e.g.
+
+    megatron-gspo launch slurm ... --env GLOO_SOCKET_IFNAME=ib0 --env NCCL_SOCKET_IFNAME=ib0
+
+(``ip -br addr`` on a compute node lists them; without it gloo and NCCL pick an interface by
+the hostname, which can be one the other nodes cannot reach). ``MASTER_ADDR`` (the training
+component's first node) must resolve on that node to an address the others reach: a training
+rank 0 whose hostname maps to a loopback address (127.0.1.1 in /etc/hosts, as on many images)
+refuses to start a multi-node run, naming the fix.
 """
 
 from __future__ import annotations
@@ -84,7 +98,7 @@ class JobLayout:
         where = "on the training nodes" if self.colocated else f"on {self.rollout_nodes} node(s)"
         span = (f"{self.nodes_per_server} nodes each" if self.nodes_per_server > 1
                 else f"{self.server_tasks_per_node} per node")
-        tp = f", --tp-size {self.server_tp}" if self.server == "sglang" else ""
+        tp = f", {self.server_tp} GPU(s) each" if self.server == "sglang" else ""
         return (f"training: {self.train_nodes} node(s) x {self.train_tasks_per_node} rank(s) = "
                 f"{self.world_size} ranks; rollout: {self.num_servers} {self.server} server(s) "
                 f"{where} ({span}{tp}); router on the first rollout node")
@@ -157,17 +171,44 @@ ROUTER_COMMAND = ('exec "${MGSPO_SGLANG_PYTHON:-$MGSPO_PYTHON}" -m sglang_router
 """The router's ``bash -c`` body (sglang-router's own CLI; servers register through POST /workers)."""
 
 
+SGLANG_VERSION = "0.5.23"
+"""The SGLang release whose ``sglang.launch_server`` command line :func:`server_command` renders
+(tests/slurm/test_sglang_cli.py parses it with that release's own ``ServerArgs`` parser)."""
+
+
+def sglang_parallel_flags(tp_size: int, rollout) -> list[str]:
+    """``--tp-size`` and the data-parallel flags of one server of ``tp_size`` GPUs
+    (``rollout.tp_size``: every server spans that many GPUs, whatever its inner layout).
+
+    * ``rollout.enable_dp_attention``: one replica whose attention runs in ``rollout.dp_size``
+      data-parallel groups inside the TP group: ``--tp-size T --attn-dp-size N`` (SGLang 0.5.23's
+      spelling; its deprecated ``--enable-dp-attention --dp-size N`` resolves to the same);
+    * ``rollout.dp_size`` N > 1 without it: N data-parallel replicas of T / N GPUs each:
+      ``--tp-size T/N --dp-size N`` (SGLang's world is dp_size x tp_size GPUs).
+    """
+    dp = rollout.dp_size if rollout is not None else 1
+    if rollout is not None and rollout.enable_dp_attention:
+        return [f"--tp-size {tp_size}", f"--attn-dp-size {dp}"]
+    if dp > 1:
+        if tp_size % dp:
+            raise ConfigError(f"rollout.dp_size: {dp} replicas do not divide the server's "
+                              f"rollout.tp_size {tp_size} GPUs")
+        return [f"--tp-size {tp_size // dp}", f"--dp-size {dp}"]
+    return [f"--tp-size {tp_size}"]
+
+
 def sglang_flags(rollout) -> list[str]:
-    """SGLang server flags from the config's rollout section (SGLang's own names)."""
+    """SGLang server flags from the config's rollout section (SGLang 0.5.23's own names; the
+    parallel layout is :func:`sglang_parallel_flags`)."""
     flags = []
     if rollout.mem_fraction_static is not None:
         flags.append(f"--mem-fraction-static {rollout.mem_fraction_static:g}")
     if rollout.ep_size > 1:
         flags.append(f"--ep-size {rollout.ep_size}")
-    if rollout.enable_dp_attention:
-        flags.append(f"--enable-dp-attention --dp-size {rollout.dp_size}")
     if rollout.cuda_graph_max_bs is not None:
-        flags.append(f"--cuda-graph-max-bs {rollout.cuda_graph_max_bs}")
+        # 0.5.23 has one bound per phase; a bare --cuda-graph-max-bs is an ambiguous abbreviation
+        # of --cuda-graph-max-bs-decode / -prefill there (argparse exits 2)
+        flags.append(f"--cuda-graph-max-bs-decode {rollout.cuda_graph_max_bs}")
     return flags
 
 
@@ -189,7 +230,7 @@ def server_command(layout: JobLayout, seed: int, colocated: bool, *, rollout=Non
     seed_arg = f"--random-seed $(({seed} + i))"
     if layout.server == "sglang":
         cmd = ['exec "${MGSPO_SGLANG_PYTHON:-$MGSPO_PYTHON}" -m sglang.launch_server --model-path "$MGSPO_MODEL_PATH"',
-               f"--tp-size {layout.server_tp}", "--host 0.0.0.0", port, seed_arg]
+               *sglang_parallel_flags(layout.server_tp, rollout), "--host 0.0.0.0", port, seed_arg]
         if k > 1:
             lines.append("hosts=($MGSPO_ROLLOUT_HOSTS)")
             cmd += [f"--nnodes {k} --node-rank $((SLURM_PROCID % {k}))",
@@ -335,7 +376,22 @@ def train_env(cfg: Config, layout: JobLayout, args: argparse.Namespace) -> str:
         env.append("CUDA_DEVICE_MAX_CONNECTIONS=1")
     if layout.gpus_per_node and args.gpu_binding == "task":
         env.append("LOCAL_RANK=0")  # each task sees only its own GPU, as device 0
+    if layout.gpus_per_node and ALLOC_CONF_NAME not in _env_names(args.env):
+        # the caching allocator grows segments in place instead of fragmenting the GPU memory
+        # with the per-step variable-length micro-batches (set it with --env to choose another)
+        env.append(f"{ALLOC_CONF_NAME}={TRAIN_ALLOC_CONF}")
     return "".join("," + e for e in env)
+
+
+ALLOC_CONF_NAME = "PYTORCH_CUDA_ALLOC_CONF"
+TRAIN_ALLOC_CONF = "expandable_segments:True"
+"""The training ranks' ``PYTORCH_CUDA_ALLOC_CONF`` on GPUs, unless ``--env`` names the variable
+(its value, exported in every step, is then the one the ranks see). Not the servers': SGLang
+manages its own memory pools."""
+
+
+def _env_names(entries: list[str]) -> set[str]:
+    return {entry.partition("=")[0] for entry in entries}
 
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -408,7 +464,10 @@ def add_parser(subparsers) -> None:
                         "(--gpus-per-task; every task's first GPU is device 0) (default node)")
     p.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]",
                    help="export this variable in every step of the job (repeatable), e.g. "
-                        "--env NCCL_IB_HCA=mlx5 --env NCCL_SOCKET_IFNAME; without =VALUE the "
+                        "--env NCCL_IB_HCA=mlx5 --env GLOO_SOCKET_IFNAME=ib0 --env "
+                        "NCCL_SOCKET_IFNAME=ib0 (the interface the nodes reach each other on, "
+                        "for gloo and NCCL) or --env PYTORCH_CUDA_ALLOC_CONF=... (instead of the "
+                        "training ranks' default expandable_segments:True); without =VALUE the "
                         "value is taken from this shell")
     p.add_argument("--gpu-memory-gib", type=float, default=80.0,
                    help="memory of one training GPU for the memory plan (default 80: H100)")

@@ -14,6 +14,7 @@ The rollout side binds its weight-update stores the same way (``pipeline.weight_
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import socket
 from typing import Optional
 
@@ -31,6 +32,37 @@ def resolve(host: str) -> str:
         raise OSError(f"cannot resolve the store address {host!r}: {err}") from err
     v4 = [info[4][0] for info in infos if info[0] == socket.AF_INET]
     return v4[0] if v4 else infos[0][4][0]
+
+
+def is_loopback(address: str) -> bool:
+    """127.0.0.0/8 (127.0.1.1 included) or ::1."""
+    try:
+        return ipaddress.ip_address(address.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def check_reachable(host: str, *, nodes: int, name: str = "MASTER_ADDR") -> str:
+    """The address a master store for ``host`` listens on (:func:`resolve`, on this node); with
+    ``nodes`` > 1 a loopback one is refused (a ``ConfigError`` naming ``name`` and the fix): the
+    processes of the other nodes resolve the same name elsewhere (DNS: the node's routable
+    address) and would wait for a store nobody can reach until their timeout. The usual cause is
+    an image whose /etc/hosts maps the hostname to 127.0.1.1."""
+    address = resolve(host)
+    if nodes > 1 and is_loopback(address):
+        from megatron_gspo.config import ConfigError
+
+        named = (f"{host!r} resolves to {address} on this node, a loopback address"
+                 if host != address else f"{host} is a loopback address")
+        raise ConfigError(
+            f"{name}: {named}, but the run spans {nodes} nodes: rank 0's rendezvous store would "
+            "listen there and the ranks of the other nodes could not connect. Usually /etc/hosts "
+            f"maps this node's hostname ({socket.gethostname()}) to 127.0.1.1 (many container "
+            "images do): map it to the node's routable address (the first of `hostname -I`, on "
+            "the interface the nodes reach each other on) in the image or node, or, where you "
+            f"set {name} yourself, set it to that address (launch slurm sets it to the training "
+            "component's first node by name)")
+    return address
 
 
 def listen_socket(host: str, port: int, *, backlog: int = 128) -> socket.socket:

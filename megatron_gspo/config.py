@@ -38,6 +38,8 @@ from typing import Any, Literal, Optional
 import yaml
 
 from megatron_gspo.loss.variants import Variant, clips_token_ratio
+from megatron_gspo.yaml_load import MAX_SHOWN, YAMLLoadError, shown
+from megatron_gspo.yaml_load import load as load_yaml
 
 
 class ConfigError(ValueError):
@@ -324,17 +326,20 @@ class RolloutConfig:
     """distributed: the address the servers reach a sending rank's broadcast group at; null: the
     address of that rank's own network interface that routes to the first server (right on
     every node). Set it only when that route is not the one the servers can use back."""
-    weight_sync_verify: bool = True
+    weight_sync_verify: bool | Literal["auto"] = "auto"
     """After every sync, compare each bucket's checksum reported by the servers (every TP rank)
-    with the trainer's; a mismatch fails the sync. The local rollout server reports them; real
-    SGLang does not: set false against SGLang servers."""
+    with the trainer's; a mismatch fails the sync. Checksums are an extension that only the
+    project's local rollout server offers (negotiated through its ``/server_info``; real SGLang
+    has none): ``auto`` verifies wherever every server offers it and says once that it cannot
+    otherwise; ``true`` requires it (an error against SGLang); ``false`` never verifies."""
     weight_sync_delta: bool = False
     """bf16 delta sync: send, per tensor, only the elements whose bf16 bits changed since the last
     sync (int32 index + value) when that is smaller, with a full sync every
     weight_sync_full_every syncs and whenever a server's weight version is not the last one sent.
     Needs weight_sync_dtype: bfloat16 (or bf16 parameters), the tensor or distributed transport
-    and the local rollout server (SGLang has no delta format). Costs one bf16 copy of the
-    weights on the sending ranks."""
+    and the local rollout server (an extension negotiated through its ``/server_info``; SGLang
+    has no delta format, so the first sync to an SGLang server stops with an error naming this
+    field). Costs one bf16 copy of the weights on the sending ranks."""
     weight_sync_full_every: int = 10
     """K: with weight_sync_delta, every K-th sync sends every tensor in full."""
     max_concurrency: int = 512
@@ -344,6 +349,9 @@ class RolloutConfig:
     the client and the step takes a second wave of decoding (64 for 128 samples of ~150 tokens on
     2 local servers: 3.4 s instead of 2.6 s, docs/performance.md)."""
     request_timeout_s: float = 600.0
+    """Bound of one HTTP request to a rollout server or the router: a /generate request, and
+    every call of a weight sync (pause, each bucket's update, a disk reload - which every SGLang
+    TP rank reads whole, minutes at 235B - flush, continue)."""
     min_servers: int = 1
     """The run goes on while at least this many rollout servers are alive: a server that dies is
     dropped from the router and the weight sync (embedded mode: restarted, synced to the current
@@ -356,12 +364,17 @@ class RolloutConfig:
     ep_size: int = 1
     """SGLang --ep-size: expert parallelism inside one server (divides rollout.tp_size)."""
     enable_dp_attention: bool = False
-    """SGLang --enable-dp-attention with --dp-size rollout.dp_size (data-parallel attention,
-    what large MoE servers use)."""
+    """Data-parallel attention inside each server, rollout.dp_size attention groups (what large
+    MoE servers use): SGLang 0.5.23's --attn-dp-size rollout.dp_size (its old spelling
+    --enable-dp-attention --dp-size N resolves to the same). The server stays one data-parallel
+    replica, so every weight_sync transport works."""
     dp_size: int = 1
-    """SGLang --dp-size, with enable_dp_attention (divides rollout.tp_size)."""
+    """With enable_dp_attention: the attention data-parallel size (divides rollout.tp_size).
+    Without it: SGLang --dp-size, data-parallel replicas inside one server (each replica
+    tp_size / dp_size GPUs); SGLang updates such a server's weights only from disk, so
+    weight_sync tensor / distributed need dp_size 1."""
     cuda_graph_max_bs: Optional[int] = None
-    """SGLang --cuda-graph-max-bs: the largest decode batch captured in a CUDA graph."""
+    """SGLang --cuda-graph-max-bs-decode: the largest decode batch captured in a CUDA graph."""
 
     def __post_init__(self) -> None:
         _require(self.mode != "external" or bool(self.router_url),
@@ -395,10 +408,15 @@ class RolloutConfig:
             value = getattr(self, name)
             _require(value >= 1 and self.tp_size % value == 0,
                      f"rollout.{name}: {value} does not divide rollout.tp_size {self.tp_size}")
-        _require(self.enable_dp_attention == (self.dp_size > 1),
-                 f"rollout.dp_size: {self.dp_size} with rollout.enable_dp_attention "
-                 f"{self.enable_dp_attention}; SGLang's --dp-size > 1 goes with data-parallel "
-                 "attention here (set both or neither)")
+        _require(not self.enable_dp_attention or self.dp_size > 1,
+                 "rollout.enable_dp_attention: needs rollout.dp_size > 1 (the number of attention "
+                 f"data-parallel groups), got {self.dp_size}")
+        _require(self.enable_dp_attention or self.dp_size == 1 or self.weight_sync == "disk",
+                 f"rollout.dp_size: {self.dp_size} data-parallel replicas per server (no "
+                 "rollout.enable_dp_attention): SGLang updates such servers only from disk, not "
+                 f"with rollout.weight_sync {self.weight_sync} (its update_weights_from_"
+                 "distributed / _tensor require dp_size 1); use weight_sync: disk, or set "
+                 "rollout.enable_dp_attention: true for data-parallel attention")
         _require(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
                  f"rollout.cuda_graph_max_bs: must be >= 1, got {self.cuda_graph_max_bs}")
 
@@ -502,7 +520,9 @@ class RunSettings:
     """Write a checkpoint (model, optimizer, LR schedule, RNG, data position) every this many
     steps and at the last step; ``--resume`` continues from the newest. RL also checkpoints on
     SIGTERM / SIGUSR1 and at the end when it is 0; SFT with 0 writes none (its result is the
-    Hugging Face export)."""
+    Hugging Face export). RL's last checkpoint is written before the final Hugging Face export
+    (<output_dir>/hf): the disk must hold both, and a run that fails writing the checkpoint
+    exports nothing."""
     eval_interval: int = 0
     """Evaluate on the held-out prompts every this many steps (and at the start and the end);
     0: RL never evaluates, SFT only at the start and the end."""
@@ -898,7 +918,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     origin = typing.get_origin(tp)
     if origin is Literal:
         allowed = typing.get_args(tp)
-        _require(value in allowed, f"{path}: {value!r} is not one of {list(allowed)}")
+        _require(value in allowed, f"{path}: {shown(value)} is not one of {list(allowed)}")
         return value
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(tp)
@@ -913,19 +933,19 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
                 return _coerce(value, option, path)
             except ConfigError as err:
                 errors.append(str(err))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} does not match {tp}")
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {shown(value)} does not match {tp}")
     if origin in (list, tuple):
-        _require(isinstance(value, (list, tuple)), f"{path}: expected a list, got {value!r}")
+        _require(isinstance(value, (list, tuple)), f"{path}: expected a list, got {shown(value)}")
         (item_tp, *_) = typing.get_args(tp) or (Any,)
         return [_coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
     if tp is Any:
         return value
     if tp is bool:
-        _require(isinstance(value, bool), f"{path}: expected true or false, got {value!r}")
+        _require(isinstance(value, bool), f"{path}: expected true or false, got {shown(value)}")
         return value
     if tp is int:
         _require(isinstance(value, int) and not isinstance(value, bool),
-                 f"{path}: expected an integer, got {value!r}")
+                 f"{path}: expected an integer, got {shown(value)}")
         return value
     if tp is float:
         if isinstance(value, str):
@@ -934,30 +954,36 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             except ValueError:
                 pass
         _require(isinstance(value, (int, float)) and not isinstance(value, bool),
-                 f"{path}: expected a number, got {value!r}")
+                 f"{path}: expected a number, got {shown(value)}")
         # no field means anything by inf or nan (YAML's .inf / .nan); they would pass the range
         # checks below or turn every loss into nan much later
-        _require(math.isfinite(value), f"{path}: must be a finite number, got {value!r}")
+        _require(math.isfinite(value), f"{path}: must be a finite number, got {shown(value)}")
         return float(value)
     if tp is str:
-        _require(isinstance(value, str), f"{path}: expected a string, got {value!r}")
+        _require(isinstance(value, str), f"{path}: expected a string, got {shown(value)}")
         return value
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, path)
     raise ConfigError(f"{path}: unsupported type {_type_name(tp)}")
 
 
+def _key(key: Any) -> str:
+    """A key of the input as an error message shows it (bounded, as every input value)."""
+    return key if isinstance(key, str) and len(key) <= MAX_SHOWN else shown(key)
+
+
 def _build(cls: type, data: Any, path: str) -> Any:
     if data is None:
         data = {}
     prefix = f"{path}." if path else ""
-    _require(isinstance(data, dict), f"{path or 'config'}: expected a mapping, got {data!r}")
+    _require(isinstance(data, dict), f"{path or 'config'}: expected a mapping, got {shown(data)}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = [k for k in data if k not in names]
     if unknown:
         raise ConfigError("; ".join(
-            f"{prefix}{k}: unknown key (valid keys: {', '.join(sorted(names))})" for k in unknown))
+            f"{prefix}{_key(k)}: unknown key (valid keys: {', '.join(sorted(names))})"
+            for k in unknown))
     kwargs = {k: _coerce(v, hints[k], f"{prefix}{k}") for k, v in data.items()}
     try:
         return cls(**kwargs)
@@ -979,7 +1005,9 @@ def apply_override(data: dict, override: str) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"--set {override!r}: {key} is not a section")
     try:
-        node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+        node[keys[-1]] = load_yaml(raw, f"--set {override!r}") if raw.strip() else ""
+    except YAMLLoadError as err:
+        raise ConfigError(str(err)) from None
     except yaml.YAMLError as err:
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise ConfigError(f"--set {override!r}: the value is not valid YAML ({problem}); quote it "
@@ -1000,10 +1028,22 @@ def load_config(path: str | Path | None, overrides: Optional[list[str]] = None) 
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path}: not found")
+        raw = path.read_bytes()
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as err:
+            line = raw[:err.start].count(b"\n") + 1
+            raise ConfigError(f"config file {path}: not UTF-8 text (byte 0x{raw[err.start]:02x} at "
+                              f"offset {err.start}, line {line}); save it as UTF-8") from None
+        try:
+            data = load_yaml(text, f"config file {path}")
+        except YAMLLoadError as err:
+            raise ConfigError(str(err)) from None
         except yaml.YAMLError as err:
-            raise ConfigError(f"config file {path}: not valid YAML: {err}") from err
+            raise ConfigError(f"config file {path}: not valid YAML: {err}") from None
+        if data is None:
+            raise ConfigError(f"config file {path}: empty (no sections); write the sections to "
+                              "set, or {} for every default")
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path}: top level must be a mapping of sections")
     try:

@@ -97,6 +97,20 @@ def local_device_index(env=None, device_count: Optional[int] = None) -> int:
     return index
 
 
+def nodes_in_world(env=None) -> int:
+    """How many nodes the ranks of this run are on, as their launcher says: torchrun's
+    GROUP_WORLD_SIZE (its agents, one per node), srun's SLURM_STEP_NUM_NODES / SLURM_NNODES
+    (for ranks srun started: SLURM_PROCID set); 1 otherwise."""
+    env = os.environ if env is None else env
+    if env.get("GROUP_WORLD_SIZE"):
+        return int(env["GROUP_WORLD_SIZE"])
+    if "SLURM_PROCID" in env:
+        for name in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES"):
+            if env.get(name):
+                return int(env[name])
+    return 1
+
+
 def init_distributed(parallel: Optional[ParallelConfig] = None):
     """Start torch.distributed from the usual env (torchrun, srun, or a single process) and return
     the host-side control group.
@@ -112,22 +126,33 @@ def init_distributed(parallel: Optional[ParallelConfig] = None):
     parallel = parallel or ParallelConfig()
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
         rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
         world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        # one process, no port given: its store takes any free port (no other rank has to find
+        # it; a local multi-rank run gets one from torchrun --standalone), not a fixed one that
+        # another run may hold
+        any_port = world_size == 1 and "MASTER_PORT" not in os.environ and not agent_store
+        os.environ.setdefault("MASTER_PORT", "29500")
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(local_device_index())
         timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
         store = None
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        if not agent_store:
             # no torchrun agent hosts the store (srun, one process): rank 0 does, listening on
             # MASTER_ADDR only (env:// would listen on every interface); under torchrun the
             # ranks are the agent's clients (launch.torchrun_agent binds its stores)
-            from megatron_gspo.bound_store import tcp_store
+            from megatron_gspo.bound_store import check_reachable, tcp_store
 
-            store = tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+            if rank == 0:  # the store listens on MASTER_ADDR: the other nodes must reach it
+                check_reachable(os.environ["MASTER_ADDR"], nodes=nodes_in_world())
+
+            port = 0 if any_port else int(os.environ["MASTER_PORT"])
+            store = tcp_store(os.environ["MASTER_ADDR"], port,
                               is_master=rank == 0, world_size=world_size, timeout=timeout)
+            if any_port:
+                os.environ["MASTER_PORT"] = str(store.port)
         dist.init_process_group(backend=default_backend(cuda), store=store, rank=rank,
                                 world_size=world_size, timeout=timeout)
     return dist.new_group(backend="gloo",

@@ -24,7 +24,29 @@ logits + log-prob workspace last stage: the output logits, their gradient and th
                             larger of the two counts
 communication & runtime     CUDA context, NCCL communicators and Megatron's MoE buffers (GPU);
                             nothing on CPU (gloo's buffers are negligible)
+weight-sync gather buffers  GPU: two flat buckets per sending rank (``megatron_gspo.hf.gather``:
+                            sized by the largest bucket the rank sends, at most
+                            ``rollout.weight_sync_bucket_mb`` unless one tensor is larger), made
+                            at the first sync and held for the whole run
 ==========================  ==================================================================
+
+Besides the training ranks' GPU peak, the plan reports:
+
+* host memory per rank: with ``optim.optimizer_cpu_offload`` Megatron's HybridDeviceOptimizer keeps,
+  for the offloaded fraction of this rank's optimizer shard, an fp32 copy of the parameters, a
+  (pinned) copy of their fp32 gradients and the Adam moments: 16 bytes per parameter with Adam
+  (4 + 4 + 8). Without the gradient copy the estimate was 25% low (12 of 16 bytes); with
+  ``gspo.routing_replay: rollout`` also the routed-experts tensor below;
+* the routing-replay batch tensor (``gspo.routing_replay: rollout``): int16 ``[rollout samples,
+  run.seq_length, layers, top-k]`` per step, built on rank 0 (``pipeline.loop.rollout_phase``)
+  and today handed whole to every training rank with the batch (not only its data-parallel
+  share); printed with its size also when replay is off;
+* per rollout-server GPU (``rollout.weight_sync: distributed``): the NCCL buffers of the weight
+  update groups. Design: one update group per training pipeline stage, so each SGLang GPU joins
+  ``parallel.pipeline`` communicators; each is estimated at ``NCCL_UPDATE_GROUP_BYTES`` (below).
+  NCCL allocates them with cudaMalloc outside PyTorch's caching allocator, i.e. outside SGLang's
+  ``mem_fraction_static`` (which covers its weights and KV-cache pool): they must fit in the
+  remaining ``1 - mem_fraction_static`` of the GPU along with CUDA graphs and activations.
 
 Per-token activation bytes (B = bytes of the parameter dtype, h hidden, a/g query/KV heads, d
 head width, k experts per token, f expert FFN width, E experts; tensor-parallel sizes divide the
@@ -61,6 +83,20 @@ FRAGMENTATION = 0.05
 """The caching allocator's fragmentation, as a fraction of the dynamic (activation) memory."""
 LOGPROB_CHUNK = 1024
 """Rows of one float32 chunk of the log-prob kernel (``loss.logprobs.DEFAULT_CHUNK_SIZE``)."""
+MIB = float(1 << 20)
+NCCL_BUFFSIZE = 4 * MIB
+"""NCCL's per-connection buffer of its Simple protocol: ``NCCL_BUFFSIZE``, default 4194304 bytes
+(NCCL's environment-variable documentation); the LL / LL128 buffers are smaller and not counted."""
+NCCL_CHANNELS = 16
+"""Channels NCCL opens per communicator: an assumption (it picks 2-32 from the topology,
+``NCCL_MIN_NCHANNELS`` / ``NCCL_MAX_NCHANNELS``; on NVLink + InfiniBand nodes typically 16-32 for
+large messages; 16 is what this estimate takes)."""
+NCCL_UPDATE_GROUP_BYTES = NCCL_BUFFSIZE * NCCL_CHANNELS * 2
+"""One weight-update communicator on one GPU: NCCL_BUFFSIZE x channels x 2 (a ring broadcast's
+receive and send connection per channel): 128 MiB. An estimate, like NCCL_BYTES_PER_COMMUNICATOR
+for the trainer's (larger: more peers and both directions)."""
+ROUTED_EXPERT_BYTES = 2
+"""int16: one routed expert id of the routing-replay tensor (``pipeline.routed_experts``)."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +135,14 @@ class MemoryPlan:
     header: list[str]
     stages: list[StagePlan]
     gpu_memory_gib: float
-    host_bytes: float
+    host_items: list[Item] = field(default_factory=list)
+    """Host memory per training rank (not in the GPU peak)."""
+    notes: list[str] = field(default_factory=list)
+    """Lines after the stages: the routing-replay tensor, the rollout servers' GPUs."""
+
+    @property
+    def host_bytes(self) -> float:
+        return sum(item.bytes for item in self.host_items)
 
     @property
     def peak(self) -> tuple[float, int]:
@@ -128,9 +171,12 @@ class MemoryPlan:
                 lines.append(f"  {item.name + mark:<32s}{item.bytes / GIB:9.2f} GiB{note}")
             lines.append(f"  {'total (peak)':<32s}{s.total / GIB:9.2f} GiB  "
                          "(* not alive together: the larger counts)")
-        if self.host_bytes:
-            lines.append(f"host memory per rank for the offloaded optimizer: "
-                         f"{self.host_bytes / GIB:.1f} GiB")
+        if self.host_items:
+            lines.append(f"host memory per rank: {self.host_bytes / GIB:.1f} GiB")
+            for item in self.host_items:
+                note = f"  {item.note}" if item.note else ""
+                lines.append(f"  {item.name:<32s}{item.bytes / GIB:9.2f} GiB{note}")
+        lines.extend(self.notes)
         lines.append(self.verdict())
         return "\n".join(lines)
 
@@ -288,6 +334,58 @@ def micro_batches_per_step(cfg: Config, data_parallel: int) -> Optional[int]:
     return max(1, rows // (data_parallel * cfg.run.micro_batch_size))
 
 
+def _wire_bytes(cfg: Config) -> int:
+    dtype = cfg.rollout.weight_sync_dtype or cfg.model.params_dtype
+    return 2 if dtype == "bfloat16" else 4
+
+
+def gather_buffer_bytes(cfg: Config, stage: int) -> tuple[float, float]:
+    """(bytes of ONE of the two flat buffers a sending rank of ``stage`` holds, its largest HF
+    tensor in bytes). ``hf.gather._buffer_pool`` sizes both to the largest bucket the rank sends:
+    ``rollout.weight_sync_bucket_mb``, or a single larger tensor (a bucket holds at least one),
+    at most everything the rank sends (its stage's tensors whole: TP shards gathered to it)."""
+    m, p = cfg.model, cfg.parallel
+    B = _wire_bytes(cfg)
+    h, a, g, d = m.hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim
+    largest = max(a * d * h, g * d * h, m.num_experts * h, m.moe_ffn_hidden_size * h)
+    first, last = stage == 0, stage == p.pipeline - 1
+    if first or (last and not m.tie_word_embeddings):
+        largest = max(largest, m.vocab_size * h)  # embed_tokens / lm_head (HF: unpadded)
+    dense, expert = stage_params(cfg, stage)
+    sent = (dense * p.tensor + expert * p.expert_tensor_size()) * B
+    bucket = cfg.rollout.weight_sync_bucket_mb * MIB
+    return min(sent, max(bucket, largest * B)), largest * B
+
+
+def routing_replay_bytes(cfg: Config) -> tuple[float, str]:
+    """The routing-replay batch tensor of one step: int16 [samples, seq_length, layers, top-k]
+    (``pipeline.routed_experts.batch_routed_experts``; samples = the rollout batch's rows)."""
+    m, run = cfg.model, cfg.run
+    shape = (run.global_batch_size, run.seq_length, m.num_layers, m.moe_router_topk)
+    n = ROUTED_EXPERT_BYTES
+    for dim in shape:
+        n *= dim
+    return float(n), " x ".join(str(x) for x in shape)
+
+
+def _check_sizes(world_size, gpu_memory_gib, moe_imbalance) -> None:
+    """Refuse zero / negative / NaN / infinite sizes, naming the ``megatron-gspo plan`` flag."""
+    import math
+
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"--world-size: must be a positive integer (training ranks), "
+                          f"got {world_size!r}")
+    for flag, value, low, what in (("--gpu-memory-gib", gpu_memory_gib, 0.0, "> 0 GiB"),
+                                   ("--moe-imbalance", moe_imbalance, 1.0,
+                                    ">= 1 (the hottest expert rank's load over the mean)")):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{flag}: must be a number {what}, got {value!r}") from None
+        if not math.isfinite(number) or number < low or (low == 0.0 and number == 0.0):
+            raise ConfigError(f"{flag}: must be a finite number {what}, got {value!r}")
+
+
 def _communicators(layout) -> int:
     sizes = [layout.tensor, layout.context, layout.pipeline, layout.data, layout.expert,
              layout.expert_tensor, layout.expert_data, layout.world_size]
@@ -303,9 +401,7 @@ def plan_memory(cfg: Config, world_size: int, gpu_memory_gib: float, *, spec: st
         raise ValueError(f"spec: 'te' or 'local', got {spec!r}")
     if device not in ("gpu", "cpu"):
         raise ValueError(f"device: 'gpu' or 'cpu', got {device!r}")
-    if moe_imbalance < 1.0:
-        raise ConfigError(f"--moe-imbalance: must be >= 1 (the hottest expert rank's load over "
-                          f"the mean), got {moe_imbalance}")
+    _check_sizes(world_size, gpu_memory_gib, moe_imbalance)
     m, p, o = cfg.model, cfg.parallel, cfg.optim
     layout = derive_layout(p, world_size)
     stages_layers = pipeline_stage_layers(m, p)
@@ -347,7 +443,7 @@ def plan_memory(cfg: Config, world_size: int, gpu_memory_gib: float, *, spec: st
         f"attention {sum(attn.values()):.0f}, MoE {sum(moe.values()):.0f}"
         + (f" (routed tokens x{moe_imbalance:g} for routing imbalance)" if moe_imbalance != 1 else ""),
     ]
-    stages, host_bytes = [], 0.0
+    stages, host_offload = [], (0.0, 0.0, 0.0)
     first_layer = 0
     for stage, n_layers in enumerate(stages_layers):
         dense, expert = stage_params(cfg, stage)
@@ -360,7 +456,11 @@ def plan_memory(cfg: Config, world_size: int, gpu_memory_gib: float, *, spec: st
         where = (f"distributed over {dense_share} (dense) / {expert_share} (experts) ranks"
                  if o.use_distributed_optimizer else "not distributed")
         if on_host:
-            host_bytes = max(host_bytes, state * on_host)
+            # HybridDeviceOptimizer: an fp32 host copy of each offloaded (master) parameter,
+            # a pinned host copy of its fp32 gradient, and the moments, all on the host
+            offloaded = (dense / dense_share + expert / expert_share) * on_host
+            if offloaded > host_offload[0]:
+                host_offload = (offloaded, offloaded * (4 + moments), offloaded * 4.0)
             where += f"; {on_host:.0%} offloaded to the host"
         items.append(Item("optimizer states", state * (1 - on_host),
                           f"({'adam m, v' if o.optimizer == 'adam' else 'sgd momentum'}"
@@ -406,14 +506,63 @@ def plan_memory(cfg: Config, world_size: int, gpu_memory_gib: float, *, spec: st
         if device == "gpu":
             comm = (CUDA_CONTEXT_BYTES + NCCL_BYTES_PER_COMMUNICATOR * _communicators(layout)
                     + FRAGMENTATION * dynamic)
+        if device == "gpu":
+            one, largest = gather_buffer_bytes(cfg, stage)
+            items.append(Item("weight-sync gather buffers", 2 * one,
+                              f"(2 x {one / MIB:.0f} MiB on a sending rank, held for the run: "
+                              f"rollout.weight_sync_bucket_mb {cfg.rollout.weight_sync_bucket_mb}"
+                              + (f", a {largest / MIB:.0f} MiB tensor" if largest > one * 0.999
+                                 and largest > cfg.rollout.weight_sync_bucket_mb * MIB else "")
+                              + ")"))
         items.append(Item("communication & runtime", comm,
                           f"(CUDA context, NCCL x{_communicators(layout)} communicators, "
                           f"{FRAGMENTATION:.0%} fragmentation)" if device == "gpu" else "(CPU)"))
         stages.append(StagePlan(stage=stage, first_layer=first_layer, num_layers=n_layers,
                                 params_dense=dense, params_expert=expert, items=items))
         first_layer += n_layers
+    host_items = []
+    if host_offload[0]:
+        n = host_offload[0]
+        host_items += [
+            Item("offloaded optimizer states", host_offload[1],
+                 f"(fp32 parameter copy + {'adam m, v' if o.optimizer == 'adam' else 'sgd momentum'}"
+                 f" of {n / 1e9:.3f} B parameters: {4 + moments} bytes each)"),
+            Item("host gradient copy", host_offload[2],
+                 "(fp32, pinned: HybridDeviceOptimizer copies the offloaded parameters' "
+                 "gradients to the host each step)")]
+    replay, shape = routing_replay_bytes(cfg)
+    replay_on = cfg.gspo.routing_replay == "rollout"
+    if replay_on:
+        host_items.append(Item("routing-replay tensor", replay,
+                               "(the whole batch's, on every rank; rank 0 builds it)"))
+    notes = [f"routing replay (gspo.routing_replay rollout): int16 [{shape}] (samples x "
+             f"seq_length x layers x top-k) = {replay / 1e9:.2f} GB ({replay / GIB:.2f} GiB) per "
+             "step, sent whole to every training rank"
+             + (" (on: in the host memory above)" if replay_on else
+                f" (off here: routing_replay {cfg.gspo.routing_replay})")]
+    notes += _rollout_server_notes(cfg, p.pipeline, gpu_memory_gib)
     return MemoryPlan(describe_layout=layout.describe(), header=header, stages=stages,
-                      gpu_memory_gib=gpu_memory_gib, host_bytes=host_bytes)
+                      gpu_memory_gib=gpu_memory_gib, host_items=host_items, notes=notes)
+
+
+def _rollout_server_notes(cfg: Config, pipeline: int, gpu_memory_gib: float) -> list[str]:
+    """Per SGLang GPU: the weight-update groups' NCCL buffers (``weight_sync: distributed``)."""
+    r = cfg.rollout
+    groups = NCCL_UPDATE_GROUP_BYTES * pipeline
+    estimate = (f"{pipeline} update group(s) (one per pipeline stage) x "
+                f"{NCCL_UPDATE_GROUP_BYTES / MIB:.0f} MiB NCCL buffers (NCCL_BUFFSIZE "
+                f"{NCCL_BUFFSIZE / MIB:.0f} MiB x {NCCL_CHANNELS} channels x 2) = "
+                f"{groups / GIB:.2f} GiB")
+    if r.weight_sync != "distributed":
+        return [f"rollout-server GPU: no weight-update groups (weight_sync {r.weight_sync}); "
+                f"weight_sync distributed would add {estimate} per SGLang GPU, outside "
+                "mem_fraction_static"]
+    fraction = r.mem_fraction_static
+    left = (f"{1 - fraction:.2f} x {gpu_memory_gib:g} GiB = {(1 - fraction) * gpu_memory_gib:.1f} "
+            "GiB" if fraction is not None else "SGLang's default")
+    return [f"rollout-server GPU (weight_sync distributed, {r.tp_size} GPU(s) per server): "
+            f"{estimate} per GPU, outside SGLang's mem_fraction_static (what it leaves: {left}, "
+            "also for CUDA graphs and activations)"]
 
 
 class PlanDoesNotFit(ConfigError):

@@ -611,9 +611,15 @@ def run(ctx: LoopContext, trainer: Trainer, *, start_step: int) -> dict:
             guard.end(save_due=bool(cfg.run.save_interval) and step % cfg.run.save_interval == 0,
                       last=step == cfg.run.num_steps)
     except Preempted as why:
+        # a stop before any step of this run finished saves nothing (the start needs no
+        # checkpoint: a fresh run has none to write, a resumed one still has its own)
+        saved = guard.saved_step > start_step
         if is_main:
-            print(f"stopping on signal ({why}); checkpoint saved", flush=True)
-        return {"status": "preempted", "history": history}
+            print(f"stopping on signal ({why}); " + (
+                f"checkpoint saved (step {guard.saved_step})" if saved else
+                f"no checkpoint saved (no step finished after step {start_step})"), flush=True)
+        return {"status": "preempted", "history": history, "saved": saved,
+                "start_step": start_step}
     return {"status": "finished", "history": history}
 
 

@@ -97,6 +97,11 @@ class RolloutResult:
     completion_tokens: int
     weight_version: str
     server_url: str
+    weight_versions: list[tuple[str, int, int]] = field(default_factory=list)
+    """SGLang 0.5.23's ``meta_info.weight_versions``: ``(version, start, end)`` half-open spans over
+    ``output_ids`` in order, covering them exactly (a request that lived through weight updates,
+    e.g. retracted and resumed, has one span per version; ``[]`` for a sample with no output).
+    A server that sends none (older SGLang) gets one span of ``weight_version``."""
     routed_experts: Optional[Any] = None
     """Asked for (``routed_experts=(L, K)``): int32 torch tensor ``[len(prompt_ids) +
     len(output_ids) - 1, L, K]``, row t = the experts every layer routed token t of
@@ -166,6 +171,7 @@ def parse_generate_response(body: Any, rid: str, prompt_ids: Sequence[int], url:
         if any(int(e[1]) != t for e, t in zip(entries, output_ids)):
             raise ValueError("output_token_logprobs token ids differ from output_ids")
         logprobs = [float(e[0]) for e in entries]
+        spans = weight_version_spans(meta, len(output_ids))
         routed = None
         if routed_experts is not None:
             routed = _routed_experts(meta, rid, len(prompt_ids), len(output_ids), kind,
@@ -178,7 +184,26 @@ def parse_generate_response(body: Any, rid: str, prompt_ids: Sequence[int], url:
         finish_reason=kind, matched_stop=finish.get("matched"),
         prompt_tokens=int(meta.get("prompt_tokens", len(prompt_ids))),
         completion_tokens=int(meta.get("completion_tokens", len(output_ids))),
-        weight_version=str(meta.get("weight_version", "")), server_url=url, routed_experts=routed)
+        weight_version=str(meta.get("weight_version", "")), server_url=url, routed_experts=routed,
+        weight_versions=spans)
+
+
+def weight_version_spans(meta: dict, num_output: int) -> list[tuple[str, int, int]]:
+    """``meta_info.weight_versions`` checked: ``(version, start, end)`` spans in order that tile
+    ``[0, num_output)`` (ValueError otherwise). Absent (a server before 0.5.23): one span of
+    ``meta_info.weight_version`` over every output token."""
+    raw = meta.get("weight_versions")
+    if raw is None:
+        return [(str(meta.get("weight_version", "")), 0, num_output)] if num_output else []
+    spans = [(str(s["version"]), int(s["start"]), int(s["end"])) for s in raw]
+    at = 0
+    for version, start, end in spans:
+        if start != at or end < start:
+            raise ValueError(f"weight_versions {raw!r} do not tile the {num_output} output tokens")
+        at = end
+    if at != num_output and not (num_output == 0 and len(spans) <= 1):
+        raise ValueError(f"weight_versions {raw!r} do not tile the {num_output} output tokens")
+    return [s for s in spans if s[2] > s[1]]
 
 
 def _routed_experts(meta: dict, rid: str, prompt_len: int, output_len: int, kind: str,
@@ -240,12 +265,12 @@ def sampling_params(rollout: RolloutConfig, stop_token_ids: Sequence[int]) -> Sa
 # Synchronous control calls (weight sync, health) - plain urllib, no event loop
 
 
-def http_json(method: str, url: str, body: Any = None, *, timeout_s: float = 30.0
-              ) -> tuple[int, Any]:
+def http_json(method: str, url: str, body: Any = None, *, timeout_s: float = 30.0,
+              headers: Optional[dict] = None) -> tuple[int, Any]:
     """One HTTP call; returns (status, parsed JSON or text). Raises RolloutError without answer."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             status, raw = resp.status, resp.read()
@@ -262,9 +287,10 @@ def http_json(method: str, url: str, body: Any = None, *, timeout_s: float = 30.
 
 
 def control(url: str, path: str, body: Any = None, *, method: str = "POST",
-            timeout_s: float = 60.0) -> Any:
+            timeout_s: float = 60.0, headers: Optional[dict] = None) -> Any:
     """A control call that must answer 200 (and ``success`` true when it says so)."""
-    status, answer = http_json(method, url.rstrip("/") + path, body, timeout_s=timeout_s)
+    status, answer = http_json(method, url.rstrip("/") + path, body, timeout_s=timeout_s,
+                               headers=headers)
     failed = isinstance(answer, dict) and answer.get("success") is False
     if status != 200 or failed:
         text = answer if isinstance(answer, str) else json.dumps(answer)

@@ -13,10 +13,14 @@ A bucket (duck-typed: ``index``, ``count``, ``source``, ``names``, ``shapes``, `
 tensors in SGLang's flattened layout, on the bucket's source rank. Each source rank sends its own
 buckets; nothing funnels through rank 0. Wire formats: :mod:`pipeline.weight_transport`.
 
-One push:
+One push follows SGLang 0.5.23's contract (docs/sglang_protocol.md, "Weight updates"):
 
-1. rank 0: ``pause_generation`` on every server, ``/server_info`` (``tp_size``) once; the outcome
-   goes to every rank (``group``, the gloo control group).
+1. rank 0: ``/pause_generation {"mode": pause_mode}`` on every server (``abort``: in-flight
+   requests come back aborted; ``retract``: they go back to the server's waiting queue and are
+   recomputed under the new weights after ``continue_generation``); ``/server_info`` read once per
+   server (``tp_size``, ``dp_size``, the extensions it offers); for ``tensor`` and
+   ``distributed``, ``/begin_weight_update {"selector": "all"}`` (0.5.23 refuses those updates
+   outside a weight-update session). The outcome goes to every rank (``group``, gloo).
 2. ``distributed``, first push only: each source rank builds its own update group with every GPU
    of every server (world ``1 + sum(tp_size)``, server i at ``rank_offset`` 1 + the TP sizes before
    it, the source rank is rank 0, its address routable from the servers), one source after the
@@ -25,34 +29,47 @@ One push:
    flattened_bucket``, one broadcast of the flat bucket) or ``update_weights_from_tensor`` (one
    ``MultiprocessingSerializer`` entry per server TP rank: CUDA-IPC / shared-memory handles, no
    bytes over HTTP) or, for ``disk``, one safetensors shard per bucket written in parallel by
-   every source rank. A background thread gathers bucket k+1 meanwhile. With ``distributed``
-   the sources take turns, bucket by bucket (a token passes from each bucket's source to the
-   next's): an SGLang server handles one weight update at a time, so two sources broadcasting at
-   once to servers that took their requests in different orders would deadlock - and every byte
-   crosses each server's link once whoever sends it.
+   every source rank; ``flush_cache: false`` and ``abort_all_requests: false`` on each (one
+   flush at the end). A background thread gathers bucket k+1 meanwhile. **Order by
+   construction**: a bucket's request goes out only after every server has answered the
+   previous bucket (from whichever source), and the sources take turns bucket by bucket (a
+   token passes from each bucket's source to the next's once its answers are in). A server
+   answers an update only after it has received and loaded the bucket, so no server can take
+   bucket k+1's names for bucket k's bytes, and no two sources' broadcasts are ever pending at
+   once - whether the collective blocks the host (gloo) or only orders a CUDA stream (NCCL,
+   where ``work.wait()`` returns at once).
 4. rank 0: ``disk``: the index file, the rename, ``update_weights_from_disk`` (the directory of
    the version retired after that is kept as a spare whose files the next push overwrites in
-   place: on tmpfs their pages are reused, not allocated and zeroed again); then
-   ``update_weight_version`` (the version changes only once every bucket is in), ``flush_cache``
-   (polled until 200), ``continue_generation``.
+   place: on tmpfs their pages are reused, not allocated and zeroed again); ``tensor`` /
+   ``distributed``: ``/end_weight_update``; then ``update_weight_version {"abort_all_requests":
+   false}`` (the version changes only once every bucket is in, and the label aborts nothing),
+   ``flush_cache`` (polled until 200: the KV the old weights computed must go, also for
+   retracted requests, which 0.5.23 recomputes), ``continue_generation``.
 
-**Checks** (``verify``): for every bucket the server reports a checksum of the tensors it now
-holds, per TP rank (a local-server extension; ``weight_transport.bucket_checksum``), compared
-with the trainer's own, which the gather computes per tensor as it assembles it
-(``BucketStream.tensor_hook``). **Delta** (``delta``, bf16 only): after a full push the sources
-keep the bytes they sent; later pushes send, per tensor, only the changed elements when that is
-smaller (``weight_transport.delta_encode``), and a full push every ``full_every`` pushes or
-whenever a server's weight version is not the one last pushed (a restarted server). A
-local-server extension too: real SGLang refuses the ``delta`` field.
+**Capabilities are negotiated.** The local rollout server's extensions (bucket ``checksums``,
+``delta`` pushes, server ``timings``) are used only where ``/server_info`` offers them
+(``megatron_gspo_extensions``), and asked for per request with the header
+``X-Megatron-Gspo-Extensions``; every other request is plain SGLang. ``verify="auto"``
+(the default) checks buckets where every server can report checksums and says once that it
+cannot elsewhere; ``verify=True`` requires it. **Checks** (``verify``): for every bucket the
+server reports a checksum of the tensors it now holds, per TP rank
+(``weight_transport.bucket_checksum``), compared with the trainer's own, which the gather
+computes per tensor as it assembles it (``BucketStream.tensor_hook``). **Delta** (``delta``,
+bf16 only): after a full push the sources keep the bytes they sent; later pushes send, per
+tensor, only the changed elements when that is smaller (``weight_transport.delta_encode``), and
+a full push every ``full_every`` pushes or whenever a server's weight version (``/model_info``) is
+not the one last pushed (a restarted server).
 
-If anything fails, the servers are left paused (their weights may be half-updated), the next delta
-push is a full one, and every rank raises the same :class:`WeightPushError`.
+If anything fails, rank 0 closes the weight-update session, resumes generation on every server
+that still answers (their weights may be half-updated: the next push is a full one), and every
+rank raises the same :class:`WeightPushError`, naming the server and the call that failed.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -67,8 +84,13 @@ from pipeline import weight_transport as wt
 
 Transport = Literal["disk", "tensor", "distributed"]
 LOCAL_SERVER = "megatron-gspo local rollout server"  # its /server_info "implementation"
+EXTENSIONS_KEY = "megatron_gspo_extensions"  # /server_info: the extensions a local server offers
+EXTENSIONS_HEADER = "X-Megatron-Gspo-Extensions"  # a request's negotiated extensions
+PAUSE_MODES = ("abort", "retract")
 _TOKEN_TAG = 7  # p2p tag of the sources' turn token (apart from the gather's messages)
-_IN_FLIGHT = 4  # distributed: buckets sent whose answers are not collected yet, per source
+_POOL_PER_SERVER = 4  # thread-pool workers per server (answers are collected bucket by bucket)
+
+log = logging.getLogger("megatron_gspo.weight_sync")
 
 
 def _tensor_sums(name: str, tensor: torch.Tensor):
@@ -123,7 +145,10 @@ class WeightPusher:
     with the same arguments; ``group`` carries the small control messages (None: the default).
 
     ``master_address``: the address the servers reach a source rank's update group at; None: the
-    address of the source's own interface that routes to the first server.
+    address of the source's own interface that routes to the first server. ``timeout_s``: every
+    HTTP call of a push (``rollout.request_timeout_s``: a large disk reload can take minutes).
+    ``pause_mode``: ``abort`` or ``retract`` (SGLang's ``in_place`` keeps the paused requests' KV,
+    so SGLang refuses the flush the new weights need: refused here).
     """
 
     def __init__(self, server_urls: Sequence[str], *, transport: Transport = "disk",
@@ -131,9 +156,17 @@ class WeightPusher:
                  timeout_s: float = 600.0, master_address: Optional[str] = None,
                  group_name: str = "megatron_gspo_weights", backend: Optional[str] = None,
                  keep_versions: int = 1, delta: bool = False, full_every: int = 10,
-                 verify: bool = True, group: Any = None):
+                 verify: bool | Literal["auto"] = "auto", group: Any = None):
         if transport not in ("disk", "tensor", "distributed"):
             raise ValueError(f"transport {transport!r}: expected 'disk', 'tensor' or 'distributed'")
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode {pause_mode!r}: expected one of {PAUSE_MODES} (SGLang's "
+                             "'in_place' keeps the paused requests' KV cache, so the flush after "
+                             "the update is refused and they would continue on the old weights' KV)")
+        if verify not in (True, False, "auto"):
+            raise ValueError(f"verify {verify!r}: expected true, false or 'auto'")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
         if transport == "disk" and shared_dir is None:
             raise ValueError("transport 'disk' needs shared_dir (a filesystem the servers read)")
         if delta and transport == "disk":
@@ -154,6 +187,11 @@ class WeightPusher:
         self.delta, self.full_every, self.verify = delta, full_every, verify
         self.group = group
         self._tp: Optional[list[int]] = None  # per server
+        self._infos: dict[str, dict] = {}  # url -> its /server_info (read once per server)
+        self._ext: list[str] = []  # per server: the extensions this push negotiated ("" = none)
+        self._verify_now = False  # this push verifies checksums (negotiated)
+        self._said_unverified = False
+        self._session_open = False  # rank 0: a weight-update session is open on the servers
         self._update_group = None  # this rank's (a source's) update group
         self._group_made = False
         self._written: list[Path] = []
@@ -162,7 +200,7 @@ class WeightPusher:
         self._pushes = 0
         self._last_ok: Optional[str] = None  # the version of the last successful push
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=(_IN_FLIGHT + 2) * len(self.server_urls) + 4)
+            max_workers=_POOL_PER_SERVER * len(self.server_urls) + 4)
 
     # ------------------------------------------------------------------ collectives (control)
     def _broadcast(self, obj):
@@ -191,6 +229,7 @@ class WeightPusher:
         error, info = self._broadcast(begin)
         if error is None:
             self._tp, full = info["tp"], info["full"]
+            self._ext, self._verify_now = info["ext"], info["verify"]
             stats.delta = not full
             stats.phases.update(info["phases"])
         else:
@@ -201,7 +240,7 @@ class WeightPusher:
             error = self._make_groups(stream.sources)
             stats.phases["init_groups_s"] = time.perf_counter() - t0
         # 3. the buckets (the trainer's checksum summed per tensor during the gather, in cache)
-        if self.verify and hasattr(stream, "tensor_hook"):
+        if error is None and self._verify_now and hasattr(stream, "tensor_hook"):
             stream.tensor_hook = _tensor_sums
         mine: dict[int, dict] = {}  # bucket index -> {"checksum", "shard", "wire"}
         local_error = self._send_all(stream, version, full, mine, stats) if error is None \
@@ -218,17 +257,19 @@ class WeightPusher:
         for v in buckets.values():  # the servers' own timings (local-server extension), summed
             for key, sec in (v.get("timings") or {}).items():
                 stats.phases[f"server_{key}"] = stats.phases.get(f"server_{key}", 0.0) + sec
-        # 4. load from disk, tag the version, flush, continue
+        # 4. load from disk / close the session, tag the version, flush, continue
         end = None
         if rank == 0:
             end = error if error is not None else \
                 self._guard(self._end, version, buckets, stats, stream)[0]
+            if end is not None:
+                end = self._recover(end)
         final = self._broadcast((end, stats.verified_buckets, stats.phases))
         if final[0] is not None:
             self._last_ok = None
             self._base.clear()
             raise WeightPushError(f"weight sync of version {version} to {self.server_urls} "
-                                  f"failed (servers left paused): {final[0]}")
+                                  f"failed: {final[0]}")
         stats.verified_buckets, stats.phases = final[1], final[2]
         self._pushes += 1
         self._last_ok = version
@@ -252,7 +293,7 @@ class WeightPusher:
             for url in self.server_urls:
                 try:
                     rollout.control(url, "/destroy_weights_update_group", {"group_name": name},
-                                    timeout_s=30)
+                                    timeout_s=self.timeout_s)
                 except rollout.RolloutError:
                     pass
             wt.destroy_group(self._update_group)
@@ -272,10 +313,12 @@ class WeightPusher:
         if urls == self.server_urls and not renewed:
             return
         self._destroy_groups()
+        for url in set(self.server_urls) - set(urls) | {u.rstrip("/") for u in renewed}:
+            self._infos.pop(url, None)
         self.server_urls, self._tp = urls, None
         self._last_ok = None
         self._base.clear()
-        workers = (_IN_FLIGHT + 2) * len(urls) + 4
+        workers = _POOL_PER_SERVER * len(urls) + 4
         if workers > self._pool._max_workers:
             self._pool.shutdown(wait=True)
             self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
@@ -296,33 +339,87 @@ class WeightPusher:
     def _my_group_name(self) -> str:
         return f"{self.group_name}_r{dist.get_rank()}"
 
+    def _headers(self, server_index: int) -> Optional[dict]:
+        """The negotiation header of a request to server ``server_index`` (None: plain SGLang)."""
+        ext = self._ext[server_index] if server_index < len(self._ext) else ""
+        return {EXTENSIONS_HEADER: ext} if ext else None
+
+    def _server_info(self, url: str) -> dict:
+        """``/server_info`` of ``url``, read once (again after ``set_servers`` renews it)."""
+        if url not in self._infos:
+            info = rollout.control(url, "/server_info", method="GET", timeout_s=self.timeout_s)
+            self._infos[url] = info if isinstance(info, dict) else {}
+        return self._infos[url]
+
+    @staticmethod
+    def offered_extensions(info: dict) -> set[str]:
+        """The extensions a server's ``/server_info`` offers (none unless it is the local server)."""
+        if info.get("implementation") != LOCAL_SERVER:
+            return set()
+        return {str(e) for e in (info.get(EXTENSIONS_KEY) or [])}
+
+    def _negotiate(self, infos: list[dict]) -> tuple[list[str], bool]:
+        """Per server, the extensions this push uses; whether it verifies checksums."""
+        offered = [self.offered_extensions(i) for i in infos]
+        lacking = lambda ext: [u for u, o in zip(self.server_urls, offered) if ext not in o]  # noqa: E731
+        if self.delta and lacking("delta"):
+            raise ValueError(f"rollout.weight_sync_delta: {lacking('delta')} offer no delta pushes "
+                             "(only the project's local rollout server does; SGLang has no delta "
+                             "format): set rollout.weight_sync_delta: false")
+        verify = bool(self.verify) and not lacking("checksums")
+        if self.verify is True and not verify:
+            raise ValueError(f"rollout.weight_sync_verify: {lacking('checksums')} cannot report "
+                             "bucket checksums (only the project's local rollout server does): "
+                             "set rollout.weight_sync_verify: auto or false")
+        if self.verify == "auto" and not verify and not self._said_unverified:
+            self._said_unverified = True
+            msg = (f"weight sync: {lacking('checksums')} report no bucket checksums, so the "
+                   "pushed weights are not verified (rollout.weight_sync_verify: auto)")
+            log.warning(msg)
+            print(msg, flush=True)
+        ext = []
+        for o in offered:
+            use = [e for e in ("checksums", "delta", "timings")
+                   if e in o and (e != "checksums" or verify) and (e != "delta" or self.delta)]
+            ext.append(",".join(use))
+        return ext, verify
+
     def _begin(self, stream, stats: SyncStats) -> dict:
         t0 = time.perf_counter()
         self._each_server(lambda u: rollout.control(u, "/pause_generation",
                                                     {"mode": self.pause_mode},
                                                     timeout_s=self.timeout_s))
-        infos = self._each_server(lambda u: rollout.control(u, "/server_info", method="GET",
-                                                            timeout_s=self.timeout_s))
+        infos = self._each_server(self._server_info)
         phases = {"pause_s": time.perf_counter() - t0}
         tp = []
         for url, info in zip(self.server_urls, infos):
-            if int(info.get("pp_size") or 1) != 1 or int(info.get("dp_size") or 1) != 1:
-                raise ValueError(f"{url}: weight updates of a server with pp_size / dp_size > 1 "
-                                 "are not supported (SGLang requires dp_size 1 for them)")
+            if self.transport != "disk" and int(info.get("dp_size") or 1) != 1:
+                raise ValueError(
+                    f"{url}: rollout.weight_sync {self.transport}: the server runs "
+                    f"{info.get('dp_size')} data-parallel replicas (dp_size), and SGLang updates "
+                    "weights from a group or from tensors only with dp_size 1; use "
+                    "rollout.weight_sync: disk, or data-parallel attention (attn_dp_size)")
+            if self.transport == "distributed" and int(info.get("pp_size") or 1) != 1:
+                raise ValueError(f"{url}: rollout.weight_sync distributed: servers with pp_size "
+                                 f"{info.get('pp_size')} > 1 are not supported (their update-group "
+                                 "ranks are not tp_rank + rank_offset); use disk")
             tp.append(int(info.get("tp_size") or 1))
-            if (self.delta or self.verify) and info.get("implementation") != LOCAL_SERVER:
-                what = "rollout.weight_sync_delta" if self.delta else "rollout.weight_sync_verify"
-                raise ValueError(f"{url} is not the local rollout server ({info.get('version')}): "
-                                 f"it cannot apply delta pushes or report bucket checksums; set "
-                                 f"{what}: false")
+        ext, verify = self._negotiate(infos)
         full = True
         if self.delta:
             if stream.dtype.itemsize != 2:
-                raise ValueError(f"delta pushes need 16-bit weights on the wire (got "
-                                 f"{stream.dtype}); set rollout.weight_sync_dtype: bfloat16")
-            versions = [i.get("weight_version") for i in infos]
+                raise ValueError(f"rollout.weight_sync_delta: needs 16-bit weights on the wire "
+                                 f"(got {stream.dtype}); set rollout.weight_sync_dtype: bfloat16")
+            versions = self._each_server(lambda u: (rollout.control(
+                u, "/model_info", method="GET", timeout_s=self.timeout_s) or {}).get(
+                "weight_version"))
             full = (self._pushes % self.full_every == 0 or self._last_ok is None
                     or any(v != self._last_ok for v in versions))
+        if self.transport != "disk":  # 0.5.23: tensor / distributed updates only in a session
+            self._session_open = True
+            self._each_server(lambda u: rollout.control(u, "/begin_weight_update",
+                                                        {"selector": "all"},
+                                                        timeout_s=self.timeout_s))
         if self.transport == "disk":
             tmp = self._version_dir(stats.weight_version, tmp=True)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -333,7 +430,28 @@ class WeightPusher:
             else:
                 tmp.mkdir(parents=True)
             self._spare = None
-        return {"tp": tp, "full": full, "phases": phases}
+        return {"tp": tp, "full": full, "phases": phases, "ext": ext, "verify": verify}
+
+    def _recover(self, error: str) -> str:
+        """Rank 0, after a failed step: close the session, resume generation on every server that
+        answers; returns ``error`` with what recovery could not do."""
+        notes = []
+        if self._session_open:
+            self._session_open = False
+            for url in self.server_urls:
+                try:
+                    rollout.control(url, "/end_weight_update", {}, timeout_s=min(self.timeout_s, 60))
+                except rollout.RolloutError as err:
+                    if "no weight-update session is open" not in str(err):
+                        notes.append(f"closing the session failed: {err}")
+        for url in self.server_urls:
+            try:
+                rollout.control(url, "/continue_generation", {}, timeout_s=min(self.timeout_s, 60))
+            except rollout.RolloutError as err:
+                notes.append(f"resuming generation failed: {err}")
+        tail = ("; generation resumed on every server (weights may be half-updated: the next "
+                "push is a full one)") if not notes else "; " + "; ".join(notes)
+        return error + tail
 
     def _make_groups(self, sources: list[int]) -> Optional[str]:
         """One update group per source rank, made one after the other (collective)."""
@@ -407,9 +525,10 @@ class WeightPusher:
                     pending.append((bucket.index, self._send_bucket(bucket, version, full)))
                 except Exception as err:  # noqa: BLE001 - keep draining the gathers, then raise
                     error = f"rank {rank}, bucket {bucket.index}: {type(err).__name__}: {err}"
-                # A server answers a broadcast bucket once it has loaded it; meanwhile it can
-                # receive the next one, so those answers are collected later (a few in flight).
-                settle(_IN_FLIGHT if self.transport == "distributed" else 0)
+                # Every server's answer to this bucket before the next request leaves (from this
+                # source or, through the token, the next): the order is the stream's by
+                # construction, not by the timing of host threads (module docstring, step 3).
+                settle(0)
             nxt = meta[bucket.index + 1].source if bucket.index + 1 < len(meta) else rank
             if turns and nxt != rank:
                 dist.send(torch.tensor([int(error is not None)]), dst=nxt, group=self.group,
@@ -427,7 +546,7 @@ class WeightPusher:
         buffer is done when this returns (the gather reuses it for a later bucket)."""
         named = bucket.named_tensors()
         parts = getattr(bucket, "parts", None)
-        if not self.verify:
+        if not self._verify_now:
             checksum = None
         elif parts is not None and len(parts) == len(bucket.names):
             checksum = _Done(wt.checksum_digest(parts))
@@ -463,8 +582,8 @@ class WeightPusher:
                     "flush_cache": False, "abort_all_requests": False,
                     "load_format": "flattened_bucket", **extra}
             answers = [self._pool.submit(rollout.control, u, "/update_weights_from_distributed",
-                                         body, timeout_s=self.timeout_s)
-                       for u in self.server_urls]
+                                         body, timeout_s=self.timeout_s, headers=self._headers(i))
+                       for i, u in enumerate(self.server_urls)]
             device = "cuda" if self.backend == "nccl" else "cpu"
             wt.broadcast(self._update_group, wire_flat.to(device), 0)
         if self.transport == "tensor":  # the server reads our shared memory until it answers
@@ -498,7 +617,8 @@ class WeightPusher:
         payloads = [wt.serialize_tensors(views) for _ in range(self._tp[server_index])]
         body = {"serialized_named_tensors": payloads, "load_format": None, "flush_cache": False,
                 "abort_all_requests": False, **extra}
-        return rollout.control(url, "/update_weights_from_tensor", body, timeout_s=self.timeout_s)
+        return rollout.control(url, "/update_weights_from_tensor", body, timeout_s=self.timeout_s,
+                               headers=self._headers(server_index))
 
     def _delta_entries(self, bucket, base: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """The bucket as deltas against ``base`` where smaller; int32 entries first, so every
@@ -523,8 +643,8 @@ class WeightPusher:
     def _check(self, url: str, what: str, answer, expected: str) -> None:
         got = answer.get("checksums") if isinstance(answer, dict) else None
         if not got:
-            raise ValueError(f"{url}: no checksum of {what} in the answer (set "
-                             "rollout.weight_sync_verify: false for servers that report none)")
+            raise ValueError(f"{url}: no checksum of {what} in the answer, although the server "
+                             "offered checksums and the request negotiated them")
         bad = [i for i, c in enumerate(got) if c != expected]
         if bad:
             raise ValueError(f"{url}: {what}: checksum of TP rank(s) {bad} is {got[bad[0]]}, the "
@@ -552,14 +672,15 @@ class WeightPusher:
                 shutil.rmtree(final)
             tmp.rename(final)
             t0 = time.perf_counter()
+            body = {"model_path": str(final), "flush_cache": False, "abort_all_requests": False}
             answers = self._each_server(lambda u: rollout.control(
-                u, "/update_weights_from_disk",
-                {"model_path": str(final), "flush_cache": False}, timeout_s=self.timeout_s))
+                u, "/update_weights_from_disk", body, timeout_s=self.timeout_s,
+                headers=self._headers(self.server_urls.index(u))))
             stats.phases["load_from_disk_s"] = time.perf_counter() - t0
             loads = [float(((a or {}).get("timings") or {}).get("load_s", 0.0)) for a in answers]
             if any(loads):
                 stats.phases["server_load_s"] = max(loads)
-            if self.verify:
+            if self._verify_now:
                 for url, answer in zip(self.server_urls, answers):
                     per_file = (answer or {}).get("checksums") or {}
                     for b, meta in buckets.items():
@@ -575,13 +696,18 @@ class WeightPusher:
                     retired.rename(self._spare)
                 else:
                     shutil.rmtree(retired, ignore_errors=True)
+        else:
+            self._each_server(lambda u: rollout.control(u, "/end_weight_update", {},
+                                                        timeout_s=self.timeout_s))
+            self._session_open = False
         t0 = time.perf_counter()
         self._each_server(lambda u: rollout.control(u, "/update_weight_version",
                                                     {"new_version": version,
                                                      "abort_all_requests": False},
                                                     timeout_s=self.timeout_s))
-        if self.pause_mode == "abort":  # retract / in_place keep requests: the flush would wait
-            self._each_server(lambda u: rollout.flush_cache(u, timeout_s=self.timeout_s))
+        # abort and retract alike: the radix cache holds KV of the old weights (0.5.23 lets a
+        # paused engine flush with retracted requests waiting; they are recomputed on continue).
+        self._each_server(lambda u: rollout.flush_cache(u, timeout_s=self.timeout_s))
         self._each_server(lambda u: rollout.control(u, "/continue_generation", {},
                                                     timeout_s=self.timeout_s))
         stats.phases["flush_continue_s"] = time.perf_counter() - t0

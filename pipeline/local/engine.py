@@ -57,6 +57,34 @@ log = logging.getLogger("megatron_gspo.serve")
 QUEUE_FULL = "The request queue is full."  # SGLang's message (Scheduler._abort_on_queued_limit)
 
 
+def compute_weight_version_spans(events: list[tuple[str, int]], current_version: str,
+                                 num_output_tokens: int) -> list[dict]:
+    """SGLang 0.5.23's ``compute_weight_version_spans`` (srt/utils/weight_versions.py), line for
+    line: ``events`` are (old version, output tokens at the change); spans are dicts."""
+    changes = list(events) + [(current_version, num_output_tokens)]
+    spans: list[dict] = []
+    for version, end in changes:
+        end = min(end, num_output_tokens)
+        if spans and end <= spans[-1]["end"]:
+            continue
+        if spans and version == spans[-1]["version"]:
+            spans[-1]["end"] = end
+            continue
+        start = spans[-1]["end"] if spans else 0
+        spans.append({"version": version, "start": start, "end": end})
+    return spans
+
+
+def add_weight_versions_to_meta_info(meta_info: dict, spans: list[dict],
+                                     num_output_tokens: int) -> None:
+    """SGLang 0.5.23's ``add_weight_versions_to_meta_info`` (the TokenizerManager side)."""
+    visible = [s for s in spans if s["start"] < num_output_tokens or s["start"] == 0]
+    meta_info["weight_versions"] = [
+        {"version": s["version"], "start": s["start"], "end": min(s["end"], num_output_tokens)}
+        for s in visible]
+    meta_info["weight_version"] = visible[-1]["version"]
+
+
 class QueueFull(RuntimeError):
     """``submit`` would put more requests in the waiting queue than ``max_queued_requests``."""
 
@@ -95,6 +123,13 @@ class EngineRequest:
         self.finish: Optional[dict] = None
         self.was_running = False
         self.weight_version = ""
+        self.weight_version_events: list[tuple[str, int]] = []
+        """SGLang's ``req.weight_version_events``: (old version, output tokens then) recorded at
+        each weight-version change while this request was live and had output."""
+        self.weight_version_spans: list[dict] = []
+        """At finish: SGLang's ``compute_weight_version_spans`` of the events (dicts
+        ``version`` / ``start`` / ``end``, half-open over the output tokens)."""
+        self.num_retractions = 0  # SGLang's req.retraction_count (pause mode "retract")
         self.max_new_tokens = sampling.max_new_tokens
         self.created = time.time()
         self.e2e_latency = 0.0
@@ -278,6 +313,9 @@ class LocalEngine:
         self._ops: deque[tuple[Callable, concurrent.futures.Future]] = deque()
         self._abort_queued = False
         self._hold = False  # pause_generation(in_place / retract): keep requests, do not step
+        self.paused = False
+        """SGLang's scheduler ``_engine_paused`` (pause modes in_place / retract): a flush then
+        ignores the waiting queue (``is_fully_idle(ignore_waiting=True)``)."""
         self._stopping = False
         self._error: Optional[BaseException] = None
         self.last_step_time = time.time()
@@ -365,7 +403,56 @@ class LocalEngine:
         """Stop (or resume) stepping without dropping requests (pause mode in_place / retract)."""
         with self._cv:
             self._hold = on
+            self.paused = on
             self._cv.notify_all()
+
+    def retract(self) -> int:
+        """Pause mode ``retract`` (engine thread, through :meth:`call`, after ``hold(True)``):
+        every running request goes back to the waiting queue without its KV cache; admitted
+        again it is re-prefilled with prompt + the tokens generated so far, on the weights of
+        that time (SGLang's ``retract_all`` + ``_add_request_to_queue``). Returns how many."""
+        reqs = [r for r in self._running if not r.finished]
+        self._running, self._cache, self._mask = [], None, None
+        self._next_pos = self._last = None
+        with self._cv:
+            for r in reqs:
+                r.was_running = False
+                r.num_retractions += 1
+                self._waiting.append(r)
+        return len(reqs)
+
+    def apply_pending_aborts(self) -> None:
+        """Engine thread: apply the aborts marked so far now (before a control operation that
+        SGLang's scheduler receives after them)."""
+        self._apply_aborts()
+
+    def is_fully_idle(self, ignore_waiting: bool = False) -> bool:
+        """SGLang's ``Scheduler.is_fully_idle``: nothing running and (unless ``ignore_waiting``)
+        nothing waiting. A waiting request here never holds KV (a retracted one dropped it)."""
+        running, waiting = self.counts()
+        return running == 0 and (ignore_waiting or waiting == 0)
+
+    def flush_cache(self) -> bool:
+        """SGLang's ``Scheduler.flush_cache``: refused (False) unless
+        ``is_fully_idle(ignore_waiting=paused)``; this engine keeps no cache between requests,
+        so an accepted flush has nothing else to do."""
+        return self.is_fully_idle(ignore_waiting=self.paused)
+
+    def set_weight_version(self, new_version: Optional[str]) -> int:
+        """SGLang's ``record_weight_version_change`` (engine thread, through :meth:`call`): a
+        new version records (old version, output tokens) on every live request (running or
+        waiting) that has output; returns how many."""
+        if new_version is None or str(new_version) == self.weight_version:
+            return 0
+        old, self.weight_version = self.weight_version, str(new_version)
+        with self._cv:
+            live = list(self._inflight.values())
+        recorded = 0
+        for r in live:
+            if r.output_ids and not r.finished:
+                r.weight_version_events.append((old, len(r.output_ids)))
+                recorded += 1
+        return recorded
 
     def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
         """Run ``fn`` on the engine thread between two steps; returns a Future of its result."""
@@ -437,7 +524,7 @@ class LocalEngine:
             r = self._waiting[0]
             if r._abort:
                 break  # handled by _apply_aborts first
-            need = len(r.input_ids)
+            need = len(r.input_ids) + len(r.output_ids)  # a retracted one: prompt + output
             if taken and (len(taken) + 1) * max(tokens, need) > self.max_prefill_tokens:
                 break
             taken.append(self._waiting.popleft())
@@ -461,6 +548,8 @@ class LocalEngine:
             return
         r.finish = reason
         r.weight_version = self.weight_version
+        r.weight_version_spans = compute_weight_version_spans(
+            r.weight_version_events, self.weight_version, len(r.output_ids))
         r.e2e_latency = time.time() - r.created
         with self._cv:
             self._inflight.pop(r.rid, None)
@@ -547,15 +636,19 @@ class LocalEngine:
     def _prefill(self, reqs: list[EngineRequest]) -> None:
         for r in reqs:
             r.was_running = True
-        lengths = [len(r.input_ids) for r in reqs]
+        # A retracted request (pause mode "retract") is recomputed: prompt + its output so far,
+        # on the current weights; the next token is sampled from the last position's logits.
+        seqs = [r.input_ids + r.output_ids for r in reqs]
+        lengths = [len(x) for x in seqs]
         width = max(lengths)
         ids = torch.zeros(len(reqs), width, dtype=torch.long)
         mask = torch.zeros(len(reqs), width, dtype=torch.long)
-        for i, r in enumerate(reqs):
-            ids[i, width - lengths[i]:] = torch.tensor(r.input_ids)
+        for i, x in enumerate(seqs):
+            ids[i, width - lengths[i]:] = torch.tensor(x)
             mask[i, width - lengths[i]:] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        want_input = any(r.return_logprob and r.logprob_start_len >= 0 for r in reqs)
+        want_input = any(r.return_logprob and r.logprob_start_len >= 0 and not r.output_ids
+                         for r in reqs)
         capture = self.capture_routed_experts and any(r.return_routed_experts for r in reqs)
         self._routing = {} if capture else None
         try:
@@ -563,7 +656,9 @@ class LocalEngine:
             if capture:  # positions 0 .. len - 1 of each prompt (the left padding cut off)
                 routes = self._routes(len(reqs), width)
                 for i, r in enumerate(reqs):
-                    if r.return_routed_experts:
+                    if r.return_routed_experts:  # a recomputed request: recorded anew
+                        if r.output_ids:
+                            r.routed.clear()
                         r.routed.append(routes[i, width - lengths[i]:].clone())
         finally:
             self._routing = None
@@ -594,8 +689,8 @@ class LocalEngine:
     def _input_logprobs(self, reqs, logits, lengths, width) -> None:
         logprobs = torch.log_softmax(logits, dim=-1)  # raw, T = 1 (SGLang's input logprobs)
         for i, r in enumerate(reqs):
-            if not (r.return_logprob and r.logprob_start_len >= 0):
-                continue
+            if not (r.return_logprob and r.logprob_start_len >= 0) or r.output_ids:
+                continue  # (a recomputed request has its input logprobs already)
             off = width - lengths[i]
             start = min(r.logprob_start_len, lengths[i] - 1)
             vals: list[Optional[float]] = []

@@ -344,3 +344,87 @@ def finish_abort_running() -> dict:
 
 def finish_abort_queued() -> dict:
     return {"type": "abort", "message": "Abort in waiting queue"}
+
+
+# --- control-plane request bodies (SGLang 0.5.23's io_struct classes) ----------------------------
+
+REQUIRED = object()
+"""Marks a field without a default (a request without it is a 400)."""
+
+BASE_REQ_FIELDS = {"rid": None, "http_worker_ipc": None}
+"""``io_struct.BaseReq``'s fields, inherited by every request class below."""
+
+CONTROL_REQUESTS: dict[str, dict[str, Any]] = {
+    # class name in srt/managers/io_struct.py -> {field: SGLang's default}
+    "UpdateWeightFromDiskReqInput": {
+        "model_path": REQUIRED, "load_format": None, "abort_all_requests": False,
+        "weight_version": None, "is_async": False, "torch_empty_cache": False,
+        "keep_pause": False, "recapture_cuda_graph": False, "token_step": 0,
+        "flush_cache": True, "manifest": None},
+    "UpdateWeightsFromDistributedReqInput": {
+        "names": REQUIRED, "dtypes": REQUIRED, "shapes": REQUIRED,
+        "group_name": "weight_update_group", "flush_cache": True, "abort_all_requests": False,
+        "weight_version": None, "load_format": None, "selector": "all",
+        "torch_empty_cache": False},
+    "UpdateWeightsFromTensorReqInput": {
+        "serialized_named_tensors": REQUIRED, "load_format": None, "flush_cache": True,
+        "abort_all_requests": False, "weight_version": None, "selector": "all",
+        "torch_empty_cache": False},
+    "UpdateWeightVersionReqInput": {"new_version": REQUIRED, "abort_all_requests": True},
+    "BeginWeightUpdateReqInput": {"selector": "all"},
+    "EndWeightUpdateReqInput": {},
+    "PauseGenerationReqInput": {"mode": "abort"},
+    "ContinueGenerationReqInput": {"torch_empty_cache": True},
+    "InitWeightsUpdateGroupReqInput": {
+        "master_address": REQUIRED, "master_port": REQUIRED, "rank_offset": REQUIRED,
+        "world_size": REQUIRED, "group_name": "weight_update_group", "backend": "nccl"},
+    "DestroyWeightsUpdateGroupReqInput": {"group_name": "weight_update_group"},
+}
+
+_LITERALS = {"selector": ("target", "draft", "all"), "mode": ("abort", "retract", "in_place")}
+_BOOLS = {"abort_all_requests", "is_async", "torch_empty_cache", "keep_pause",
+          "recapture_cuda_graph", "flush_cache"}
+_INTS = {"token_step", "master_port", "rank_offset", "world_size"}
+_STRS = {"model_path", "group_name", "new_version", "master_address", "backend"}
+_OPT_STRS = {"load_format", "weight_version", "rid", "http_worker_ipc"}
+
+
+def parse_control(body: dict, cls: str) -> dict:
+    """``body`` validated as SGLang validates the JSON of ``io_struct.<cls>``: unknown fields
+    ignored (``extra_behavior="ignore"``), defaults filled in, a missing required field or a
+    value of the wrong type a :class:`ParseError` (SGLang's 400 ``RequestValidationError``)."""
+    spec = {**BASE_REQ_FIELDS, **CONTROL_REQUESTS[cls]}
+    out: dict[str, Any] = {}
+    for name, default in spec.items():
+        if name not in body:
+            if default is REQUIRED:
+                raise ParseError(f"1 validation error for {cls}\n{name}\n  Field required")
+            out[name] = default
+            continue
+        v = body[name]
+        bad = None
+        if name in _LITERALS and v not in _LITERALS[name]:
+            bad = "one of " + ", ".join(repr(x) for x in _LITERALS[name])
+        elif name in _BOOLS and not (isinstance(v, bool) or (_is_int(v) and v in (0, 1))):
+            bad = "a valid boolean"
+        elif name in _INTS and not _is_int(v):
+            bad = "a valid integer"
+        elif name in _STRS and not isinstance(v, str):
+            bad = "a valid string"
+        elif name in _OPT_STRS and v is not None and not isinstance(v, str):
+            bad = "a valid string or null"
+        elif name == "manifest" and v is not None and not isinstance(v, dict):
+            bad = "a valid dictionary or null"
+        elif name in ("names", "dtypes") and not (
+                isinstance(v, list) and all(isinstance(x, str) for x in v)):
+            bad = "a list of strings"
+        elif name == "shapes" and not (isinstance(v, list) and all(
+                isinstance(s, list) and all(_is_int(d) for d in s) for s in v)):
+            bad = "a list of lists of integers"
+        elif name == "serialized_named_tensors" and not (
+                isinstance(v, list) and all(isinstance(x, str) for x in v)):
+            bad = "a list of base64 strings"
+        if bad is not None:
+            raise ParseError(f"1 validation error for {cls}\n{name}\n  Input should be {bad}")
+        out[name] = bool(v) if name in _BOOLS else v
+    return out

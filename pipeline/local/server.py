@@ -1,30 +1,60 @@
 """The local rollout server's HTTP side: SGLang's native API over :class:`LocalEngine`.
 
-Started by ``megatron-gspo serve`` (``launch/serve.py``). Follows the "minimum behaviour" list of
-``docs/sglang_protocol.md``: single / batch / ``n`` / streamed ``/generate`` with
-SGLang's ids, ordering, finish reasons, logprob triples and three error shapes; health, info and
-load endpoints; flush (400 while busy); abort by rid prefix; pause / continue (new generates block
-while paused); release / resume memory (no-ops returning ``null``); the weight endpoints with
-``{"success", "message"}`` bodies (400 when ``success`` is false).
+Started by ``megatron-gspo serve`` (``launch/serve.py``). By default it enforces what SGLang 0.5.23
+enforces (each rule checked against the wheel by ``tests/rollout/test_server_conformance.py``):
 
-Deviations (all documented in docs/rollout.md):
+* only SGLang's paths (``@app`` routes of its http_server.py); anything else is a 404 (``/get_load``
+  too; ``/metrics`` only with ``--enable-metrics``);
+* control bodies are ``io_struct``'s request classes: every field accepted with SGLang's default
+  (``protocol.CONTROL_REQUESTS``), unknown fields ignored, a missing or mistyped one a 400;
+* weight-update sessions: ``update_weights_from_tensor`` / ``_distributed`` only between
+  ``begin_weight_update`` and ``end_weight_update`` (SGLang's messages); disk updates need none;
+* ``/flush_cache`` is refused (400 ``Flush cache failed.``) unless ``is_fully_idle(ignore_waiting=
+  paused)``: nothing running, and nothing waiting unless the engine is paused (``in_place`` keeps
+  running requests with their KV, so it is refused; after ``retract`` or ``abort`` it works);
+  ``?timeout=`` waits as SchedulerFlushWrapper does;
+* every update flushes after a successful load (``flush_cache`` defaults to true); a refused flush
+  makes the update answer failure with SGLang's "Weights were updated, but the cache was not
+  flushed ..." (the weights and the engine's version did change; ``/model_info``'s version not);
+* an update to an unpaused server takes SGLang's model-update writer lock: it waits for every
+  in-flight generate (each holds the reader lock) and holds new ones back; paused, it runs at once;
+* pause modes: ``abort`` aborts until no generate is left, ``in_place`` holds requests with their
+  KV, ``retract`` sends running requests back to the waiting queue, recomputed (prompt + output so
+  far re-prefilled) on the weights of the time after ``continue_generation``;
+* ``meta_info.weight_versions`` / ``weight_version`` exactly as 0.5.23 builds them
+  (``engine.compute_weight_version_spans`` / ``add_weight_versions_to_meta_info``);
+  ``update_weight_version`` aborts every request unless ``abort_all_requests: false``;
+* data-parallel layout (``--dp-size``, ``--attn-dp-size``, ``--enable-dp-attention``, resolved as
+  ``handle_deprecated_dp_attention`` does and reported in ``/server_info``): with replicas
+  (``dp_size > 1``) tensor / distributed updates and update groups are SGLang's failed assert (a
+  plain 500 ``Internal Server Error``), disk updates work, and answers are merged over the DP
+  ranks as SGLang merges them (``" | "``). The server itself always computes as ONE replica,
+  whatever layout it reports.
+
+Extensions, used only by a request that negotiates them with the header
+``X-Megatron-Gspo-Extensions: checksums,delta,timings`` (any subset; ``/server_info`` lists those
+offered in ``megatron_gspo_extensions``, none with ``--no-extensions``): per-bucket ``checksums``
+(per TP rank; per shard file for disk updates) and the server's ``timings`` (``receive_s``,
+``load_s``) in weight-update answers, and ``"delta": true`` bf16 deltas. Without the header the
+answer is SGLang's body and ``delta`` is an ignored unknown field.
+
+Other deviations (all documented in docs/rollout.md):
 
 * ``update_weights_from_tensor`` takes SGLang's pickled payloads (shared-memory handles) only with
   ``--allow-pickled-tensors`` on 127.0.0.1, else base64 safetensors (:mod:`pipeline.weight_transport`);
 * ``init_weights_update_group`` / ``update_weights_from_distributed`` run over gloo (CPU), with
   SGLang's own group code when the ``sglang`` package is importable; ``--tp-size N`` joins N group
-  ranks (:mod:`pipeline.local.tp_ranks`);
-* extensions: per-bucket ``checksums`` (per TP rank) in every weight-update answer, ``"delta":
-  true`` bf16 deltas, ``weight_sync_impl`` in ``/server_info``, the server's own ``timings``
-  (``receive_s``, ``load_s``: load into the model + checksum) in every weight-update answer;
+  ranks (:mod:`pipeline.local.tp_ranks`); ``/server_info`` also has ``weight_sync_impl`` and
+  ``allow_pickled_tensors``;
 * weight updates land in place: ``update_weights_from_distributed`` receives into two reused
   buffers laid out by SGLang's ``FlattenedTensorBucket`` (no fresh allocation per bucket), the
   trainer's shared-memory buckets stay mapped (``tp_ranks.MappedStorages``), disk shards are
   ``readinto`` the parameters; each weight is checksummed right after it is written;
 * ``/weights_checker {"action": "checksum"}`` returns :func:`weights_checksum` (sha256 over the HF
   names, dtypes, shapes and bytes), not SGLang's per-engine digest;
-* weight updates are applied between two decoding steps; running requests continue on the new
-  weights unless the caller paused (``pause_generation``) or set ``abort_all_requests``.
+* ``keep_pause``, ``is_async``, ``token_step``, ``manifest``, ``recapture_cuda_graph``,
+  ``torch_empty_cache`` of the update bodies are accepted and have no effect (0.5.23 reads
+  ``keep_pause`` and ``is_async`` nowhere; a disk update never changes the pause state).
 
 Limits (a request must not be able to take the server down: ``n: 1000000`` once OOM-killed it):
 
@@ -78,6 +108,95 @@ DEFAULT_MAX_QUEUED = 4096  # --max-queued-requests (SGLang's default: unbounded)
 HEALTH_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT
 FLUSH_OK = ("Cache flushed.\nPlease check backend logs for more details. (When there are running "
             "or waiting requests, the operation will not be performed.)\n")
+# SGLang 0.5.23's answers (entrypoints/http_server.py, scheduler_components/flush_wrapper.py,
+# scheduler_components/weight_updater.py), checked against the wheel by
+# tests/rollout/test_server_conformance.py
+FLUSH_FAILED = "Flush cache failed.\n"
+FLUSH_BUSY = "Another flush_cache is already in progress."
+FLUSH_TIMED_OUT = "Timed out waiting for idle state."
+FLUSH_REFUSED_AFTER_UPDATE = (
+    "Weights were updated, but the cache was not flushed because requests are still running or "
+    "queued. Retract or finish them, then call /flush_cache.")
+SESSION_ALREADY_OPEN = ("a weight-update session is already open; call end_weight_update() "
+                        "first")
+NO_SESSION_OPEN = "no weight-update session is open; call begin_weight_update() first"
+OUTSIDE_SESSION = "{} must run between begin_weight_update() and end_weight_update()"
+
+EXTENSIONS = ("checksums", "delta", "timings")
+"""This server's extensions of SGLang's protocol, offered in ``/server_info``
+(``megatron_gspo_extensions``) unless started with ``--no-extensions``."""
+EXTENSIONS_HEADER = "X-Megatron-Gspo-Extensions"
+"""A request's negotiated extensions (comma-separated); without it a request is plain SGLang."""
+IMPLEMENTATION = "megatron-gspo local rollout server"
+
+
+def resolve_dp_layout(dp_size: int, attn_dp_size: int, enable_dp_attention: bool,
+                      tp_size: int) -> tuple[int, int]:
+    """(dp_size, attn_dp_size) as SGLang 0.5.23 resolves its flags: ``handle_deprecated_dp_attention``
+    (srt/arg_groups/parallel_hook.py) turns ``--enable-dp-attention --dp-size N`` into
+    ``attn_dp_size = N, dp_size = 1``; then its checks (``_handle_data_parallelism``)."""
+    if enable_dp_attention and attn_dp_size == 1:
+        attn_dp_size, dp_size = dp_size, 1
+    if dp_size < 1:
+        raise ValueError(f"--dp-size must be positive (got {dp_size}).")
+    if attn_dp_size < 1:
+        raise ValueError(f"--attn-dp-size must be positive (got {attn_dp_size}).")
+    if attn_dp_size > 1 and dp_size > 1:
+        raise ValueError(f"--dp-size {dp_size} with --attn-dp-size {attn_dp_size}: "
+                         "data-parallel replicas combined with attention data parallelism "
+                         "are not supported.")
+    if tp_size % attn_dp_size:
+        raise ValueError(f"--attn-dp-size {attn_dp_size}: tp_size {tp_size} must be divisible "
+                         "by it")
+    return dp_size, attn_dp_size
+
+
+class RWLock:
+    """SGLang's ``sglang.srt.utils.aio_rwlock.RWLock`` (the TokenizerManager's
+    ``model_update_lock``): readers share it, a writer waits for every reader, and a waiting
+    writer holds new readers back."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._readers = 0
+        self._writer_active = False
+        self._waiting_writers = 0
+
+    async def acquire_reader(self) -> None:
+        async with self._cond:
+            while self._writer_active or self._waiting_writers > 0:
+                await self._cond.wait()
+            self._readers += 1
+
+    async def release_reader(self) -> None:
+        async with self._cond:
+            self._readers -= 1
+            if self._readers == 0:
+                self._cond.notify_all()
+
+    async def is_locked(self) -> bool:
+        async with self._cond:
+            return self._writer_active or self._readers > 0
+
+    def writer(self):
+        lock = self
+
+        class _Writer:
+            async def __aenter__(self):
+                async with lock._cond:
+                    lock._waiting_writers += 1
+                    try:
+                        while lock._writer_active or lock._readers > 0:
+                            await lock._cond.wait()
+                        lock._writer_active = True
+                    finally:
+                        lock._waiting_writers -= 1
+
+            async def __aexit__(self, *exc):
+                async with lock._cond:
+                    lock._writer_active = False
+                    lock._cond.notify_all()
+        return _Writer()
 
 
 def _is_loopback(host: str) -> bool:
@@ -141,6 +260,23 @@ class LocalRolloutServer:
         """Directories update_weights_from_disk may read (resolved): the model's and
         --weight-roots."""
         self.startup_time = time.time()
+        self.extensions = [] if getattr(args, "no_extensions", False) else list(EXTENSIONS)
+        """The extensions offered (``--no-extensions``: none, every request is plain SGLang)."""
+        self.dp_size, self.attn_dp_size = resolve_dp_layout(
+            int(getattr(args, "dp_size", 1) or 1), int(getattr(args, "attn_dp_size", 1) or 1),
+            bool(getattr(args, "enable_dp_attention", False)), self.tp_size)
+        self.num_dp_ranks = self.dp_size * self.attn_dp_size  # SGLang's num_dp_ranks_of
+        self.enable_metrics = bool(getattr(args, "enable_metrics", False))
+        self.reported_weight_version = str(args.weight_version)
+        """The TokenizerManager's weight version (``/model_info``, ``meta_info.weight_version``
+        of unfinished chunks); the engine's (the scheduler's) moves first, this one only when
+        the update answered success."""
+        self.reported_model_path = str(self.engine.model_path)  # moved by a disk update
+        self.reported_load_format = "auto"
+        self._session: Optional[str] = None  # the open weight-update session's selector
+        self._rw = RWLock()  # model_update_lock: generates read, unpaused updates write
+        self._pause_lock = asyncio.Lock()  # SGLang's is_pause_cond
+        self._flush_pending = False
         self.paused = False
         self.shutting_down = False
         self._not_paused: Optional[asyncio.Event] = None
@@ -204,9 +340,9 @@ class LocalRolloutServer:
 
         if not queued_abort:
             meta["prompt_tokens"] = prompt_len
-        meta["weight_version"] = r.weight_version
+        meta["weight_version"] = self.reported_weight_version  # the TokenizerManager's
         if not queued_abort:
-            meta["num_retractions"] = 0
+            meta["num_retractions"] = r.num_retractions
         if item.return_logprob:
             if r.input_logprobs is None:
                 meta["input_token_logprobs"] = []
@@ -227,6 +363,12 @@ class LocalRolloutServer:
         if not queued_abort:
             meta["reasoning_tokens"] = 0
             meta["cached_tokens"] = 0
+        # SGLang 0.5.23: the scheduler's compute_weight_version_spans at finish, turned into
+        # "weight_versions" (and the last visible "weight_version") by the TokenizerManager
+        from pipeline.local.engine import add_weight_versions_to_meta_info
+
+        add_weight_versions_to_meta_info(meta, r.weight_version_spans, len(r.output_ids))
+        if not queued_abort:
             meta["dp_rank"] = 0
         meta["e2e_latency"] = r.e2e_latency
         if not queued_abort:
@@ -302,6 +444,25 @@ class LocalRolloutServer:
             if limit is not None and len(call.items) * n > limit - eng.counts()[1]:
                 return _json({"detail": QUEUE_FULL}, 503)  # before creating any request
             await self._loop_event().wait()  # pause_generation: new generates block
+            # SGLang holds the model-update reader lock from sending the request to its last
+            # answer: an update to an unpaused server (the writer) waits for every generate
+            await self._rw.acquire_reader()
+            released = False
+
+            async def release():
+                nonlocal released
+                if not released:
+                    released = True
+                    await self._rw.release_reader()
+            response = None
+            try:
+                response = await submit_and_answer(request, call, release)
+                return response
+            finally:
+                if not isinstance(response, StreamingResponse):  # a stream releases at its end
+                    await release()
+
+        async def submit_and_answer(request, call, release):
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue = asyncio.Queue()
 
@@ -321,7 +482,7 @@ class LocalRolloutServer:
             except RuntimeError as err:
                 return _json(proto.value_error_body(str(err)), 503)
             if call.stream:
-                return StreamingResponse(self._stream(request, call, expanded, queue),
+                return StreamingResponse(self._stream(request, call, expanded, queue, release),
                                          media_type="text/event-stream")
             remaining = len(expanded)
             while remaining:
@@ -362,11 +523,13 @@ class LocalRolloutServer:
             return Response(status_code=200 if eng.alive and not self.shutting_down else 503)
 
         def model_info():
-            return {
-                "model_path": str(eng.model_path), "served_model_name": str(eng.model_path),
+            return {  # model_path / served_model_name / load_format: moved by a disk update
+                "model_path": self.reported_model_path,
+                "served_model_name": self.reported_model_path,
                 "tokenizer_path": str(eng.model_path), "is_generation": True,
-                "preferred_sampling_params": None, "weight_version": eng.weight_version,
-                "load_format": "auto", "reasoning_parser": None, "tool_call_parser": None,
+                "preferred_sampling_params": None, "weight_version": self.reported_weight_version,
+                "load_format": self.reported_load_format, "reasoning_parser": None,
+                "tool_call_parser": None,
                 "disaggregation_mode": "null", "has_image_understanding": False,
                 "has_audio_understanding": False,
                 "model_type": getattr(eng.config, "model_type", None),
@@ -381,19 +544,25 @@ class LocalRolloutServer:
             running, waiting = eng.counts()
             return {
                 "model_path": str(eng.model_path), "tokenizer_path": str(eng.model_path),
-                "host": a.host, "port": a.port, "tp_size": self.tp_size, "dp_size": 1, "ep_size": 1,
-                "pp_size": 1, "attn_dp_size": 1, "random_seed": a.random_seed,
+                "host": a.host, "port": a.port, "tp_size": self.tp_size,
+                # as 0.5.23 resolves and reports them (ServerArgs.resolved_dict): replicas,
+                # attention-DP groups, and the deprecated flag true whenever attention DP runs
+                "dp_size": self.dp_size, "attn_dp_size": self.attn_dp_size,
+                "enable_dp_attention": self.attn_dp_size > 1, "ep_size": 1,
+                "pp_size": 1, "random_seed": a.random_seed,
                 "skip_tokenizer_init": eng.tokenizer is None, "device": eng.device.type,
                 "dtype": a.dtype, "load_format": "auto", "context_length": eng.context_length,
                 "max_running_requests": eng.max_running_requests,
                 "max_prefill_tokens": eng.max_prefill_tokens,
-                "enable_memory_saver": False, "weight_version": eng.weight_version,
+                "enable_memory_saver": False, "weight_version": str(a.weight_version),
+                "enable_metrics": self.enable_metrics,
                 "max_total_num_tokens": eng.context_length * eng.max_running_requests,
                 "max_req_input_len": eng.context_length - 1,
                 "internal_states": [{"num_running_reqs": running, "num_waiting_reqs": waiting,
                                      "num_finished_reqs": eng.num_finished,
                                      "last_gen_throughput": 0.0}],
-                "version": PROTOCOL_VERSION, "implementation": "megatron-gspo local rollout server",
+                "version": PROTOCOL_VERSION, "implementation": IMPLEMENTATION,
+                "megatron_gspo_extensions": list(self.extensions),
                 "startup_time": self.startup_time, "frontend": "python",
                 "launch_command": " ".join(sys.argv), "kv_events": None,
                 "weight_sync_impl": self.impl.origin,
@@ -411,22 +580,17 @@ class LocalRolloutServer:
                     "num_used_tokens": used, "max_total_num_tokens": total,
                     "token_usage": used / total if total else 0.0}
 
-        @app.get("/get_load")
-        async def get_load():
-            s = load_snapshot()
-            return [{"dp_rank": 0, "num_reqs": s["num_running_reqs"] + s["num_waiting_reqs"],
-                     "num_waiting_reqs": s["num_waiting_reqs"], "num_tokens": s["num_used_tokens"]}]
-
         @app.get("/v1/loads")
         async def loads():
             return {"timestamp": time.time(), "version": PROTOCOL_VERSION, "accelerator": "cpu",
                     "num_accelerators": 0, "loads": [load_snapshot()]}
 
-        @app.get("/metrics")
-        async def metrics():
-            running, waiting = eng.counts()
-            return PlainTextResponse(f"sglang:num_running_reqs {running}\n"
-                                     f"sglang:num_queue_reqs {waiting}\n")
+        if self.enable_metrics:  # SGLang mounts /metrics only with --enable-metrics
+            @app.get("/metrics")
+            async def metrics():
+                running, waiting = eng.counts()
+                return PlainTextResponse(f"sglang:num_running_reqs {running}\n"
+                                         f"sglang:num_queue_reqs {waiting}\n")
 
         @app.get("/v1/models")
         async def models():
@@ -434,12 +598,34 @@ class LocalRolloutServer:
                                                 "owned_by": "sglang", "root": str(eng.model_path)}]}
 
         @app.api_route("/flush_cache", methods=["GET", "POST"])
-        async def flush_cache():
-            running, waiting = eng.counts()
-            if running or waiting:
-                return PlainTextResponse("Cache not flushed. There are running or waiting requests "
-                                         f"({running} running, {waiting} waiting).\n", 400)
-            return PlainTextResponse(FLUSH_OK)
+        async def flush_cache(request: Request):
+            # SGLang: ``timeout`` query (float >= 0) -> FlushCacheReqInput.timeout_s, handled by
+            # SchedulerFlushWrapper; the answer is a bare Response (no media type)
+            try:
+                timeout = float(request.query_params.get("timeout", 0.0))
+                if not timeout >= 0.0:
+                    raise ValueError(f"timeout: {timeout} must be >= 0")
+            except ValueError as err:
+                return error_response(proto.ParseError(str(err)))
+            if self._flush_pending:
+                ok, message = False, FLUSH_BUSY
+            elif timeout <= 0.0 or eng.is_fully_idle():
+                ok, message = eng.flush_cache(), ""
+            else:
+                self._flush_pending = True
+                try:
+                    deadline = time.monotonic() + timeout
+                    while not eng.is_fully_idle() and time.monotonic() < deadline:
+                        await asyncio.sleep(0.01)
+                    if eng.is_fully_idle():
+                        ok, message = eng.flush_cache(), ""
+                    else:
+                        ok, message = False, FLUSH_TIMED_OUT
+                finally:
+                    self._flush_pending = False
+            if ok:
+                return Response(content=FLUSH_OK, status_code=200)
+            return Response(content=message or FLUSH_FAILED, status_code=400)
 
         @app.post("/abort_request")
         async def abort_request(request: Request):
@@ -457,29 +643,39 @@ class LocalRolloutServer:
         @app.post("/pause_generation")
         async def pause_generation(request: Request):
             try:
-                body = await _body(request)
+                obj = proto.parse_control(await _body(request), "PauseGenerationReqInput")
             except ValueError as err:
                 return error_response(err)
-            mode = body.get("mode") or "abort"
-            if mode not in ("abort", "retract", "in_place"):
-                return _json(proto.value_error_body(
-                    f"mode: {mode!r}, expected 'abort', 'retract' or 'in_place'"), 400)
-            self.paused = True
-            self._loop_event().clear()
-            if mode == "abort":
-                eng.abort(abort_all=True)
-                deadline = time.monotonic() + 60.0
-                while eng.counts() != (0, 0) and time.monotonic() < deadline:
-                    await asyncio.sleep(0.01)
-            else:
-                eng.hold(True)
+            mode = obj["mode"]
+            async with self._pause_lock:  # SGLang's is_pause_cond
+                self.paused = True
+                self._loop_event().clear()
+                if mode == "abort":
+                    # TokenizerManager.pause_generation: abort everything until no generate
+                    # holds the model-update lock (the scheduler itself is not paused)
+                    while True:
+                        eng.abort(abort_all=True)
+                        if not await self._rw.is_locked():
+                            break
+                        await asyncio.sleep(0.01)
+                else:  # the scheduler pauses (_engine_paused); retract frees the KV
+                    eng.hold(True)
+                    if mode == "retract":
+                        await asyncio.wrap_future(eng.call(eng.retract))
             return {"message": "Generation paused successfully.", "status": "ok"}
 
         @app.post("/continue_generation")
-        async def continue_generation():
-            eng.hold(False)
-            self.paused = False
-            self._loop_event().set()
+        async def continue_generation(request: Request):
+            try:
+                obj = proto.parse_control(await _body(request), "ContinueGenerationReqInput")
+            except ValueError as err:
+                return error_response(err)
+            async with self._pause_lock:
+                if obj["torch_empty_cache"] and eng.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                self.paused = False
+                eng.hold(False)
+                self._loop_event().set()
             return {"message": "Generation continued successfully.", "status": "ok"}
 
         @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
@@ -490,24 +686,58 @@ class LocalRolloutServer:
         def failed(message: str, **extra):
             return _json({"success": False, "message": message, **extra}, 400)
 
-        async def apply(tensors: dict, version: Optional[str]):
-            def load():
-                eng.load_weights(tensors)
-                if version is not None:
-                    eng.weight_version = str(version)
-            await asyncio.wrap_future(eng.call(load))
+        def negotiated(request) -> set:
+            """The extensions this request asked for (header) that the server offers."""
+            raw = request.headers.get(EXTENSIONS_HEADER, "")
+            return {e.strip() for e in raw.split(",") if e.strip()} & set(self.extensions)
 
-        async def apply_and_check(named: list, delta: bool, version: Optional[str]) -> str:
-            """Load a received bucket (full tensors and, with ``delta``, bf16 deltas) on the
-            engine thread; returns rank 0's bucket checksum of what it now holds."""
-            full, deltas = wt.delta_pairs(named) if delta else (dict(named), {})
+        def answer(success: bool, message: str, ext: set, *, checksums=None, timings=None,
+                   **extra):
+            """SGLang's ``{"success", "message", ...}`` (400 when not ``success``), plus the
+            negotiated extensions' keys only."""
+            body = {"success": success, "message": message, **extra}
+            if "checksums" in ext and checksums is not None:
+                body["checksums"] = checksums
+            if "timings" in ext and timings is not None:
+                body["timings"] = timings
+            return _json(body, 200 if success else 400)
 
-            def load():
-                checksum = eng.apply_update(full, deltas, checksum=True)
-                if version is not None:
-                    eng.weight_version = str(version)
-                return checksum
-            return await asyncio.wrap_future(eng.call(load))
+        def fan_out(message: str) -> str:
+            """``FanOutCommunicator.merge_results``: one answer per DP rank, joined."""
+            return " | ".join([message] * self.num_dp_ranks)
+
+        def replicas_unsupported(what: str):
+            """SGLang's ``assert get_parallel().dp_size == 1, ...`` in the TokenizerManager: an
+            uncaught AssertionError, which Starlette answers with its plain 500."""
+            log.error("AssertionError: data-parallel replicas are not supported for %s "
+                      "(--dp-size %d)", what, self.dp_size)
+            return PlainTextResponse("Internal Server Error", status_code=500)
+
+        async def locked(fn):
+            """An update as the TokenizerManager runs it: at once while paused (holding the
+            pause condition), else under the model-update writer lock, which waits for every
+            in-flight generate (each holds the reader lock) and holds new ones back."""
+            async with self._pause_lock:
+                if self.paused:
+                    return await fn()
+            async with self._rw.writer():
+                return await fn()
+
+        def after_update(version, flush: bool) -> tuple[bool, str]:
+            """Engine thread, after a successful load: SGLang's
+            ``record_weight_version_after_update`` then ``flush_cache_after_weight_update``."""
+            eng.set_weight_version(version)
+            if flush and not eng.flush_cache():
+                return False, FLUSH_REFUSED_AFTER_UPDATE
+            return True, ""
+
+        def finish_message(success: bool, message: str, version) -> str:
+            """The TokenizerManager's tail: on success the reported version moves."""
+            message = fan_out(message)
+            if success and version is not None:
+                self.reported_weight_version = str(version)
+                message += f" Weight version updated to {version}."
+            return message
 
         def on_workers(cmd: str, kws: list[dict]) -> list[concurrent.futures.Future]:
             """Start ``cmd`` on TP ranks 1.. (one kwargs dict each); futures of their results."""
@@ -516,117 +746,192 @@ class LocalRolloutServer:
         async def results(futures) -> list:
             return [await asyncio.wrap_future(f) for f in futures]
 
+        @app.post("/begin_weight_update")
+        async def begin_weight_update(request: Request):
+            try:
+                obj = proto.parse_control(await _body(request, required=True),
+                                          "BeginWeightUpdateReqInput")
+            except ValueError as err:
+                return error_response(err)
+
+            async def begin():
+                if self._session is not None:
+                    return False, SESSION_ALREADY_OPEN
+                self._session = obj["selector"]
+                return True, "Success"
+            success, message = await locked(begin)
+            return answer(success, fan_out(message), set())
+
+        @app.post("/end_weight_update")
+        async def end_weight_update(request: Request):
+            try:
+                proto.parse_control(await _body(request, required=True), "EndWeightUpdateReqInput")
+            except ValueError as err:
+                return error_response(err)
+
+            async def end():
+                if self._session is None:
+                    return False, NO_SESSION_OPEN
+                self._session = None
+                return True, "Success"
+            success, message = await locked(end)
+            return answer(success, fan_out(message), set())
+
         @app.post("/update_weights_from_disk")
         async def update_weights_from_disk(request: Request):
             try:
-                body = await _body(request, required=True)
+                obj = proto.parse_control(await _body(request, required=True),
+                                          "UpdateWeightFromDiskReqInput")
             except ValueError as err:
                 return error_response(err)
-            path, version = body.get("model_path"), body.get("weight_version")
-            if not isinstance(path, str) or not path:
-                return failed("model_path: required (a directory of safetensors files)",
-                              num_paused_requests=0)
-            if body.get("load_format") not in (None, "auto", "safetensors"):
-                return failed(f"load_format {body['load_format']!r} is not supported by the "
-                              "local server (auto / safetensors)", num_paused_requests=0)
-            if body.get("abort_all_requests"):
+            ext = negotiated(request)
+            path, version = obj["model_path"], obj["weight_version"]
+            paused_counts = 0 if self.num_dp_ranks == 1 else [0] * self.num_dp_ranks
+            if obj["load_format"] not in (None, "auto", "safetensors"):
+                return answer(False, f"load_format {obj['load_format']!r} is not supported by "
+                              "the local server (auto / safetensors)", ext,
+                              num_paused_requests=paused_counts)
+            if obj["abort_all_requests"]:
                 eng.abort(abort_all=True)
 
-            def load():
-                sums = eng.load_shards(path)
-                if version is not None:
-                    eng.weight_version = str(version)
-                return sums
-            try:  # checked first: a refused directory changes nothing on any TP rank
-                await asyncio.to_thread(self._check_weight_dir, path)
-            except Exception as err:  # noqa: BLE001 - every refusal is an answer, never a 500
-                return failed(f"Failed to update weights: {err}. The weights are unchanged.",
-                              num_paused_requests=0)
-            try:
-                t0 = time.perf_counter()
-                others = on_workers("disk", [{"path": path}] * len(self.tp_workers))
-                sums = await asyncio.wrap_future(eng.call(load))
-                sums_others = await results(others)
-                timings = {"load_s": time.perf_counter() - t0}
-            except Exception as err:  # noqa: BLE001 - reported in the body
-                return failed(f"Failed to update weights: {err}", num_paused_requests=0)
-            msg = "Succeeded to update model weights."
-            if version is not None:
-                msg += f" Weight version updated to {version}."
-            checksums = {f: [d, *(o[f] for o in sums_others)] for f, d in sums.items()}
-            return {"success": True, "message": msg, "num_paused_requests": 0,
-                    "checksums": checksums, "timings": timings}
+            async def update():
+                # keep_pause, is_async, token_step, manifest, recapture_cuda_graph: accepted and
+                # unused, as in 0.5.23 (no code there reads keep_pause or is_async; a disk
+                # update never changes the pause state)
+                try:  # checked first: a refused directory changes nothing on any TP rank
+                    await asyncio.to_thread(self._check_weight_dir, path)
+                except Exception as err:  # noqa: BLE001 - every refusal is an answer, never a 500
+                    return False, (f"Failed to update weights: {err}. The weights are "
+                                   "unchanged."), None, None
+                try:
+                    t0 = time.perf_counter()
+                    others = on_workers("disk", [{"path": path}] * len(self.tp_workers))
+
+                    def load():
+                        sums = eng.load_shards(path)
+                        return sums, after_update(version, obj["flush_cache"])
+                    sums, (ok, refusal) = await asyncio.wrap_future(eng.call(load))
+                    sums_others = await results(others)
+                    timings = {"load_s": time.perf_counter() - t0}
+                except Exception as err:  # noqa: BLE001 - reported in the body
+                    return False, f"Failed to update weights: {err}", None, None
+                checksums = {f: [d, *(o[f] for o in sums_others)] for f, d in sums.items()}
+                if not ok:
+                    return False, refusal, checksums, timings
+                return True, "Succeeded to update model weights.", checksums, timings
+
+            success, message, checksums, timings = await locked(update)
+            if success:  # the TokenizerManager's _update_model_path_info
+                self.reported_model_path = path
+                self.reported_load_format = obj["load_format"] or "auto"
+            return answer(success, finish_message(success, message, version), ext,
+                          checksums=checksums, timings=timings,
+                          num_paused_requests=paused_counts)
 
         @app.post("/update_weights_from_tensor")
         async def update_weights_from_tensor(request: Request):
             try:
-                body = await _body(request, required=True)
+                obj = proto.parse_control(await _body(request, required=True),
+                                          "UpdateWeightsFromTensorReqInput")
             except ValueError as err:
                 return error_response(err)
-            payloads = body.get("serialized_named_tensors")
-            if isinstance(payloads, str):
-                payloads = [payloads]
-            if not isinstance(payloads, list) or not payloads or not isinstance(payloads[0], str):
-                return failed("serialized_named_tensors: expected a list with one base64 "
-                              "string per TP rank")
-            delta = bool(body.get("delta"))
-            try:
-                raw = base64.b64decode(payloads[0], validate=True)
-            except (ValueError, TypeError) as err:
-                return failed(f"serialized_named_tensors: not base64 ({err})")
-            pickled = wt.looks_like_pickle(raw)
-            if pickled and not self.args_allow_pickle:
-                return failed("serialized_named_tensors: a pickled payload (SGLang's "
-                              "MultiprocessingSerializer) is refused: this server reads base64 "
-                              "safetensors unless started with --allow-pickled-tensors "
-                              "(127.0.0.1 only)")
-            if body.get("load_format") not in (None, "direct"):
-                return failed(f"load_format {body['load_format']!r}: the local server reads "
-                              "named tensors (load_format null or 'direct')")
-            if pickled and len(payloads) != self.tp_size:
-                return failed(f"serialized_named_tensors: {len(payloads)} entries for a server "
-                              f"with tp_size {self.tp_size} (one per TP rank)")
-            if body.get("abort_all_requests"):
+            if self.dp_size != 1:
+                return replicas_unsupported("update weights from tensor")
+            ext = negotiated(request)
+            delta = "delta" in ext and bool((await _body(request)).get("delta"))
+            payloads, version = obj["serialized_named_tensors"], obj["weight_version"]
+            if obj["abort_all_requests"]:
                 eng.abort(abort_all=True)
-            try:
-                if pickled:  # each TP rank deserialises its own entry, as SGLang's do
-                    others = on_workers("tensor", [{"payload": payloads[i + 1], "delta": delta}
-                                                   for i in range(len(self.tp_workers))])
-                    t0 = time.perf_counter()
-                    named = await asyncio.to_thread(lambda: list(self.impl.deserialize(payloads[0])))
-                    self._mapped.keep(named)
-                else:
-                    t0 = time.perf_counter()
-                    named = list((await asyncio.to_thread(decode_named_tensors, payloads[0])).items())
-                    others = on_workers("named", [{"named": named, "delta": delta}]
-                                        * len(self.tp_workers))
-                t1 = time.perf_counter()
-                checksum = await apply_and_check(named, delta, body.get("weight_version"))
-                checksums = [checksum, *(await results(others))]
-                timings = {"receive_s": t1 - t0, "load_s": time.perf_counter() - t1}
-            except Exception as err:  # noqa: BLE001 - a malformed payload is an answer, not a 500
-                return failed(f"Failed to update weights: {type(err).__name__}: {err}")
-            return {"success": True, "message": "Success", "checksums": checksums,
-                    "timings": timings}
+
+            async def update():
+                if self._session is None:
+                    return False, OUTSIDE_SESSION.format("update_weights_from_tensor"), None, None
+                if not payloads:
+                    return False, ("serialized_named_tensors: expected a list with one base64 "
+                                   "string per TP rank"), None, None
+                try:
+                    raw = base64.b64decode(payloads[0], validate=True)
+                except (ValueError, TypeError) as err:
+                    return False, f"serialized_named_tensors: not base64 ({err})", None, None
+                pickled = wt.looks_like_pickle(raw)
+                if pickled and not self.args_allow_pickle:
+                    return False, ("serialized_named_tensors: a pickled payload (SGLang's "
+                                   "MultiprocessingSerializer) is refused: this server reads "
+                                   "base64 safetensors unless started with "
+                                   "--allow-pickled-tensors (127.0.0.1 only)"), None, None
+                if obj["load_format"] not in (None, "direct"):
+                    return False, (f"load_format {obj['load_format']!r}: the local server reads "
+                                   "named tensors (load_format null or 'direct')"), None, None
+                if pickled and len(payloads) != self.tp_size:
+                    return False, (f"serialized_named_tensors: {len(payloads)} entries for a "
+                                   f"server with tp_size {self.tp_size} (one per TP rank)"), \
+                        None, None
+                try:
+                    if pickled:  # each TP rank deserialises its own entry, as SGLang's do
+                        others = on_workers("tensor", [
+                            {"payload": payloads[i + 1], "delta": delta}
+                            for i in range(len(self.tp_workers))])
+                        t0 = time.perf_counter()
+                        named = await asyncio.to_thread(
+                            lambda: list(self.impl.deserialize(payloads[0])))
+                        self._mapped.keep(named)
+                    else:
+                        t0 = time.perf_counter()
+                        named = list((await asyncio.to_thread(decode_named_tensors,
+                                                              payloads[0])).items())
+                        others = on_workers("named", [{"named": named, "delta": delta}]
+                                            * len(self.tp_workers))
+                    t1 = time.perf_counter()
+                    checksum, (ok, refusal) = await apply_and_check(named, delta, version,
+                                                                    obj["flush_cache"])
+                    checksums = [checksum, *(await results(others))]
+                    timings = {"receive_s": t1 - t0, "load_s": time.perf_counter() - t1}
+                except Exception as err:  # noqa: BLE001 - a malformed payload is an answer
+                    return False, f"Failed to update weights: {type(err).__name__}: {err}", \
+                        None, None
+                if not ok:
+                    return False, refusal, checksums, timings
+                return True, "Success", checksums, timings
+
+            success, message, checksums, timings = await locked(update)
+            return answer(success, finish_message(success, message, version), ext,
+                          checksums=checksums, timings=timings)
+
+        async def apply_and_check(named: list, delta: bool, version, flush: bool):
+            """Load a received bucket (full tensors and, with ``delta``, bf16 deltas) on the
+            engine thread, then record the version and flush (:func:`after_update`); returns
+            (rank 0's bucket checksum of what it now holds, (ok, refusal message))."""
+            full, deltas = wt.delta_pairs(named) if delta else (dict(named), {})
+
+            def load():
+                checksum = eng.apply_update(full, deltas, checksum=True)
+                return checksum, after_update(version, flush)
+            return await asyncio.wrap_future(eng.call(load))
 
         @app.post("/init_weights_update_group")
         async def init_weights_update_group(request: Request):
             try:
-                body = await _body(request, required=True)
-                addr, port = body["master_address"], int(body["master_port"])
-                rank, world = int(body.get("rank_offset", 1)), int(body["world_size"])
-            except (KeyError, TypeError, ValueError) as err:
-                return failed(f"Failed to initialize custom process group: bad request ({err})")
+                obj = proto.parse_control(await _body(request, required=True),
+                                          "InitWeightsUpdateGroupReqInput")
+            except ValueError as err:
+                return error_response(err)
+            if self.dp_size != 1:
+                return replicas_unsupported("update weights from distributed")
+            addr, port = obj["master_address"], obj["master_port"]
+            rank, world = obj["rank_offset"], obj["world_size"]
+            name, backend = obj["group_name"], obj["backend"]
             if not 1 <= rank < world:
-                return failed(f"Failed to initialize custom process group: rank_offset {rank} "
-                              f"with world_size {world}: this server joins at ranks 1 .. "
-                              "world_size - 1; rank 0 (the trainer) hosts the group's store")
-            name = body.get("group_name") or "weight_update_group"
-            backend = body.get("backend") or "gloo"
+                return failed(fan_out(
+                    f"Failed to initialize custom process group: rank_offset {rank} with "
+                    f"world_size {world}: this server joins at ranks 1 .. world_size - 1; "
+                    "rank 0 (the trainer) hosts the group's store"))
             if backend != "gloo":
-                return failed(f"backend {backend!r}: the local server runs on the CPU, use 'gloo'")
+                return failed(fan_out(f"Failed to initialize custom process group: backend "
+                                      f"{backend!r}: the local server runs on the CPU, use "
+                                      "'gloo'"))
             if name in self._groups:
-                return failed(f"Failed to initialize custom process group: {name!r} exists")
+                return failed(fan_out(f"Failed to initialize custom process group: {name!r} "
+                                      "exists"))
             timeout = self.args.weight_update_timeout
             try:  # rank_offset + tp_rank for every TP rank, all at once (they meet in one group)
                 others = on_workers("init_group", [
@@ -637,32 +942,32 @@ class LocalRolloutServer:
                                                 name, backend, timeout)
                 await results(others)
             except Exception as err:  # noqa: BLE001 - reported in the body
-                return failed(f"Failed to initialize custom process group: {err}")
+                return failed(fan_out(f"Failed to initialize custom process group: {err}"))
             self._groups[name] = group
-            return {"success": True, "message": "Succeeded to initialize custom process group."}
+            return {"success": True,
+                    "message": fan_out("Succeeded to initialize custom process group.")}
 
         @app.post("/update_weights_from_distributed")
         async def update_weights_from_distributed(request: Request):
             try:
-                body = await _body(request, required=True)
-                names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+                obj = proto.parse_control(await _body(request, required=True),
+                                          "UpdateWeightsFromDistributedReqInput")
+                names, dtypes, shapes = obj["names"], obj["dtypes"], obj["shapes"]
                 if not (len(names) == len(dtypes) == len(shapes)):
-                    raise ValueError("names, dtypes and shapes must have the same length")
+                    raise proto.ParseError("names, dtypes and shapes must have the same length")
                 for d in dtypes:
                     wt.parse_dtype(d)
-            except (KeyError, TypeError, ValueError) as err:
-                return failed(f"Failed to update parameter online: bad request ({err})")
-            name = body.get("group_name") or "weight_update_group"
-            if name not in self._groups:
-                return failed(f"Failed to update parameter online: no group {name!r}; call "
-                              "/init_weights_update_group first")
-            group = self._groups[name]
-            load_format = body.get("load_format")
-            delta = bool(body.get("delta"))
-            if body.get("abort_all_requests"):
+            except ValueError as err:
+                return error_response(err)
+            if self.dp_size != 1:
+                return replicas_unsupported("update weights from distributed")
+            ext = negotiated(request)
+            delta = "delta" in ext and bool((await _body(request)).get("delta"))
+            name, version, load_format = obj["group_name"], obj["weight_version"], obj["load_format"]
+            if obj["abort_all_requests"]:
                 eng.abort(abort_all=True)
 
-            def receive_all():
+            def receive_all(group):
                 # One broadcast at a time, in arrival order (SGLang's writer lock). The lock is
                 # held for the receive only: loading bucket k overlaps receiving bucket k+1.
                 with self._group_lock:
@@ -672,53 +977,77 @@ class LocalRolloutServer:
                     return receive(self.impl, group, names, dtypes, shapes, load_format,
                                    self._receive_buffers), others
 
-            buf = None
-            try:
-                t0 = time.perf_counter()
-                (named, buf), others = await asyncio.to_thread(receive_all)
-                t1 = time.perf_counter()
-                checksum = await apply_and_check(named, delta, body.get("weight_version"))
-                checksums_others = await results(others)
-                timings = {"receive_s": t1 - t0, "load_s": time.perf_counter() - t1}
-            except Exception as err:  # noqa: BLE001 - reported in the body
-                return failed(f"Failed to update parameter online: {err}")
-            finally:
-                if buf is not None:  # loaded (or failed): the buffer takes the next bucket
-                    self._receive_buffers.release(buf)
-            return {"success": True, "message": "Succeeded to update parameter online.",
-                    "checksums": [checksum, *checksums_others], "timings": timings}
+            async def update():
+                if self._session is None:
+                    return False, OUTSIDE_SESSION.format("update_weights_from_distributed"), \
+                        None, None
+                group = self._groups.get(name)
+                if group is None:
+                    return False, (f"Failed to receive weights: no group {name!r}; call "
+                                   "/init_weights_update_group first"), None, None
+                buf = None
+                try:
+                    t0 = time.perf_counter()
+                    try:
+                        (named, buf), others = await asyncio.to_thread(receive_all, group)
+                    except Exception as err:  # noqa: BLE001 - SGLang's message
+                        return False, f"Failed to receive weights: {err}", None, None
+                    t1 = time.perf_counter()
+                    checksum, (ok, refusal) = await apply_and_check(named, delta, version,
+                                                                    obj["flush_cache"])
+                    checksums = [checksum, *(await results(others))]
+                    timings = {"receive_s": t1 - t0, "load_s": time.perf_counter() - t1}
+                except Exception as err:  # noqa: BLE001 - reported in the body
+                    return False, f"Failed to update parameter online: {err}", None, None
+                finally:
+                    if buf is not None:  # loaded (or failed): the buffer takes the next bucket
+                        self._receive_buffers.release(buf)
+                if not ok:
+                    return False, refusal, checksums, timings
+                return True, "Succeeded to update parameter online.", checksums, timings
+
+            success, message, checksums, timings = await locked(update)
+            return answer(success, finish_message(success, message, version), ext,
+                          checksums=checksums, timings=timings)
 
         @app.post("/destroy_weights_update_group")
         async def destroy_weights_update_group(request: Request):
             try:
-                body = await _body(request)
+                obj = proto.parse_control(await _body(request), "DestroyWeightsUpdateGroupReqInput")
             except ValueError as err:
                 return error_response(err)
-            name = body.get("group_name") or "weight_update_group"
+            if self.dp_size != 1:
+                return replicas_unsupported("destroy parameter update group")
+            name = obj["group_name"]
             group = self._groups.pop(name, None)
             if group is None:
-                return failed(f"no group {name!r}")
+                return failed(fan_out(f"no group {name!r}"))
             await results(on_workers("destroy_group", [{"name": name}] * len(self.tp_workers)))
             wt.destroy_group(group)
-            return {"success": True, "message": "Succeeded to destroy custom process group."}
+            return {"success": True,
+                    "message": fan_out("Succeeded to destroy custom process group.")}
 
         @app.post("/update_weight_version")
         async def update_weight_version(request: Request):
             try:
-                body = await _body(request, required=True)
+                obj = proto.parse_control(await _body(request, required=True),
+                                          "UpdateWeightVersionReqInput")
             except ValueError as err:
                 return error_response(err)
-            version = body.get("new_version")
-            if version is None:
-                return failed("new_version: required")
-            if body.get("abort_all_requests", True):
+            version = obj["new_version"]
+            if obj["abort_all_requests"]:  # SGLang's default: True
                 eng.abort(abort_all=True)
 
             def set_version():
-                eng.weight_version = str(version)
-            await asyncio.wrap_future(eng.call(set_version))
+                eng.apply_pending_aborts()  # the scheduler takes the AbortReq first
+                eng.set_weight_version(version)
+            try:
+                await asyncio.wrap_future(eng.call(set_version))
+            except Exception as err:  # noqa: BLE001 - SGLang's failure body
+                return failed(f"Failed to update weight version: {err}")
+            self.reported_weight_version = version
             return {"success": True, "message": f"Weight version updated to {version}",
-                    "new_version": str(version)}
+                    "new_version": version}
 
         @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
         async def get_weights_by_name(request: Request):
@@ -747,7 +1076,7 @@ class LocalRolloutServer:
 
         return app
 
-    async def _stream(self, request, call, expanded, queue):
+    async def _stream(self, request, call, expanded, queue, release=None):
         """SSE, cumulative chunks (SGLang's default), ``data: [DONE]`` at the end."""
         remaining = len(expanded)
         try:
@@ -776,6 +1105,8 @@ class LocalRolloutServer:
             for r, _, _ in expanded:
                 if not r.finished:
                     self.engine.abort(r.rid)
+            if release is not None:
+                await release()
 
     def _partial(self, r: EngineRequest, plen: int, call, item) -> dict:
         n = len(r.output_ids)  # snapshot: the engine thread may append meanwhile
@@ -784,7 +1115,7 @@ class LocalRolloutServer:
             chunk["text"] = self.engine.decode(r.output_ids[:n]) or ""
         chunk["output_ids"] = list(r.output_ids[:n])
         meta: dict[str, Any] = {"id": r.rid, "finish_reason": None, "prompt_tokens": plen,
-                                "weight_version": self.engine.weight_version,
+                                "weight_version": self.reported_weight_version,
                                 "completion_tokens": n, "cached_tokens": 0}
         if item.return_logprob:
             meta["input_token_logprobs"] = []

@@ -97,7 +97,7 @@ def test_a_request_that_does_not_fit_the_queue_is_sglangs_503(server):
     thread.start()
     try:
         deadline = time.monotonic() + 30
-        while http_json("GET", server.url + "/get_load")[1][0]["num_waiting_reqs"] < 7:
+        while http_json("GET", server.url + "/v1/loads")[1]["loads"][0]["num_waiting_reqs"] < 7:
             assert time.monotonic() < deadline, "the long request never queued"
             time.sleep(0.01)
         status, answer = post(server, "/generate", {"input_ids": [6], "sampling_params": {

@@ -1,8 +1,8 @@
 """Fixtures of the rollout tests: SGLang's own code, a tiny model, an in-process server.
 
-SGLang's code comes from the sglang 0.5.23 wheel, fetched once with ``pip download --no-deps
-sglang==0.5.23`` into ``$MEGATRON_GSPO_CACHE`` (default ``~/.cache/megatron-gspo``) and never
-installed (it needs CUDA-only packages):
+SGLang's code comes from the sglang 0.5.23 wheel (``tests/sglang_wheel.py``: fetched once with
+``pip download --no-deps sglang==0.5.23`` into ``$MEGATRON_GSPO_CACHE``, default
+``~/.cache/megatron-gspo``, and never installed, it needs CUDA-only packages):
 
 * ``api_types``: its JSON schema module ``sglang/api/v1/api_types.py`` (needs only msgspec),
   loaded by path;
@@ -20,8 +20,6 @@ Without network access and without a cached wheel these tests are skipped with t
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
 import sys
 import threading
 import time
@@ -32,28 +30,10 @@ from pathlib import Path
 import pytest
 
 from tests.rollout.tiny import make_model_dir
+from tests.sglang_wheel import SGLANG_VERSION, cache_dir, wheel
 
-SGLANG_VERSION = "0.5.23"
 SCHEMA_MEMBER = "sglang/api/v1/api_types.py"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("MEGATRON_GSPO_CACHE", Path.home() / ".cache" / "megatron-gspo"))
-
-
-def _wheel() -> Path:
-    wheels = cache_dir() / "wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
-    found = sorted(wheels.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
-    if not found:
-        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q",
-                               f"sglang=={SGLANG_VERSION}", "-d", str(wheels)],
-                              capture_output=True, text=True, timeout=600)
-        found = sorted(wheels.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
-        if not found:
-            pytest.skip(f"cannot fetch the sglang {SGLANG_VERSION} wheel for its code "
-                        f"(pip download failed: {proc.stderr.strip()[-300:]})")
-    return found[0]
+_wheel = wheel  # the name the rollout tests import
 
 
 def _schema_path() -> Path:

@@ -69,9 +69,12 @@ def test_fault_injection_perturbs_the_weights_after_each_update(model_dir):
         server = InProcessServer(model_dir, fault_perturb_weights=fault)
         try:
             before = gap_stats(score_on_server(server.url, PROBES, timeout_s=60)[0], reference)
+            # SGLang 0.5.23: tensor updates only inside a weight-update session
+            assert http_json("POST", server.url + "/begin_weight_update", {})[0] == 200
             status, answer = http_json("POST", server.url + "/update_weights_from_tensor",
                                        update, timeout_s=60)
             assert status == 200 and answer["success"] is True, answer
+            assert http_json("POST", server.url + "/end_weight_update", {})[0] == 200
             after = gap_stats(score_on_server(server.url, PROBES, timeout_s=60)[0], reference)
         finally:
             server.close()

@@ -17,10 +17,10 @@ from tests.slurm.test_render import option, sbatch_components, srun_lines
 # recipe -> (training nodes, rollout nodes, world size, servers, the server command's flags)
 RECIPES = {
     "qwen3_30b_a3b": (2, 4, 16, 16, ["--tp-size 2", "--mem-fraction-static 0.85",
-                                     "--cuda-graph-max-bs 256"]),
-    "qwen3_235b_a22b": (8, 8, 64, 4, ["--tp-size 16", "--ep-size 16", "--enable-dp-attention "
-                                      "--dp-size 4", "--mem-fraction-static 0.8",
-                                      "--cuda-graph-max-bs 256", "--nnodes 2"]),
+                                     "--cuda-graph-max-bs-decode 256"]),
+    "qwen3_235b_a22b": (8, 8, 64, 4, ["--tp-size 16", "--ep-size 16", "--attn-dp-size 4",
+                                      "--mem-fraction-static 0.8",
+                                      "--cuda-graph-max-bs-decode 256", "--nnodes 2"]),
 }
 
 

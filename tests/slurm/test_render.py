@@ -97,8 +97,8 @@ def test_gpu_cluster_script(capsys, tmp_path):
     assert "--base-gpu-id $((SLURM_LOCALID * 4))" in body and "--host 0.0.0.0" in body
     assert "--port $((MGSPO_SERVER_PORT0 + 2 * i))" in body and "i=$SLURM_PROCID" in body
     # SGLang's flags from the recipe's rollout section
-    assert "--mem-fraction-static 0.85" in body and "--cuda-graph-max-bs 256" in body
-    assert "--ep-size" not in body and "--enable-dp-attention" not in body
+    assert "--mem-fraction-static 0.85" in body and "--cuda-graph-max-bs-decode 256" in body
+    assert "--ep-size" not in body and "dp-size" not in body and "--enable-dp-attention" not in body
     # router: one task on the rollout component's first node
     assert router[:2] == ["srun", "--het-group=0"]
     assert {"--nodes=1", "--ntasks=1", "--nodelist=$ROUTER_HOST", "--overlap"} <= set(router)
@@ -108,7 +108,8 @@ def test_gpu_cluster_script(capsys, tmp_path):
     # training: component 1, one task per GPU, MASTER_ADDR = its first node
     assert trainer[:2] == ["srun", "--het-group=1"]
     assert {"--nodes=8", "--ntasks-per-node=8", "--kill-on-bad-exit=0", "--wait=$TRAIN_WAIT_S"} <= set(trainer)
-    assert option(trainer, "export") == "ALL,MASTER_ADDR=$MASTER_ADDR,MASTER_PORT=$MASTER_PORT"
+    assert option(trainer, "export") == ("ALL,MASTER_ADDR=$MASTER_ADDR,MASTER_PORT=$MASTER_PORT,"
+                                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     assert "TRAIN_NODELIST=$SLURM_JOB_NODELIST_HET_GROUP_1\n" in script
     assert 'MASTER_ADDR=$(scontrol show hostnames "$TRAIN_NODELIST" | head -n 1)\n' in script
     tail = trainer[trainer.index("-m"):]
@@ -174,15 +175,20 @@ def test_cluster_environment_and_gpu_binding(capsys, tmp_path, monkeypatch):
     assert "export NCCL_IB_HCA=mlx5_0,mlx5_1\n" in script and "export NCCL_SOCKET_IFNAME=ib0\n" in script
     servers, _, trainer = srun_lines(script)
     assert option(trainer, "export") == ("ALL,MASTER_ADDR=$MASTER_ADDR,MASTER_PORT=$MASTER_PORT,"
-                                         "CUDA_DEVICE_MAX_CONNECTIONS=1,LOCAL_RANK=0")
+                                         "CUDA_DEVICE_MAX_CONNECTIONS=1,LOCAL_RANK=0,"
+                                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     assert option(trainer, "gpus-per-task") == "1" and option(servers, "gpus-per-task") == "4"
     body = servers[-1]
     assert "--base-gpu-id 0" in body and "SLURM_LOCALID" not in body
-    assert "--ep-size 4" in body and "--enable-dp-attention --dp-size 2" in body
+    # data-parallel attention: SGLang 0.5.23's --attn-dp-size (not the deprecated
+    # --enable-dp-attention --dp-size N); the server keeps --tp-size rollout.tp_size
+    assert "--ep-size 4" in body and "--tp-size 4 " in body and "--attn-dp-size 2" in body
+    assert "--enable-dp-attention" not in body and "--dp-size" not in body
     # the default binding: every task sees the node's GPUs; TP 1 / CP 1: no connection limit
     script = dry_run(capsys, tmp_path / "run2", *GPU_OPTIONS, sets=["rollout.tp_size=4"])
     servers, _, trainer = srun_lines(script)
-    assert option(trainer, "export") == "ALL,MASTER_ADDR=$MASTER_ADDR,MASTER_PORT=$MASTER_PORT"
+    assert option(trainer, "export") == ("ALL,MASTER_ADDR=$MASTER_ADDR,MASTER_PORT=$MASTER_PORT,"
+                                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     assert not any(w.startswith("--gpus-per-task") for w in servers + trainer)
     assert "# (none: pass launch slurm --env NAME=VALUE)" in script
     argv = ["launch", "slurm", "--config", QWEN, *GPU_OPTIONS, "--env", "NOT_SET_ANYWHERE_X",
@@ -191,6 +197,39 @@ def test_cluster_environment_and_gpu_binding(capsys, tmp_path, monkeypatch):
     monkeypatch.delenv("NOT_SET_ANYWHERE_X", raising=False)
     assert main(argv) == 2
     assert "--env NOT_SET_ANYWHERE_X: not set in this environment" in capsys.readouterr().err
+
+
+def test_training_allocator_setting_and_network_interface_guidance(capsys, tmp_path, monkeypatch):
+    """GPU training ranks get PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless --env names
+    the variable (then the site's value, exported in every step, is the one they see); CPU jobs
+    and the servers never get it. --help says how to pin gloo's and NCCL's interface."""
+    ours = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    script = dry_run(capsys, tmp_path / "a", *GPU_OPTIONS, sets=["rollout.tp_size=4"])
+    servers, router, trainer = srun_lines(script)
+    assert option(trainer, "export").split(",").count(ours) == 1
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in " ".join(servers + router)
+    assert "export PYTORCH_CUDA_ALLOC_CONF" not in script
+    for env, value in (("PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512", "max_split_size_mb:512"),
+                       ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")):
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+        script = dry_run(capsys, tmp_path / f"b{len(env)}", *GPU_OPTIONS, "--env", env,
+                         sets=["rollout.tp_size=4"])
+        (_, _, trainer) = srun_lines(script)
+        assert "PYTORCH_CUDA_ALLOC_CONF" not in option(trainer, "export"), env
+        assert f"export PYTORCH_CUDA_ALLOC_CONF={value}\n" in script, env
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    script = dry_run(capsys, tmp_path / "cpu", "--model-path", "/m",
+                     config="launch/configs/tiny_cpu.yaml")
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in script
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["launch", "slurm", "--help"])
+    assert exit_.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--env GLOO_SOCKET_IFNAME=ib0 --env NCCL_SOCKET_IFNAME=ib0" in help_text
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in help_text
+    readme = " ".join((ROOT / "slurm" / "README.md").read_text().split())
+    assert "GLOO_SOCKET_IFNAME" in readme and "PYTORCH_CUDA_ALLOC_CONF" in readme
 
 
 def test_memory_plan_refuses_a_layout_that_does_not_fit(capsys, tmp_path):
@@ -289,7 +328,8 @@ def test_gpu_script_runs_the_job_against_fake_slurm(capsys, tmp_path):
     assert router["options"]["nodelist"] == "gpu-001"
     assert router["env"]["ROUTER_PORT"] == str(port0)
     assert "--port $ROUTER_PORT" in router["command"][-1]
-    assert trainer["options"]["export"] == f"ALL,MASTER_ADDR=gpu-101,MASTER_PORT={port0 + 1}"
+    assert trainer["options"]["export"] == (f"ALL,MASTER_ADDR=gpu-101,MASTER_PORT={port0 + 1},"
+                                            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     assert trainer["command"][-1] == f"rollout.router_url=http://gpu-001:{port0}"
     assert servers["env"]["MGSPO_ROLLOUT_HOSTS"].split() == ["gpu-001", "gpu-002", "gpu-003", "gpu-004"]
     assert servers["env"]["MGSPO_SERVER_PORT0"] == str(port0 + 10)

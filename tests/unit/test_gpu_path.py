@@ -238,7 +238,12 @@ def test_optimizer_and_ddp_fields_use_megatrons_names(monkeypatch):
      r"optim\.optimizer_cpu_offload: needs optim\.use_distributed_optimizer"),
     ({"parallel": {"distributed_timeout_minutes": 0}}, r"parallel\.distributed_timeout_minutes: must be >= 1"),
     ({"rollout": {"tp_size": 4, "ep_size": 3}}, r"rollout\.ep_size: 3 does not divide rollout\.tp_size 4"),
-    ({"rollout": {"tp_size": 4, "dp_size": 2}}, r"rollout\.dp_size: 2 with rollout\.enable_dp_attention False"),
+    ({"rollout": {"tp_size": 4, "dp_size": 2, "weight_sync": "distributed"}},
+     r"rollout\.dp_size: 2 data-parallel replicas per server \(no rollout\.enable_dp_attention\)"),
+    ({"rollout": {"tp_size": 4, "dp_size": 2, "weight_sync": "tensor"}},
+     r"rollout\.dp_size: 2 data-parallel replicas"),
+    ({"rollout": {"tp_size": 4, "enable_dp_attention": True}},
+     r"rollout\.enable_dp_attention: needs rollout\.dp_size > 1"),
     ({"rollout": {"mem_fraction_static": 1.2}}, r"rollout\.mem_fraction_static: must be in \(0, 1\)"),
 ])
 def test_memory_and_server_fields_are_validated_naming_the_field(section, message):

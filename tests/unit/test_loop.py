@@ -362,3 +362,39 @@ def test_guard_lets_other_exceptions_through_without_a_collective():
         with guard.after_update():
             raise ZeroDivisionError
     assert stop.collectives == before and saves == []
+
+
+@pytest.mark.parametrize("start_step", [0, 3])
+def test_a_signal_during_start_up_does_not_claim_a_checkpoint(tmp_path, capsys, start_step):
+    """Issue 22, lesser finding: stopped before any step finished, nothing is saved (the start
+    needs no checkpoint), and neither the loop nor the session's summary says one was."""
+    from launch.rl_session import RLSession
+
+    rec = Recorder()
+    stop = loop.StopFlag()
+    stop.signum = signal.SIGTERM  # arrived while the session was starting
+    ctx = _ctx(tmp_path, rec, FakeClient(rec), stop=stop, steps=5)
+    result = loop.run(ctx, FakeTrainer(rec), start_step=start_step)
+    assert result["status"] == "preempted" and result["saved"] is False
+    assert not any(e.startswith("save") for e in rec.events)
+    session = SimpleNamespace(is_main=True, cfg=ctx.cfg, run_dir=tmp_path)
+    assert RLSession._finish(session, None, result) == loop.PREEMPTED_EXIT_CODE
+    out = capsys.readouterr().out
+    assert "; checkpoint saved" not in out and "preempted: checkpoint saved" not in out, out
+    assert f"no checkpoint saved (no step finished after step {start_step})" in out
+    assert f"preempted before a step finished: no checkpoint saved (nothing done after step " \
+           f"{start_step}); exit {loop.PREEMPTED_EXIT_CODE}" in out
+
+
+def test_a_signal_after_a_step_still_says_checkpoint_saved(tmp_path, capsys):
+    from launch.rl_session import RLSession
+
+    rec = Recorder()
+    stop = loop.StopFlag()
+    client = FakeClient(rec, fail_from_step=3, stop=stop)
+    ctx = _ctx(tmp_path, rec, client, stop=stop, steps=5)
+    result = loop.run(ctx, FakeTrainer(rec), start_step=0)
+    assert result["saved"] is True and rec.events[-1] == "save 2"
+    RLSession._finish(SimpleNamespace(is_main=True, cfg=ctx.cfg, run_dir=tmp_path), None, result)
+    out = capsys.readouterr().out
+    assert "checkpoint saved (step 2)" in out and "preempted: checkpoint saved; exit 75" in out
