@@ -229,15 +229,28 @@ class GSPOConfig:
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (per sequence the token-mean entropy of the policy)."""
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
-    """Where log pi_old comes from: recomputed by Megatron, or the rollout engine's (with the
-    sequence-level mismatch weight)."""
-    mismatch_correction: bool = True
-    """Weight each sequence by the truncated importance weight
-    min(exp(mean_t(log pi_old_trainer - log pi_rollout)), mismatch_cap) (detached): corrects for
-    the rollout engine sampling from a slightly different distribution than the trainer computes.
-    Needs old_logprobs: recompute (with rollout log-probs as pi_old the weight is 1)."""
+    """Where log pi_old of the ratio s_i comes from: the objective under staleness
+    (docs/gspo_math.md, "The objective under staleness"). ``recompute``: the DECOUPLED form;
+    pi_old is the proximal policy, the trainer's weights at the start of the step, recomputed by
+    Megatron (a forward pass per rollout batch), and the behaviour weight m_i (mismatch_correction)
+    corrects for the policy the tokens were sampled with (the rollout engine's numerics and, with
+    asynchronous rollout, older weight versions). ``rollout``: the BYPASS form; the rollout
+    engine's recorded per-token log-probs are pi_old (the ratio is taken against the behaviour
+    policy, no separate weight)."""
+    mismatch_correction: Optional[bool] = None
+    """Multiply each sequence's objective by the behaviour weight
+    m_i = min(exp(mean_t(log pi_old - log pi_rollout)), mismatch_cap), detached, from the rollout's
+    per-token log-probs (each token's from the weights that sampled it). None (default): on with
+    old_logprobs: recompute (the decoupled objective), off with rollout (there pi_old IS the
+    rollout's log-probs and the weight would be 1). true needs old_logprobs: recompute; false with
+    recompute clips against the proximal policy and ignores the behaviour policy."""
     mismatch_cap: float = 2.0
-    """Cap of the sequence-level rollout/trainer truncated importance weight."""
+    """C, the truncation of the behaviour weight m_i (>= 1; an upper cap only, as truncated IS).
+    m_i is a geometric mean over tokens like s_i, so its spread does not grow with the length: at
+    2.0 a sequence is truncated only when its mean per-token log-ratio exceeds ln 2 = 0.69, far
+    beyond what the engine's numerics or a few versions of staleness give at normal learning
+    rates, and no sequence weighs more than twice an on-policy one (also the default cap of verl's
+    and slime's truncated importance sampling, which they apply per token)."""
     updates_per_rollout: int = 1
     """k: optimizer steps (mini-batches) per rollout batch."""
     dynamic_sampling: bool = False
@@ -265,10 +278,18 @@ class GSPOConfig:
         _require(self.kl_coef >= 0, f"gspo.kl_coef: must be >= 0, got {self.kl_coef}")
         _require(self.mismatch_cap >= 1, f"gspo.mismatch_cap: must be >= 1, got {self.mismatch_cap}")
         _require(not (self.mismatch_correction and self.old_logprobs == "rollout"),
-                 "gspo.mismatch_correction: needs gspo.old_logprobs: recompute (with the rollout's "
-                 "log-probs as pi_old the weight is always 1); set it to false")
+                 "gspo.mismatch_correction: true needs gspo.old_logprobs: recompute (with the "
+                 "rollout's log-probs as pi_old, the bypass form, the weight is always 1); leave it "
+                 "unset or set it to false")
         _require(self.updates_per_rollout >= 1,
                  f"gspo.updates_per_rollout: must be >= 1, got {self.updates_per_rollout}")
+
+    def uses_behaviour_weight(self) -> bool:
+        """Whether the loss multiplies J_i by the behaviour weight m_i (mismatch_correction, None
+        resolved by old_logprobs: on for recompute, off for rollout)."""
+        if self.mismatch_correction is None:
+            return self.old_logprobs == "recompute"
+        return self.mismatch_correction
 
     def clip_range(self) -> tuple[float, float]:
         """(eps_low, eps_high) for the configured variant: the token range for the variants that

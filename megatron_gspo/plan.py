@@ -42,9 +42,10 @@ Besides the training ranks' GPU peak, the plan reports:
   and today handed whole to every training rank with the batch (not only its data-parallel
   share); printed with its size also when replay is off;
 * per rollout-server GPU (``rollout.weight_sync: distributed``): the NCCL buffers of the weight
-  update groups. Design: one update group per training pipeline stage, so each SGLang GPU joins
-  ``parallel.pipeline`` communicators; each is estimated at ``NCCL_UPDATE_GROUP_BYTES`` (below).
-  NCCL allocates them with cudaMalloc outside PyTorch's caching allocator, i.e. outside SGLang's
+  update groups. ``pipeline.weight_push`` makes one update group per source rank of the gather
+  (:func:`update_group_count`: ``parallel.pipeline x parallel.expert`` ranks), and every SGLang
+  GPU joins each of them; each is estimated at ``NCCL_UPDATE_GROUP_BYTES`` (below). NCCL
+  allocates them with cudaMalloc outside PyTorch's caching allocator, i.e. outside SGLang's
   ``mem_fraction_static`` (which covers its weights and KV-cache pool): they must fit in the
   remaining ``1 - mem_fraction_static`` of the GPU along with CUDA graphs and activations.
 
@@ -368,20 +369,35 @@ def routing_replay_bytes(cfg: Config) -> tuple[float, str]:
     return float(n), " x ".join(str(x) for x in shape)
 
 
-def _check_sizes(world_size, gpu_memory_gib, moe_imbalance) -> None:
-    """Refuse zero / negative / NaN / infinite sizes, naming the ``megatron-gspo plan`` flag."""
-    import math
+def update_group_count(cfg: Config) -> int:
+    """The weight-update groups every SGLang GPU joins with ``rollout.weight_sync: distributed``:
+    one per source rank of the gather (``pipeline.weight_push.WeightPusher._make_groups``).
 
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    ``hf.gather`` sends each HF tensor from the lowest rank holding it whole, else the lowest
+    holding a piece of it. Per pipeline stage that is one rank for the dense tensors (the stage's
+    lowest rank) and one per expert-parallel rank for the experts (each EP rank's experts whole
+    with expert_tensor 1, else the lowest rank of its expert-TP group); the stage's lowest rank
+    is also EP rank 0's, so ``pipeline x expert`` sources in all."""
+    p = cfg.parallel
+    return p.pipeline * (p.expert if cfg.model.num_experts else 1)
+
+
+def _check_sizes(world_size, gpu_memory_gib, moe_imbalance) -> None:
+    """Refuse zero / negative / NaN / infinite sizes (and non-numbers), naming the
+    ``megatron-gspo plan`` flag."""
+    import math
+    import numbers
+
+    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) \
+            or world_size < 1:
         raise ConfigError(f"--world-size: must be a positive integer (training ranks), "
                           f"got {world_size!r}")
     for flag, value, low, what in (("--gpu-memory-gib", gpu_memory_gib, 0.0, "> 0 GiB"),
                                    ("--moe-imbalance", moe_imbalance, 1.0,
                                     ">= 1 (the hottest expert rank's load over the mean)")):
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{flag}: must be a number {what}, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ConfigError(f"{flag}: must be a number {what}, got {value!r}")
+        number = float(value)
         if not math.isfinite(number) or number < low or (low == 0.0 and number == 0.0):
             raise ConfigError(f"{flag}: must be a finite number {what}, got {value!r}")
 
@@ -534,22 +550,25 @@ def plan_memory(cfg: Config, world_size: int, gpu_memory_gib: float, *, spec: st
     replay_on = cfg.gspo.routing_replay == "rollout"
     if replay_on:
         host_items.append(Item("routing-replay tensor", replay,
-                               "(the whole batch's, on every rank; rank 0 builds it)"))
+                               "(the whole batch's, on every rank; rank 0 builds it; about "
+                               "twice that while broadcast_object_list unpickles it)"))
     notes = [f"routing replay (gspo.routing_replay rollout): int16 [{shape}] (samples x "
              f"seq_length x layers x top-k) = {replay / 1e9:.2f} GB ({replay / GIB:.2f} GiB) per "
              "step, sent whole to every training rank"
              + (" (on: in the host memory above)" if replay_on else
                 f" (off here: routing_replay {cfg.gspo.routing_replay})")]
-    notes += _rollout_server_notes(cfg, p.pipeline, gpu_memory_gib)
+    notes += _rollout_server_notes(cfg, gpu_memory_gib)
     return MemoryPlan(describe_layout=layout.describe(), header=header, stages=stages,
                       gpu_memory_gib=gpu_memory_gib, host_items=host_items, notes=notes)
 
 
-def _rollout_server_notes(cfg: Config, pipeline: int, gpu_memory_gib: float) -> list[str]:
+def _rollout_server_notes(cfg: Config, gpu_memory_gib: float) -> list[str]:
     """Per SGLang GPU: the weight-update groups' NCCL buffers (``weight_sync: distributed``)."""
-    r = cfg.rollout
-    groups = NCCL_UPDATE_GROUP_BYTES * pipeline
-    estimate = (f"{pipeline} update group(s) (one per pipeline stage) x "
+    r, p = cfg.rollout, cfg.parallel
+    count = update_group_count(cfg)
+    groups = NCCL_UPDATE_GROUP_BYTES * count
+    estimate = (f"{count} update group(s) (one per source rank: pipeline {p.pipeline} x "
+                f"expert {p.expert if cfg.model.num_experts else 1}) x "
                 f"{NCCL_UPDATE_GROUP_BYTES / MIB:.0f} MiB NCCL buffers (NCCL_BUFFSIZE "
                 f"{NCCL_BUFFSIZE / MIB:.0f} MiB x {NCCL_CHANNELS} channels x 2) = "
                 f"{groups / GIB:.2f} GiB")

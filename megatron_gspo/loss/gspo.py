@@ -44,6 +44,15 @@ Loss (minimised):
     m_i  = sg[ min(exp((1/n_i) sum_t (old_it - rollout_it)), mismatch_cap) ]   (truncated IS weight,
            the MEAN log-ratio, never the sum), 1 when no rollout log-probs are given.
 
+The objective under staleness (docs/gspo_math.md, "The objective under staleness"). With
+old_it = the proximal policy (the trainer's weights at the start of the update, recomputed) and
+rollout_it = the behaviour policy (the log-prob each token was sampled with, recorded per token, so
+the tokens of one sequence may come from several weight versions), the loss above IS the decoupled
+GSPO objective: s_i measures the update against the proximal policy and is clipped, m_i (the
+behaviour weight) corrects for the behaviour policy, at sequence level with the same 1/n_i as s_i,
+truncated at mismatch_cap, detached. The bypass form passes the behaviour log-probs as
+old_log_probs and no rollout_log_probs (s_i against the behaviour policy, m_i = 1).
+
 Distributed decomposition (context parallelism). Everything non-linear above is a function of a
 few per-sequence sums over tokens: n_i, sum_t (lp - old), and, per variant, sums of local per-token
 terms. Each rank computes these sums over its own tokens as one ``[B, K]`` tensor and calls
@@ -165,8 +174,10 @@ def gspo_loss(
             ``kl_coef != 0``).
         entropy, entropy_coef: ``[B, T]`` per-token entropies (gradient flows through them);
             the bonus subtracts ``entropy_coef * H_i`` per sequence from the loss.
-        rollout_log_probs, mismatch_cap: the rollout engine's log-probs and the cap C of the
-            detached weight ``m_i = min(exp(mean_t(old - rollout)), C)`` multiplying J_i.
+        rollout_log_probs, mismatch_cap: the rollout engine's log-probs (the behaviour policy:
+            per token, the log-prob the token was sampled with, whichever weight version that was)
+            and the cap C of the detached weight ``m_i = min(exp(mean_t(old - rollout)), C)``
+            multiplying J_i (the decoupled objective's behaviour weight, module docstring).
 
     Returns:
         ``(loss, metrics)``: scalar loss; ``metrics`` maps names to detached 0-d tensors (means
@@ -184,9 +195,11 @@ def gspo_loss(
         token-clip variants: ``token_clip_frac_low``, ``token_clip_frac_high``,
             ``token_clip_frac``: the same as fractions of response tokens
         with ref_log_probs: ``kl_mean`` (mean_i KL_i); with entropy: ``entropy_mean`` (mean_i H_i)
-        with rollout_log_probs: ``mismatch_weight_mean`` (mean_i m_i), ``mismatch_capped_frac``
-            (fraction with exp(mean) > cap), ``mismatch_log_prob_abs_diff_mean`` (token-mean of
-            |old - rollout|)
+        with rollout_log_probs: ``mismatch_weight_mean`` (mean_i m_i), ``mismatch_weight_max``
+            (max_i m_i), ``mismatch_weight_ess`` (the normalised effective sample size of the
+            weights as applied, (sum_i m_i)^2 / (N sum_i m_i^2), in [1/N, 1]; 0 when N = 0),
+            ``mismatch_capped_frac`` (fraction with exp(mean) > cap),
+            ``mismatch_log_prob_abs_diff_mean`` (token-mean of |old - rollout|)
     """
     _check_options(variant, eps_low, eps_high, loss_denominator, ref_log_probs, kl_coef, entropy, entropy_coef,
                    rollout_log_probs, mismatch_cap)
@@ -286,6 +299,9 @@ def gspo_loss(
             metrics["entropy_mean"] = _masked_mean(sums["entropy_sum"] / num_tokens_safe_B, is_nonempty_B)
         if rollout_log_probs is not None:
             metrics["mismatch_weight_mean"] = _masked_mean(mismatch_weight_B, is_nonempty_B)
+            metrics["mismatch_weight_max"] = _masked_stats("mismatch_weight", mismatch_weight_B,
+                                                           is_nonempty_B)["mismatch_weight_max"]
+            metrics["mismatch_weight_ess"] = _effective_sample_size(mismatch_weight_B, is_nonempty_B)
             is_capped_B = (rollout_log_ratio_seq_B > log_cap) & is_nonempty_B
             metrics["mismatch_capped_frac"] = is_capped_B.sum() / num_nonempty
             metrics["mismatch_log_prob_abs_diff_mean"] = sums["rollout_abs_diff_sum"].sum() / num_tokens.clamp(min=1.0)
@@ -497,6 +513,21 @@ def _reduce_sequence_sums(sums_BK: Tensor, sequence_reduce: SequenceReduce | Non
 
 def _masked_mean(values_B: Tensor, is_included_B: Tensor) -> Tensor:
     return torch.where(is_included_B, values_B, 0.0).sum() / is_included_B.sum().clamp(min=1)
+
+
+def _effective_sample_size(weights_B: Tensor, is_included_B: Tensor) -> Tensor:
+    """``(sum_i w_i)^2 / (n sum_i w_i^2)`` over the included rows (n of them): 1 when all weights are
+    equal, 1/n when one carries everything; 0 when there are no rows (or every weight is 0). The
+    weights are divided by their max first (the value is scale-free), so tiny weights do not
+    underflow in the squares."""
+    weights_B = torch.where(is_included_B, weights_B.detach(), 0.0)
+    peak = torch.cat([weights_B, weights_B.new_zeros(1)]).amax()  # sentinel: B = 0 works
+    weights_B = weights_B / torch.where(peak > 0, peak, torch.ones_like(peak))
+    total, total_sq = weights_B.sum(), (weights_B * weights_B).sum()
+    count = is_included_B.sum().to(weights_B.dtype)
+    denominator = count * total_sq
+    return torch.where(denominator > 0, total * total / denominator.clamp(min=torch.finfo(weights_B.dtype).tiny),
+                       torch.zeros_like(total))
 
 
 def _masked_stats(name: str, values_B: Tensor, is_included_B: Tensor, *, with_std: bool = False) -> dict[str, Tensor]:

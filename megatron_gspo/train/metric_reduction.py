@@ -15,6 +15,10 @@ every metric name how it combines, as ``megatron_gspo.loss.gspo.gspo_loss`` docu
              each micro-batch's std, its mean (the metric named by ``mean``) and its count
     var      a population variance, pooled the same way (exactly the variance of all the values:
              sum_j w_j (v_j + (m_j - M)^2) / W is the sum of squares over the sum of counts)
+    ess      a normalised effective sample size (sum_i x_i)^2 / (n sum_i x_i^2) over sequences:
+             from each micro-batch's ess e_j, the mean m_j of the same values (``mean``) and its
+             count n_j, the mean square is q_j = m_j^2 / e_j (0 when e_j = 0: then every x_i = 0),
+             and the pooled value is M^2 / Q with M, Q the count-weighted means of m_j, q_j
     min/max  over the micro-batches that hold any sequence (an empty one reports a 0 sentinel)
 
 A metric name missing from the table (and from ``PATTERN_REDUCTIONS``, names with a layer
@@ -33,11 +37,11 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class Reduction:
-    how: Literal["sum", "mean", "sum_per", "std", "var", "min", "max"]
+    how: Literal["sum", "mean", "sum_per", "std", "var", "ess", "min", "max"]
     weight: Optional[str] = None
     """The count the metric is taken over: ``num_sequences`` or ``num_tokens``."""
     mean: Optional[str] = None
-    """For ``std`` / ``var``: the metric holding the mean of the same values."""
+    """For ``std`` / ``var`` / ``ess``: the metric holding the mean of the same values."""
 
 
 _COUNT = Reduction("sum")
@@ -66,7 +70,9 @@ REDUCTIONS: dict[str, Reduction] = {
     "clip_frac": _PER_SEQUENCE,
     "kl_mean": _PER_SEQUENCE,  # mean_i KL_i
     "entropy_mean": _PER_SEQUENCE,  # mean_i H_i, H_i the token-mean entropy of sequence i
-    "mismatch_weight_mean": _PER_SEQUENCE,
+    "mismatch_weight_mean": _PER_SEQUENCE,  # m_i, the behaviour weight (docs/gspo_math.md)
+    "mismatch_weight_max": _MAX,
+    "mismatch_weight_ess": Reduction("ess", "num_sequences", mean="mismatch_weight_mean"),
     "mismatch_capped_frac": _PER_SEQUENCE,
     # per-token statistics
     "token_clip_frac_low": _PER_TOKEN,  # fractions of response tokens
@@ -137,6 +143,12 @@ def combine_metrics(per_microbatch: list[dict]) -> dict[str, float]:
                 out[key] = sum(v for v, _ in entries) / total
             elif rule.how == "mean":
                 out[key] = sum(v * weight(m) for v, m in entries) / total
+            elif rule.how == "ess":  # (mean of x)^2 / (mean of x^2), over all sequences
+                means = [float(m[rule.mean]) for _, m in entries]
+                grand = sum(mu * weight(m) for mu, (_, m) in zip(means, entries)) / total
+                mean_sq = sum(weight(m) * (mu * mu / e if e > 0 else 0.0)
+                              for mu, (e, m) in zip(means, entries)) / total
+                out[key] = grand * grand / mean_sq if mean_sq > 0 else 0.0
             else:  # std / var: sum_j w_j (v_j + (m_j - M)^2) / W, the variance of all rows
                 means = [float(m[rule.mean]) for _, m in entries]
                 grand = sum(mu * weight(m) for mu, (_, m) in zip(means, entries)) / total

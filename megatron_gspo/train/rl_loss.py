@@ -8,7 +8,9 @@ A micro-batch (one row per sequence, prompt + response, right-padded to the sche
     response_mask   [b, s] bool    True where labels[:, t] is a response token
     old_log_probs   [b, s] float   log pi_old(labels)        (recomputed by Megatron, or rollout's)
     advantages      [b] or [b, s]  group-relative advantages
-    rollout_log_probs [b, s]       optional: the rollout engine's log-probs (mismatch weight)
+    rollout_log_probs [b, s]       the rollout engine's per-token log-probs (the behaviour
+                                   policy; each token's from the weights that sampled it): the
+                                   behaviour weight m_i of the decoupled objective
     ref_log_probs   [b, s]         with gspo.kl_coef > 0: log pi_ref of the frozen reference
                                    policy (computed by Megatron, forward only; RLTrainer)
 
@@ -60,7 +62,7 @@ def make_gspo_loss_fn(model: ModelConfig, gspo_cfg: GSPOConfig, pg_collection, *
         advantages = batch["advantages"]
         if advantages.dim() == 2:  # per token
             advantages = rows(advantages)
-        use_rollout = gspo_cfg.mismatch_correction
+        use_rollout = gspo_cfg.uses_behaviour_weight()  # decoupled: m_i; bypass: none
         loss_sum, metrics = gspo.gspo_loss(
             rows(log_probs),
             rows(batch["old_log_probs"]),

@@ -10,9 +10,13 @@
    parallelism each rank keeps its zigzag share of every row / sequence
    (``megatron_gspo.train.batching``). The output layer runs on response positions only
    (``logit_index``);
-2. log pi_old is recomputed by Megatron for EVERY mini-batch before the first update (forward only;
-   with ``gspo.old_logprobs: rollout`` the rollout engine's log-probs are used instead and the
-   sequence-level mismatch weight of docs/gspo_math.md applies), together with the policy's entropy;
+2. log pi_old is recomputed by Megatron for EVERY mini-batch before the first update (forward only),
+   together with the policy's entropy. The objective under staleness (docs/gspo_math.md):
+   ``gspo.old_logprobs: recompute`` is the decoupled form, pi_old the proximal policy (these
+   weights at the start of the step) in s_i and the batch's per-token ``rollout_log_probs`` (the
+   behaviour policy, of whichever weight versions sampled the tokens) in the truncated behaviour
+   weight m_i; ``rollout`` is the bypass form, the rollout's log-probs are pi_old and there is no
+   weight (the forward pass still runs, for the entropy, the rollout/trainer gap and routing);
    With ``gspo.kl_coef > 0`` the frozen reference policy (a second copy of the INITIAL policy,
    same layout, never updated) then computes log pi_ref for the same micro-batches, in the same
    forward-only way, for the k3 KL term of ``gspo_loss``;
@@ -81,6 +85,16 @@ def _policy_metrics(mb, log_probs, entropy, cp_group) -> dict:
     return {"num_sequences": float(num_sequences), "num_tokens": float(num_tokens),
             "entropy_mean": float(per_sequence_entropy.sum() / num_sequences.clamp_min(1)),
             "rollout_trainer_logprob_abs_diff": float(abs_diff / num_tokens.clamp_min(1))}
+
+
+def ratio_log_probs(gspo_cfg, recomputed: torch.Tensor, mb: dict) -> torch.Tensor:
+    """log pi_old of the ratio s_i (``mb["old_log_probs"]``), docs/gspo_math.md "The objective
+    under staleness": the recomputed log-probs of the proximal policy (this step's starting
+    weights) with ``gspo.old_logprobs: recompute`` (decoupled), the batch's recorded behaviour
+    log-probs ``rollout_log_probs`` with ``rollout`` (bypass)."""
+    if gspo_cfg.old_logprobs == "recompute":
+        return recomputed.detach()
+    return mb["rollout_log_probs"]
 
 
 class RLTrainer(CheckpointedTrainer):
@@ -176,10 +190,7 @@ class RLTrainer(CheckpointedTrainer):
                 log_probs, entropy = policy.micro_batch_log_probs(
                     logits, mb, self.cfg.model, self.pg, temperature=temperature,
                     with_entropy=True)
-            if self.cfg.gspo.old_logprobs == "recompute":
-                mb["old_log_probs"] = log_probs.detach()
-            else:
-                mb["old_log_probs"] = mb["rollout_log_probs"]
+            mb["old_log_probs"] = ratio_log_probs(self.cfg.gspo, log_probs, mb)
             return log_probs.new_zeros(()), _policy_metrics(mb, log_probs, entropy, self.pg.cp)
 
         gspo = self.cfg.gspo

@@ -76,6 +76,11 @@ def build_optimizer_config(optim: OptimConfig, params_dtype: str):
         if getattr(optim, name) and not torch.cuda.is_available():
             raise ConfigError(f"optim.{name}: a GPU-only Megatron optimizer option (CUDA "
                               "optimizer kernels and host/GPU state copies); set it to false on CPU")
+    if params_dtype != "float32" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"model.params_dtype: {params_dtype} needs a GPU (Megatron's mixed-precision "
+            "optimizer wraps only torch.cuda half/bfloat16 tensors); use float32 on a machine "
+            "without CUDA")
     if optim.use_distributed_optimizer and not torch.cuda.is_available():
         raise RuntimeError(
             "optim.use_distributed_optimizer: Megatron's distributed optimizer needs CUDA tensors; "

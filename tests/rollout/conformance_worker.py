@@ -38,7 +38,8 @@ class Recorder:
 
     def __enter__(self):
         def recorded(method, url, body=None, *, timeout_s=30.0, headers=None):
-            status, answer = self._real(method, url, body, timeout_s=timeout_s, headers=headers)
+            extra = {} if headers is None else {"headers": headers}
+            status, answer = self._real(method, url, body, timeout_s=timeout_s, **extra)
             parts = urllib.parse.urlsplit(url)
             shown = None
             if isinstance(body, dict):

@@ -168,6 +168,9 @@ def test_metrics_match_reference(variant):
         "kl_mean": sum(row["kl"] for row in rows) / len(rows),
         "entropy_mean": sum(row["entropy"] for row in rows) / len(rows),
         "mismatch_weight_mean": sum(row["mismatch_weight"] for row in rows) / len(rows),
+        "mismatch_weight_max": max(row["mismatch_weight"] for row in rows),
+        "mismatch_weight_ess": sum(row["mismatch_weight"] for row in rows) ** 2
+        / (len(rows) * sum(row["mismatch_weight"] ** 2 for row in rows)),
         "mismatch_capped_frac": sum(row["mismatch_weight"] == OPTIONAL_TERMS["mismatch_cap"] for row in rows)
         / len(rows),
     }

@@ -7,7 +7,10 @@
 * its verdicts: the published working layouts of gpu_path_review fit on their hardware, the
   project's previous 30B layout without recompute does not fit on 80 GB, and the shipped recipes
   fit on 80 GB H100s (tests/slurm/test_recipes.py runs them through config / plan / launch);
-* the command prints one itemised block per stage and ends with the ``fits:`` line.
+* the command prints one itemised block per stage and ends with the ``fits:`` line;
+* on both shipped recipes it reports, against arithmetic done here by hand, the weight sync's
+  gather buffers, the rollout servers' update-group buffers, the host copies of the CPU offload
+  and the routing-replay tensor; it refuses sizes that are not positive / finite, naming the flag.
 
 The comparison with measured peak RSS growth of tiny CPU runs is bench/bench_memory_plan.py
 (numbers in docs/performance.md).
@@ -21,7 +24,8 @@ import pytest
 import torch
 
 from megatron_gspo.config import ConfigError, config_from_dict
-from megatron_gspo.plan import GIB, PlanDoesNotFit, check_fits, plan_memory, stage_params
+from megatron_gspo.plan import (GIB, PlanDoesNotFit, check_fits, plan_memory, stage_params,
+                                update_group_count)
 from tests.distributed.spawn import run_on_ranks
 
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, head_dim=32,
@@ -52,7 +56,13 @@ def _count_worker(rank, world, cfg_dicts):
         gpt = policy.build_model(cfg.model, cfg.parallel, pg)
         expert = sum(p.numel() for n, p in gpt.named_parameters() if ".experts." in n)
         dense = sum(p.numel() for n, p in gpt.named_parameters() if ".experts." not in n)
-        out[name] = {"pp_rank": pg.pp.rank(), "dense": dense, "expert": expert}
+        from megatron_gspo.hf.gather import HFGather
+
+        gather = HFGather(cfg.model)
+        gather.local_pieces(gpt, pg)  # the weight sync's plan (collective)
+        sources = sorted({b.source for b in gather.plan.buckets})
+        out[name] = {"pp_rank": pg.pp.rank(), "dense": dense, "expert": expert,
+                     "sources": sources}
         parallel.destroy_model_parallel()
     return out
 
@@ -74,6 +84,8 @@ def test_parameter_counts_match_the_real_policy_on_every_rank(world, layouts):
         for rank_result in (r[name] for r in results):
             dense, expert = stage_params(cfg, rank_result["pp_rank"])
             assert (dense, expert) == (rank_result["dense"], rank_result["expert"]), (name, rank_result)
+            # the rollout servers join one update group per source rank of the weight sync
+            assert update_group_count(cfg) == len(rank_result["sources"]), (name, rank_result)
 
 
 # ---- activations: the local spec's per-token bytes against autograd's saved tensors -----------
@@ -279,3 +291,131 @@ def test_train_checks_the_plan_against_this_gpu():
     assert verdict.startswith("fits: no")
     assert check_training_memory(cfg, 16, proceed=False, env={},
                                  device_memory_gib=141).startswith("fits: yes")
+
+
+# ---- the recipes: weight-sync buffers, update groups, routing replay, host memory -------------
+
+MIB = float(1 << 20)
+RECIPES = {"launch/configs/qwen3_30b_a3b.yaml": 16, "launch/configs/qwen3_235b_a22b.yaml": 64}
+
+
+def _plan_lines(capsys, argv) -> tuple[int, list[str]]:
+    from launch.cli import main
+
+    code = main(["plan", *argv])
+    captured = capsys.readouterr()
+    return code, (captured.out + captured.err).strip().splitlines()
+
+
+def _gib(line: str, name: str) -> float:
+    assert line.lstrip().startswith(name), (name, line)
+    return float(line.lstrip()[len(name):].split()[0])
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_plan_on_the_recipes_reports_sync_buffers_update_groups_and_routing_replay(capsys, recipe):
+    import yaml
+
+    raw = yaml.safe_load(open(recipe))
+    m, par, run, rollout = raw["model"], raw["parallel"], raw["run"], raw["rollout"]
+    world = RECIPES[recipe]
+    code, out = _plan_lines(capsys, ["--config", recipe, "--world-size", str(world),
+                                     "--gpu-memory-gib", "80"])
+    assert code == 0 and out[-1].startswith("fits: yes"), "\n".join(out)  # as test_recipes says
+    stages = par.get("pipeline", 1)
+    assert sum(line.startswith("stage ") for line in out) == stages
+
+    # gather buffers: 2 x the largest bucket a rank sends; buckets of weight_sync_bucket_mb
+    # unless one tensor is larger: the (unpadded) embedding / lm_head, bf16, on the end stages
+    embedding = m["vocab_size"] * m["hidden_size"] * 2
+    bucket = rollout.get("weight_sync_bucket_mb", 512) * MIB
+    assert embedding > bucket  # both recipes: the end stages hold a larger tensor than a bucket
+    gathers = [_gib(line, "weight-sync gather buffers") for line in out
+               if "weight-sync gather buffers" in line]
+    expected = [2 * (embedding if s in (0, stages - 1) else bucket) / GIB for s in range(stages)]
+    assert gathers == pytest.approx(expected, abs=0.006), (gathers, expected)
+    assert f"a {embedding / MIB:.0f} MiB tensor" in next(l for l in out if "gather buffers" in l)
+
+    # routing replay: int16 [global_batch, seq_length, layers, top-k] per step
+    replay = 2 * run["global_batch_size"] * run["seq_length"] * m["num_layers"] * m["moe_router_topk"]
+    (line,) = [l for l in out if l.startswith("routing replay")]
+    assert (f"int16 [{run['global_batch_size']} x {run['seq_length']} x {m['num_layers']} x "
+            f"{m['moe_router_topk']}]") in line
+    assert f"= {replay / 1e9:.2f} GB" in line and "sent whole to every training rank" in line
+    assert {"launch/configs/qwen3_30b_a3b.yaml": "2.01 GB",       # the issue: ~2.0 / 3.9 GB
+            "launch/configs/qwen3_235b_a22b.yaml": "3.94 GB"}[recipe] in line
+
+    # update groups on every SGLang GPU: one per source rank = pipeline x expert, 128 MiB each
+    groups = stages * par["expert"]
+    assert groups == {"launch/configs/qwen3_30b_a3b.yaml": 16,      # the issue: 16 / 64
+                      "launch/configs/qwen3_235b_a22b.yaml": 64}[recipe]
+    (line,) = [l for l in out if l.startswith("rollout-server GPU")]
+    assert rollout["weight_sync"] == "disk" and "would add" in line
+    assert f"{groups} update group(s)" in line and f"= {groups * 128 * MIB / GIB:.2f} GiB" in line
+
+    # host memory: only the 235B recipe offloads its optimizer; 16 bytes per offloaded parameter
+    # with Adam: fp32 parameter copy 4 + m, v 8 (one item), fp32 gradient copy 4 (another)
+    offload = raw.get("optim", {}).get("optimizer_cpu_offload", False)
+    host = [i for i, l in enumerate(out) if l.startswith("host memory per rank")]
+    assert bool(host) == offload
+    if offload:
+        cfg = config_from_dict(raw)
+        dp = world // (par.get("tensor", 1) * stages * par.get("context", 1))
+        edp = world // (stages * par["expert"] * par.get("expert_tensor", 1))
+        params = max(d / dp + e / edp for d, e in (stage_params(cfg, s) for s in range(stages)))
+        states = _gib(out[host[0] + 1], "offloaded optimizer states")
+        grads = _gib(out[host[0] + 2], "host gradient copy")
+        assert states == pytest.approx(12 * params / GIB, abs=0.006)
+        assert grads == pytest.approx(4 * params / GIB, abs=0.006)
+        assert float(out[host[0]].split(": ")[1].split()[0]) == pytest.approx(16 * params / GIB,
+                                                                             abs=0.06)
+
+
+def test_plan_reports_distributed_sync_groups_and_replay_on_in_host_memory(capsys, tmp_path):
+    import yaml
+
+    cfg = copy.deepcopy(OLD_30B)
+    cfg["rollout"].update({"weight_sync": "distributed", "mem_fraction_static": 0.8,
+                           "tp_size": 2})
+    cfg["gspo"]["routing_replay"] = "rollout"  # no recompute here: replay is allowed
+    path = tmp_path / "replay.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    code, out = _plan_lines(capsys, ["--config", str(path), "--world-size", "16",
+                                     "--gpu-memory-gib", "141"])
+    assert code == 0, "\n".join(out)
+    (line,) = [l for l in out if l.startswith("rollout-server GPU")]
+    assert line.startswith("rollout-server GPU (weight_sync distributed, 2 GPU(s) per server): "
+                           "16 update group(s)")
+    assert "= 2.00 GiB per GPU" in line and "0.20 x 141 GiB = 28.2 GiB" in line
+    replay = 2 * 256 * 10240 * 48 * 8
+    (host,) = [i for i, l in enumerate(out) if l.startswith("host memory per rank")]
+    assert _gib(out[host + 1], "routing-replay tensor") == pytest.approx(replay / GIB, abs=0.006)
+    assert "(on: in the host memory above)" in next(l for l in out if l.startswith("routing replay"))
+    plan = plan_memory(config_from_dict(cfg), 16, 141)
+    assert plan.host_bytes == replay  # no offload: the replay tensor is all
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--world-size", "0"], "--world-size"),
+    (["--world-size", "-16"], "--world-size"),
+    (["--gpu-memory-gib", "0"], "--gpu-memory-gib"),
+    (["--gpu-memory-gib", "-80"], "--gpu-memory-gib"),
+    (["--gpu-memory-gib", "nan"], "--gpu-memory-gib"),
+    (["--gpu-memory-gib", "inf"], "--gpu-memory-gib"),
+    (["--moe-imbalance", "0.5"], "--moe-imbalance"),
+    (["--moe-imbalance", "nan"], "--moe-imbalance"),
+    (["--moe-imbalance=-inf"], "--moe-imbalance"),
+])
+def test_plan_refuses_bad_sizes_naming_the_flag(capsys, argv, flag):
+    code, out = _plan_lines(capsys, ["--config", "launch/configs/qwen3_30b_a3b.yaml", *argv])
+    text = "\n".join(out)
+    assert code == 2 and "configuration error" in text and f"{flag}: must be" in text, text
+    assert not any(line.startswith("stage ") for line in out)
+
+
+@pytest.mark.parametrize("world, gib, imbalance", [
+    (True, 80, 1.0), (16.0, 80, 1.0), (0, 80, 1.0), (16, 0.0, 1.0), (16, float("nan"), 1.0),
+    (16, "80", 1.0), (16, 80, 0.99), (16, 80, float("inf")), (16, None, 1.0)])
+def test_plan_memory_refuses_bad_sizes(world, gib, imbalance):
+    with pytest.raises(ConfigError, match=r"--(world-size|gpu-memory-gib|moe-imbalance): must be"):
+        plan_memory(config_from_dict(OLD_30B), world, gib, moe_imbalance=imbalance)
