@@ -10,8 +10,8 @@ this module adds what needs the files, the world or the network:
 ========================================  ======  ======  ======  ============
 check                                     config  train   sft     launch slurm
 ========================================  ======  ======  ======  ============
-data files exist and parse (every row)    yes     yes     yes     yes
-``run.init_from`` exists                   yes     yes     yes     yes
+data files exist and parse (every row)    yes*    yes     yes     yes
+``run.init_from`` exists                   yes*    yes     yes     yes
 data-parallel split of a mini-batch       yes     yes     yes     yes
 longest prompt + rollout.max_new_tokens   yes     yes     -       yes
 the same within a packed micro-batch      yes     yes     -       yes
@@ -25,9 +25,10 @@ apex wgrad kernel (with CUDA, when         -       yes     yes     -
 ``model.gradient_accumulation_fusion``)
 ========================================  ======  ======  ======  ============
 
-``config`` only notes an unreachable external router (a ``# note:`` line, exit 0): the file it
-validates is often meant for ``launch slurm``, whose job starts the router itself (the shipped
-recipes name a placeholder URL).
+``config`` (``*``) only notes an unreachable external router and input paths that do not exist on this
+machine (``# note:`` lines, exit 0; the length checks, which read those files, are then skipped):
+the file it validates is often meant for ``launch slurm`` on a cluster, whose job starts the
+router itself and whose file system holds the data (the shipped recipes name placeholders).
 
 Lengths are measured on the actual prompts (every row of ``data.train_path`` / ``eval_path``
 through the configured tokenizer; the synthetic tasks' longest prompt is ``2 * data.digits + 2``
@@ -51,12 +52,29 @@ ROUTER_TIMEOUT_S = 5.0
 """How long an external router gets to answer before the run is refused."""
 
 
-def check(cfg: Config, *, program: Program, world_size: Optional[int]) -> None:
+def missing_inputs(cfg: Config) -> list[tuple[str, str]]:
+    """(field, path) of every input path the configuration names that does not exist here:
+    ``run.init_from``, ``data.train_path``, ``data.eval_path``, ``data.tokenizer_dir``."""
+    named = [("run.init_from", cfg.run.init_from), ("data.train_path", cfg.data.train_path),
+             ("data.eval_path", cfg.data.eval_path), ("data.tokenizer_dir", cfg.data.tokenizer_dir)]
+    return [(f, p) for f, p in named if p and not Path(p).exists()]
+
+
+def check(cfg: Config, *, program: Program, world_size: Optional[int],
+          notes: Optional[list[str]] = None) -> None:
     """Raise the first input error of ``cfg`` for ``program`` (see the module docstring).
-    ``world_size``: the ranks the run will have (None: unknown, the split is not checked)."""
+    ``world_size``: the ranks the run will have (None: unknown, the split is not checked).
+    ``notes`` (``config`` only): input paths missing on this machine (a recipe's placeholders, a
+    cluster's file system) are appended there instead of raised, and the checks that read them
+    are skipped; every other program refuses them."""
     if program in ("train", "sft"):
         check_gradient_accumulation_fusion(cfg)
-    _check_init_from(cfg)
+    missing = missing_inputs(cfg) if notes is not None else []
+    if missing:
+        notes.extend(f"{field}: {path} does not exist on this machine (train and launch slurm "
+                     "refuse it; the checks that read it were skipped)" for field, path in missing)
+    if not missing:
+        _check_init_from(cfg)
     if world_size is not None:
         from megatron_gspo.parallel import derive_layout
 
@@ -73,7 +91,8 @@ def check(cfg: Config, *, program: Program, world_size: Optional[int]) -> None:
     if program == "sft":
         _check_sft_lengths(cfg)
         return
-    _check_rl_lengths(cfg)
+    if not missing:
+        _check_rl_lengths(cfg)
     from pipeline.rewards import build_reward
 
     build_reward(cfg.reward, cfg.data)  # imports a reward function; RewardError names it

@@ -24,6 +24,15 @@ if TYPE_CHECKING:
     from pipeline.weight_push import WeightPusher
 
 
+def weight_pusher_options(r, run_dir: Path) -> dict:
+    """``WeightPusher``'s settings from the config's rollout section: every HTTP call of a sync is
+    bounded by ``rollout.request_timeout_s`` (a 235B disk reload can take many minutes)."""
+    return dict(transport=r.weight_sync, shared_dir=r.weight_sync_dir or str(Path(run_dir) / "weights"),
+                master_address=r.weight_sync_master_address, verify=r.weight_sync_verify,
+                delta=r.weight_sync_delta, timeout_s=r.request_timeout_s,
+                full_every=r.weight_sync_full_every)
+
+
 def validate_rl(cfg: Config, *, on_gpu: Optional[bool] = None) -> None:
     """What depends on this machine, not on the file (errors name the fields); ``on_gpu``
     defaults to whether this machine has CUDA. Every check the file alone decides (batch splits,
@@ -232,13 +241,8 @@ class RLSession:
 
         rank0_urls = [server_urls if self.is_main else None]
         dist.broadcast_object_list(rank0_urls, src=0, group=self.control)
-        r = self.cfg.rollout
-        pusher = WeightPusher(rank0_urls[0], transport=r.weight_sync,
-                              shared_dir=r.weight_sync_dir or str(self.run_dir / "weights"),
-                              master_address=r.weight_sync_master_address,
-                              verify=r.weight_sync_verify, delta=r.weight_sync_delta,
-                              timeout_s=r.request_timeout_s,
-                              full_every=r.weight_sync_full_every, group=self.control)
+        pusher = WeightPusher(rank0_urls[0], **weight_pusher_options(self.cfg.rollout, self.run_dir),
+                              group=self.control)
         self._resources.callback(pusher.close)
         return pusher
 

@@ -7,8 +7,10 @@ checks, with the same messages, as ``sft``, ``train`` and ``launch slurm`` (they
 through ``megatron_gspo.config.load_config``), and then what needs the world (``--world-size``, or
 the smallest one ``sft`` / ``train`` would start): the parallel factors and the data-parallel
 split of a mini-batch; and what ``launch.preflight`` checks for a GSPO run (the data files and
-their lengths, the reward function, ``run.init_from``). An external router that does not answer
-is a ``# note:`` line, not an error (``train`` refuses it; a ``launch slurm`` job starts its own).
+their lengths, the reward function, ``run.init_from``). An external router that does not answer,
+and input paths that do not exist on this machine (a recipe's placeholders), are ``# note:``
+lines, not errors (``train`` and ``launch slurm`` refuse them; a ``launch slurm`` job starts its
+own router).
 """
 
 from __future__ import annotations
@@ -37,10 +39,13 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = load_from_args(args)
     world = args.world_size or minimal_world_size(cfg.parallel)
     # without --world-size: the world sft / train start; nothing printed before the verdict
-    preflight.check(cfg, program="config", world_size=world)
+    notes: list[str] = []
+    preflight.check(cfg, program="config", world_size=world, notes=notes)
     layout = derive_layout(cfg.parallel, world)
     validate_data_parallel(cfg, layout.data)
     print(dump_config(cfg), end="")
+    for note in notes:
+        print(f"# note: {note}")
     if cfg.rollout.mode == "external":  # train refuses an unreachable router; here a note
         try:
             preflight.check_router(cfg.rollout.router_url)

@@ -78,11 +78,12 @@ def file_run(path: Path) -> tuple[str, ...]:
 # (case id, overrides, fragments of the message, the commands that check it)
 ALL = tuple(COMMANDS)
 RL = ("config", "train", "launch slurm")  # what only GSPO reads (rollout, reward)
+RUNS = tuple(c for c in ALL if c != "config")  # config notes a missing input path (below)
 CASES = [
     ("missing train file", lambda f: file_run(f["dir"] / "nope.jsonl"),
-     ["nope.jsonl", "not found"], ALL),
+     ["nope.jsonl", "not found"], RUNS),
     ("missing eval file", lambda f: (*file_run(f["ok"]), f"data.eval_path={f['dir'] / 'held.jsonl'}"),
-     ["held.jsonl", "not found"], ALL),
+     ["held.jsonl", "not found"], RUNS),
     ("reward module missing", lambda f: ("reward.kind=function", "reward.function=no_such_module_7q:score"),
      ["reward.function", "no_such_module_7q"], RL),
     ("reward file missing", lambda f: ("reward.kind=function", f"reward.function={f['dir'] / 'r.py'}:score"),
@@ -101,7 +102,7 @@ CASES = [
     ("prompt + label > seq_length (sft)", lambda f: ("data.digits=8",),
      ["data.digits 8", "run.seq_length 16"], ("sft",)),
     ("run.init_from missing", lambda f: (f"run.init_from={f['dir'] / 'no_policy'}",),
-     ["run.init_from", "no_policy", "does not exist"], ALL),
+     ["run.init_from", "no_policy", "does not exist"], RUNS),
     ("run.init_from empty", lambda f: ("run.init_from=",), ["run.init_from", "empty"], ALL),
     ("run.output_dir empty", lambda f: ("run.output_dir=",), ["run.output_dir", "empty"], ALL),
     ("optim.lr inf", lambda f: ("optim.lr=.inf",), ["optim.lr", "finite", "inf"], ALL),
@@ -136,6 +137,22 @@ def test_bad_input_exits_2_with_one_message_before_anything_starts(case, command
     code, out, err, _ = run(command, capfd, *overrides)
     assert_one_message(code, out, err, command, *fragments)
     assert not (tmp_path / "run").exists()  # nothing was started, nothing written
+
+
+@pytest.mark.parametrize("field, value", [("data.train_path", "nope.jsonl"),
+                                          ("data.eval_path", "held.jsonl"),
+                                          ("run.init_from", "no_policy"),
+                                          ("data.tokenizer_dir", "no_tokenizer")])
+def test_config_notes_input_paths_missing_on_this_machine(field, value, files, capfd, tmp_path):
+    """``config`` validates files meant for a cluster (the recipes' placeholder paths): a path
+    that does not exist here is a note naming the field, exit 0; train / sft / launch slurm
+    refuse it (the cases above)."""
+    settings = [f"run.output_dir={tmp_path / 'run'}", *file_run(files["ok"])]
+    missing = files["dir"] / value
+    code, out, err, _ = run("config", capfd, *settings, f"{field}={missing}")
+    assert code == 0 and err == "", err
+    assert re.search(rf"^# note: {re.escape(field)}: {re.escape(str(missing))} does not exist on "
+                     "this machine", out, re.M), out[-2000:]
 
 
 def test_unreachable_external_router_is_named_within_seconds(capfd, no_ranks, tmp_path):
