@@ -132,8 +132,14 @@ def outcome(directory: Path, *, world_size: int, agent_code: int, command: str,
     if any(s["code"] == PREEMPTED for s in ranks.values()):
         return Outcome(PREEMPTED, f"{prefix}: stopped after saving a checkpoint; exit "
                                   f"{PREEMPTED} (continue with --resume)")
-    if len(ranks) == world_size and agent_code == 0:
-        return Outcome(0)
+    if len(ranks) == world_size:
+        if agent_code == 0:
+            return Outcome(0)
+        # every rank finished (0): a stop signal came during the last step, too late to stop
+        # it (pipeline.loop.StepGuard finishes the last step and exports the policy); torchrun,
+        # stopped by the signal itself, exits 128 + N. The run is complete: 0, nothing to resume
+        return Outcome(0, f"{prefix}: the run finished (the stop signal came during its last "
+                          "step); nothing to resume")
     missing = sorted(set(range(world_size)) - set(ranks))
     return Outcome(agent_code or 1, f"{prefix}: ranks {missing} ended without reporting "
                                     f"(torchrun exited with status {agent_code}); see {log_dir}")

@@ -199,9 +199,13 @@ class RLSession:
         return loop.LoopContext(
             **common, logger=logger, sampler=sampler,
             eval_prompts=eval_prompts if cfg.run.eval_interval else [],
-            reward_fn=build_reward(cfg.reward, cfg.data), client=client, decode=encoder.decode,
+            # a stop signal abandons a user reward's call at once: the rank saves and stops
+            reward_fn=build_reward(cfg.reward, cfg.data,
+                                   interrupted=lambda: self.stop.signum is not None),
+            client=client, decode=encoder.decode,
             stop_token_ids=[encoder.eos_id], server_urls=list(server_urls), servers=pool,
-            parity=_parity_watchdog(cfg, run_dir, eval_set=eval_set, train_set=train_set))
+            parity=_parity_watchdog(cfg, run_dir, eval_set=eval_set, train_set=train_set),
+            rollout_buffer=run_state.get(loop.BUFFER_KEY))
 
     def _embedded_server_model(self, trainer: RLTrainer) -> Optional[str]:
         """The Hugging Face directory embedded servers load (None in external mode): run.init_from,

@@ -33,7 +33,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 import yaml
 
@@ -53,7 +53,9 @@ def _require(condition: bool, message: str) -> None:
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    """A Qwen3-style MoE decoder (names follow Hugging Face's ``Qwen3MoeConfig``)."""
+    """A Qwen3-style MoE decoder. Field names are Megatron-Core's (``TransformerConfig``); each
+    docstring names the Hugging Face ``Qwen3MoeConfig`` key it maps to where the two differ
+    (``megatron_gspo.hf.hf_config`` converts between them)."""
 
     num_layers: int = 2
     """Transformer layers (HF ``num_hidden_layers``)."""
@@ -396,8 +398,22 @@ class RolloutConfig:
     weight_sync tensor / distributed need dp_size 1."""
     cuda_graph_max_bs: Optional[int] = None
     """SGLang --cuda-graph-max-bs-decode: the largest decode batch captured in a CUDA graph."""
+    async_: Literal["off", "one_step"] = "off"
+    """YAML key ``async`` (a Python keyword, hence the field's name): whether generation overlaps
+    training (docs/async.md). ``off``: rollout, training, weight sync, one after the other.
+    ``one_step``: step n+1's rollout runs (rank 0, a thread: ``pipeline.producer``) while step n
+    trains, with the weights of step n-1; the weights are pushed once per step, after that
+    rollout has finished; every sample is exactly one version stale, which the decoupled
+    objective corrects (``gspo.old_logprobs: recompute`` with the behaviour weight). Not with
+    rollout.colocated (the servers give their memory to training while it runs)."""
+
+    YAML_KEYS: ClassVar[dict] = {"async": "async_"}
+    """YAML key -> field name, where the two differ."""
 
     def __post_init__(self) -> None:
+        _require(self.async_ == "off" or not self.colocated,
+                 f"rollout.async: {self.async_} needs the rollout servers on their own devices; "
+                 "rollout.colocated servers release their memory while the trainer runs")
         _require(self.mode != "external" or bool(self.router_url),
                  "rollout.router_url: required when rollout.mode is 'external'")
         _require(self.num_servers >= 1, f"rollout.num_servers: must be >= 1, got {self.num_servers}")
@@ -655,7 +671,12 @@ class RewardConfig:
     """kind http: the service's URL; POST a JSON list of {prompt, response, label, prompt_index,
     sample_index}, answered by {"rewards": [...]}."""
     timeout_s: float = 30.0
-    """kind http: seconds per request before it counts as failed."""
+    """The deadline of a reward, in seconds. kind function: per sample; the function runs in a
+    worker process (``pipeline.rewards.FunctionReward``), which is killed when a call passes the
+    deadline, and the sample fails with a RewardError naming the function and the deadline
+    (then on_error: "raise" stops the run, "zero" counts it as 0 in train/reward_failures).
+    kind http: per request (each retry has its own). The built-in rewards have none (math
+    bounds math-verify's work itself)."""
     max_retries: int = 2
     """kind http: further attempts after a connection error, timeout, 429 or 5xx answer."""
     batch_size: int = 64
@@ -922,9 +943,18 @@ def padded_vocab_size(model: ModelConfig, tensor_parallel: int) -> int:
 # Loading
 
 
+def _yaml_key(cls: type, name: str) -> str:
+    """The YAML key of field ``name`` (``YAML_KEYS`` maps the keys that are not field names)."""
+    for key, field_name in getattr(cls, "YAML_KEYS", {}).items():
+        if field_name == name:
+            return key
+    return name
+
+
 def _to_plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
-        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {_yaml_key(type(value), f.name): _to_plain(getattr(value, f.name))
+                for f in dataclasses.fields(value)}
     if isinstance(value, (list, tuple)):
         return [_to_plain(v) for v in value]
     return value
@@ -939,7 +969,10 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     origin = typing.get_origin(tp)
     if origin is Literal:
         allowed = typing.get_args(tp)
-        _require(value in allowed, f"{path}: {shown(value)} is not one of {list(allowed)}")
+        if value is False and "off" in allowed:
+            value = "off"  # YAML 1.1 reads a bare off as false
+        _require(isinstance(value, str) == all(isinstance(a, str) for a in allowed)
+                 and value in allowed, f"{path}: {shown(value)} is not one of {list(allowed)}")
         return value
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(tp)
@@ -999,13 +1032,13 @@ def _build(cls: type, data: Any, path: str) -> Any:
     prefix = f"{path}." if path else ""
     _require(isinstance(data, dict), f"{path or 'config'}: expected a mapping, got {shown(data)}")
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {_yaml_key(cls, f.name): f.name for f in dataclasses.fields(cls)}
     unknown = [k for k in data if k not in names]
     if unknown:
         raise ConfigError("; ".join(
             f"{prefix}{_key(k)}: unknown key (valid keys: {', '.join(sorted(names))})"
             for k in unknown))
-    kwargs = {k: _coerce(v, hints[k], f"{prefix}{k}") for k, v in data.items()}
+    kwargs = {names[k]: _coerce(v, hints[names[k]], f"{prefix}{k}") for k, v in data.items()}
     try:
         return cls(**kwargs)
     except TypeError as err:  # pragma: no cover - dataclass signature mismatch

@@ -85,7 +85,7 @@ def collective_device() -> torch.device:
 def local_device_index(env=None, device_count: Optional[int] = None) -> int:
     """This task's GPU: LOCAL_RANK (torchrun), else SLURM_LOCALID (srun), else 0. A site that binds
     one GPU per task shows every task a single device 0: the launcher then exports LOCAL_RANK=0
-    (``launch slurm --gpu-binding per-task``)."""
+    (``launch slurm --gpu-binding task``)."""
     env = os.environ if env is None else env
     index = int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", 0)))
     count = torch.cuda.device_count() if device_count is None else device_count
@@ -93,7 +93,7 @@ def local_device_index(env=None, device_count: Optional[int] = None) -> int:
         raise RuntimeError(
             f"local rank {index} but this task sees {count} GPU(s) (CUDA_VISIBLE_DEVICES="
             f"{env.get('CUDA_VISIBLE_DEVICES', 'unset')}); on a site that binds one GPU per task "
-            "launch with `launch slurm --gpu-binding per-task` (or set LOCAL_RANK=0)")
+            "launch with `launch slurm --gpu-binding task` (or set LOCAL_RANK=0)")
     return index
 
 

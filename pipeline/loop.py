@@ -42,6 +42,7 @@ from megatron_gspo.config import Config
 from megatron_gspo.loss.advantages import group_advantages, is_zero_std_group
 from megatron_gspo.train.batching import rl_batch
 from pipeline.metrics import MetricsLogger
+from pipeline.producer import BUFFER_KEY, RolloutProducer, decode_batch, encode_batch
 
 if TYPE_CHECKING:
     from pipeline.data import Prompt, PromptSampler
@@ -148,6 +149,9 @@ class LoopContext:
     parity: Optional[ParityWatchdog] = None
     """Every rank, with parity.enabled: the watchdog run after every weight sync
     (:func:`check_parity`); rank 0's holds the probe prompts."""
+    rollout_buffer: Optional[dict] = None
+    """Rank 0, ``rollout.async: one_step`` resumed: the next step's finished batch, from the
+    checkpoint (``pipeline.producer``)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -191,6 +195,7 @@ def rollout_phase(ctx: LoopContext, step: int) -> tuple[dict, dict]:
             cfg.run.seq_length, *shape)
     lengths = torch.tensor([len(o) for o in outputs], dtype=torch.float64)
     finish = [r.finish_reason for group in groups for r in group]
+    metrics.update(staleness_metrics([r for group in groups for r in group], trained=step - 1))
     metrics.update({
         "response_length_mean": float(lengths.mean()),
         "response_length_max": float(lengths.max()),
@@ -200,6 +205,26 @@ def rollout_phase(ctx: LoopContext, step: int) -> tuple[dict, dict]:
         "rollout_tokens_per_s": float(lengths.sum()) / max(gen_s, 1e-9),
     })
     return batch, metrics
+
+
+def staleness_metrics(results: Sequence[RolloutResult], trained: int) -> dict[str, float]:
+    """Per-token staleness of a batch: versions between the policy that generated each output
+    token (``meta_info.weight_versions``; the loop labels the weights after step k with ``k``)
+    and the policy being trained (``trained``: the weights at the start of the step). Tokens
+    whose version is not a step number (a server's initial label) are not counted."""
+    ages = []
+    for r in results:
+        for version, start, end in r.weight_versions:
+            if version.lstrip("-").isdigit():
+                ages += [trained - int(version)] * (end - start)
+    if not ages:
+        return {}
+    t = torch.tensor(ages, dtype=torch.float64)
+    out = {"staleness_mean": float(t.mean()), "staleness_max": float(t.max())}
+    for k in range(3):  # the histogram's first bins: fraction of tokens k versions old
+        out[f"staleness_frac_{k}"] = float((t == k).double().mean())
+    out["staleness_frac_3plus"] = float((t >= 3).double().mean())
+    return out
 
 
 def _routed_experts_shape(cfg: Config) -> Optional[tuple[int, int]]:
@@ -541,12 +566,65 @@ def run(ctx: LoopContext, trainer: Trainer, *, start_step: int) -> dict:
     colocated = cfg.rollout.colocated
     history: dict[str, list] = {"eval/reward_mean": []}
 
-    def save(step: int, data_position: Optional[dict]) -> None:
-        run_state = _broadcast({"sampler": data_position} if is_main else None, ctx.control_group)
-        trainer.save(ctx.run_dir, step, run_state)
+    # rollout.async one_step: rank 0 makes step n+1's batch on a thread while step n trains
+    producer = None
+    if cfg.rollout.async_ == "one_step" and is_main:
+        producer = RolloutProducer(lambda n: rollout_phase(ctx, n), ctx.sampler.state_dict)
+        if ctx.rollout_buffer is not None:
+            producer.restore(ctx.rollout_buffer)
+
+    def rank0_state() -> dict:
+        """What a checkpoint of the last finished step holds of rank 0's data: the sampler's
+        position (and, one_step, the next step's finished batch)."""
+        now = ctx.sampler.state_dict()
+        return producer.state(now) if producer is not None else {"sampler": now}
+
+    def save(step: int, state: Optional[dict]) -> None:
+        # rank 0 writes run_state.json; the others' copy is unused
+        run_state = dict(state or {})
+        if BUFFER_KEY in run_state:
+            buffer = run_state[BUFFER_KEY]
+            run_state[BUFFER_KEY] = {**buffer, "batch": encode_batch(buffer["batch"])}
+        trainer.save(ctx.run_dir, step, run_state if is_main else {})
+
+    made_now = {"rollout_s": 0.0}  # rank 0: rollout time spent inside this step's window
+
+    def next_batch(step: int) -> tuple[dict, dict]:
+        """Rank 0: this step's batch (one_step: made during the previous step, or now if none
+        is pending: the first step of a run, or a resume without a finished buffer)."""
+        if producer is None:
+            buffer, ctx.rollout_buffer = ctx.rollout_buffer, None
+            if buffer is not None and int(buffer["step"]) == step:
+                # saved by a one_step run resumed with async off: its prompts are drawn already
+                made_now["rollout_s"] = 0.0
+                return decode_batch(buffer["batch"]), dict(buffer["metrics"])
+            batch, metrics = rollout_phase(ctx, step)
+            made_now["rollout_s"] = metrics["rollout_s"]
+            return batch, metrics
+        made_now["rollout_s"] = 0.0
+        if producer.pending_step != step:
+            producer.start(step)
+            producer.wait()
+            made_now["rollout_s"] = producer.busy_s
+        return producer.take(step)
+
+    def start_next(step: int) -> None:
+        """Rank 0, one_step: begin the next step's rollout (with the weights of the last sync)."""
+        if producer is not None and step < cfg.run.num_steps:
+            producer.start(step + 1)
+
+    def finish_next() -> dict:
+        """Rank 0, one_step: wait for the next step's rollout (before the weights change)."""
+        if producer is None:
+            return {}
+        t0 = time.monotonic()
+        producer.wait()
+        return {"trainer_wait_s": time.monotonic() - t0, "rollout_busy_s": producer.busy_s}
+
+    one_step = cfg.rollout.async_ == "one_step"  # the same on every rank: same collectives
 
     guard = StepGuard(ctx.stop, save=save, start_step=start_step,
-                      data_position=lambda: ctx.sampler.state_dict() if is_main else None)
+                      data_position=lambda: rank0_state() if is_main else None)
     ctx.logger.resume_at(start_step)  # each step once: drops what a crashed run logged later
     try:
         with guard.before_update():  # the servers serve exactly the policy we start from
@@ -567,11 +645,16 @@ def run(ctx: LoopContext, trainer: Trainer, *, start_step: int) -> dict:
             t0 = time.monotonic()
             guard.begin(step)
             with guard.before_update():
-                batch, rollout_metrics = on_main(ctx, rollout_phase, ctx, step)
+                batch, rollout_metrics = on_main(ctx, next_batch, step)
+                t_batch = time.monotonic()
                 if colocated:  # the servers give the memory back to training
                     on_main(ctx, _release_servers, ctx, what="release server memory")
+                if one_step:
+                    on_main(ctx, start_next, step, what="rollout of the next step")
 
+            t_train = time.monotonic()
             train_metrics = trainer.train_rollout(batch, step)
+            train_s = time.monotonic() - t_train
 
             metrics = {f"train/{k}": v for k, v in {**rollout_metrics, **train_metrics}.items()}
             # the variant's own clip fraction: sequences (GSPO) or tokens (token-clip variants)
@@ -582,9 +665,12 @@ def run(ctx: LoopContext, trainer: Trainer, *, start_step: int) -> dict:
                         f"{rollout_metrics['reward_mean']:.3f}"
                         + (f"  {clip} {clip_value:.3f}" if clip else "")
                         + f"  len {rollout_metrics['response_length_mean']:.1f}")
+            overlap: dict = {}
             with guard.after_update():
                 if colocated:  # weights first, then the sync fills them, then the KV cache
                     on_main(ctx, _resume_servers, ctx, ["weights"], what="resume server memory")
+                if one_step:  # the next rollout uses the servers' weights: it ends before they change
+                    overlap = on_main(ctx, finish_next, what="rollout of the next step")
                 sync = everywhere(sync_weights, ctx, trainer, str(step), what="weight sync")
                 metrics.update({f"sync/{k}": v for k, v in (sync or {}).items()})
                 if is_main:
@@ -602,7 +688,16 @@ def run(ctx: LoopContext, trainer: Trainer, *, start_step: int) -> dict:
                     history["eval/reward_mean"].append((step, evaluation["eval/reward_mean"]))
                     progress += f"  {_eval_progress(evaluation, pass_at_1=False)}"
 
-            metrics["train/step_s"] = time.monotonic() - t0
+            metrics["train/step_s"] = step_s = time.monotonic() - t0
+            # measured, not derived: the trainer idles whenever it is not in train_rollout; the
+            # servers generate for rollout_s (off: in this step; one_step: the next step's)
+            metrics["train/train_s"] = train_s
+            metrics["train/trainer_idle_frac"] = max(0.0, 1.0 - train_s / step_s)
+            busy = made_now["rollout_s"] + overlap.get("rollout_busy_s", 0.0)
+            metrics["train/rollout_idle_frac"] = max(0.0, 1.0 - busy / step_s)
+            if overlap:
+                metrics["train/trainer_wait_rollout_s"] = overlap["trainer_wait_s"]
+            metrics["train/batch_wait_s"] = t_batch - t0
             progress += f"  {metrics['train/step_s']:.1f}s/step"
             if is_main:
                 shown = step % cfg.run.log_interval == 0 or step == cfg.run.num_steps

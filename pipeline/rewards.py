@@ -19,7 +19,10 @@ Built-ins (``reward.kind``):
   (``AdditionTask.reward``).
 - ``carry_addition``: the long-response task's exact match of the final segment, the answer
   after the carry trace (``CarryAdditionTask.reward``).
-- ``function``: a user function, "package.module:function" or "path/to/file.py:function".
+- ``function``: a user function, "package.module:function" or "path/to/file.py:function",
+  called in a worker process with a deadline of ``reward.timeout_s`` per sample
+  (``FunctionReward``): a call that hangs fails that sample (then ``reward.on_error``), and a stop
+  signal abandons the call at once.
 - ``http``: a reward service (``HTTPReward``).
 
 An exception or a non-finite reward is an error naming the sample (prompt index, the prompt's
@@ -31,11 +34,15 @@ report success).
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import importlib.util
 import json
 import math
 import numbers
+import os
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -43,8 +50,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from functools import lru_cache
+from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Protocol, Sequence
 
 from pipeline.data import Prompt
 from pipeline.tasks import AdditionTask, CarryAdditionTask, Problem
@@ -55,6 +63,12 @@ if TYPE_CHECKING:
 
 class RewardError(RuntimeError):
     """A reward that could not be computed; the message names the sample or the service."""
+
+
+class RewardInterrupted(RuntimeError):
+    """A stop signal came while a reward was being computed: the reward was abandoned (its worker
+    killed) so that the rank can save its checkpoint and stop (``pipeline.loop.StepGuard``). Not
+    a ``RewardError``: ``reward.on_error`` does not apply."""
 
 
 class RewardFn(Protocol):
@@ -94,14 +108,18 @@ def _describe(sample: RewardSample) -> str:
             f"sample {sample.sample_index}")
 
 
+def _as_float(value: Any) -> float:
+    """The reward as a float (possibly non-finite); ValueError for a non-number."""
+    if isinstance(value, (bool, numbers.Real)):
+        return float(value)
+    if hasattr(value, "item") and math.prod(getattr(value, "shape", ())) == 1:
+        return float(value.item())  # a one-element numpy array or torch tensor
+    raise ValueError(f"returned {type(value).__name__} {str(value)[:60]!r}, expected a number")
+
+
 def _as_finite(value: Any) -> float:
     """The reward as a float; ValueError for a non-number or a non-finite one."""
-    if isinstance(value, (bool, numbers.Real)):
-        reward = float(value)
-    elif hasattr(value, "item") and math.prod(getattr(value, "shape", ())) == 1:
-        reward = float(value.item())  # a one-element numpy array or torch tensor
-    else:
-        raise ValueError(f"returned {type(value).__name__} {str(value)[:60]!r}, expected a number")
+    reward = _as_float(value)
     if not math.isfinite(reward):
         raise ValueError(f"returned the non-finite reward {reward}")
     return reward
@@ -125,6 +143,8 @@ def compute_rewards(fn: RewardFn, samples: Sequence[RewardSample], *,
     if score_batch is not None:
         try:
             raw = list(score_batch(samples))
+        except RewardInterrupted:
+            raise  # a stop signal: no reward.on_error policy applies
         except Exception as err:
             raw = [err] * len(samples)
         if len(raw) != len(samples):
@@ -161,6 +181,8 @@ def _reward_name(fn: Any) -> str:
     url = getattr(fn, "url", None)
     if url:
         return f"reward service {url}"
+    if isinstance(fn, FunctionReward):
+        fn = fn.function
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
     module = getattr(fn, "__module__", None)
     return f"reward function {module}:{name}" if module else f"reward function {name}"
@@ -274,6 +296,192 @@ def load_function(spec: str) -> RewardFn:
     return fn
 
 
+WORKER_START_TIMEOUT_S = 120.0
+"""How long a reward worker may take to start (Python, then the import of the function's module)
+before the sample it was started for counts as failed."""
+
+POLL_S = 0.1
+"""How often a wait for the worker checks for a stop signal."""
+
+
+class FunctionReward:
+    """A user reward function (``reward.kind: function``), called in a worker process with a
+    deadline: ``reward.timeout_s`` seconds per sample.
+
+    The function is imported here once (so that a wrong spec fails at start-up, naming it), and
+    called only in the worker (``pipeline.reward_worker``), started at the first call and kept
+    for the whole run: module-level state (a cache, a loaded verifier) lives there, not in the
+    trainer. A batch goes to the worker at once; its answers come back one per sample.
+
+    * A sample that takes longer than ``timeout_s`` (a hang, an endless loop, a regular
+      expression backtracking for ever, a C extension holding the GIL) fails with a
+      ``RewardError`` naming the function, the sample and the deadline; the worker is killed with
+      its process group (what the function started) and a fresh one scores the rest. The failure
+      then follows ``reward.on_error``: "raise" stops the run (exit 2), "zero" counts the sample
+      as 0 in the step's ``train/reward_failures``.
+    * A worker that dies (a segfault, ``os._exit``, the OOM killer) fails its sample the same way.
+    * ``interrupted()`` (the rank's stop flag) is checked every ``POLL_S`` s while waiting: after a
+      stop signal the call is abandoned at once (:class:`RewardInterrupted`, the worker killed),
+      whatever the function does, so that the rank can save its checkpoint and stop.
+    * The worker dies with this process, even by SIGKILL (PR_SET_PDEATHSIG), and ignores the stop
+      signals (this process decides when it ends).
+    """
+
+    def __init__(self, spec: str, *, timeout_s: float,
+                 interrupted: Optional[Callable[[], bool]] = None):
+        self.spec = spec
+        self.function = load_function(spec)
+        self.timeout_s = float(timeout_s)
+        self.interrupted = interrupted
+        self.name = _reward_name(self.function)
+        self.timeouts = 0
+        """Samples that passed the deadline (each one killed a worker)."""
+        self.worker_starts = 0
+        self._proc: Optional[subprocess.Popen] = None
+        self._inbox: Optional[Connection] = None
+        self._outbox: Optional[Connection] = None
+        atexit.register(self.close)
+
+    def __call__(self, prompt: Prompt, response_ids: list[int], response_text: str) -> float:
+        value = self.score_batch([RewardSample(prompt, 0, list(response_ids), response_text)])[0]
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    def score_batch(self, samples: Sequence[RewardSample]) -> list[Any]:
+        """One float or exception per sample, in order (see the class docstring)."""
+        results: list[Any] = []
+        while len(results) < len(samples):
+            start_error = self._start(samples[len(results)])
+            if start_error is not None:
+                results.append(start_error)
+                continue
+            rest = samples[len(results):]
+            try:
+                self._outbox.send(("score", [(s.prompt, list(s.response_ids), s.response_text)
+                                             for s in rest]))
+            except OSError:
+                pass  # the worker died: its end is read below
+            for sample in rest:
+                answer = self._answer(sample, self.timeout_s)
+                if answer is None:  # past the deadline: a fresh worker scores the rest
+                    results.append(RewardError(
+                        f"{self.name} did not return within reward.timeout_s = "
+                        f"{self.timeout_s:g} s ({_describe(sample)}); its worker process was "
+                        "killed"))
+                    self.timeouts += 1
+                    break
+                results.append(answer)
+                if isinstance(answer, _WorkerGone):
+                    break
+        return results
+
+    def _start(self, sample: RewardSample) -> Optional[RewardError]:
+        """A worker ready to score (started if there is none); the error of ``sample`` if it
+        could not start."""
+        if self._proc is not None and self._proc.poll() is None:
+            return None
+        self.close()
+        child_in, parent_out = os.pipe()
+        parent_in, child_out = os.pipe()
+        # the worker imports what this process can (a module next to the config, a package
+        # installed at run time): this process's path first
+        path = [p for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)))
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "pipeline.reward_worker", self.spec, str(child_in),
+                 str(child_out), str(os.getpid())],
+                pass_fds=(child_in, child_out), stdin=subprocess.DEVNULL, env=env,
+                start_new_session=True)  # its own group: killed with what it starts
+        finally:
+            os.close(child_in)
+            os.close(child_out)
+        self._inbox = Connection(parent_in, writable=False)
+        self._outbox = Connection(parent_out, readable=False)
+        self.worker_starts += 1
+        ready = self._receive(max(WORKER_START_TIMEOUT_S, self.timeout_s), sample)
+        if ready is None:
+            self.close()
+            return RewardError(f"the worker process of {self.name} did not start within "
+                               f"{max(WORKER_START_TIMEOUT_S, self.timeout_s):g} s "
+                               f"({_describe(sample)})")
+        kind, value = ready
+        if kind == "ready":
+            return None
+        self.close()
+        return value if isinstance(value, RewardError) else RewardError(
+            f"{self.name}: its worker process: {value}")
+
+    def _answer(self, sample: RewardSample, timeout_s: float) -> Any:
+        """The worker's reward for ``sample`` (a float, or the exception in its place); None
+        past ``timeout_s`` (the worker killed)."""
+        got = self._receive(timeout_s, sample)
+        if got is None:
+            self.close()
+            return None
+        kind, value = got
+        if kind == "ok":
+            return value
+        if kind == "gone":
+            return value
+        return RewardError(value) if kind in ("error", "invalid") else RewardError(
+            f"{self.name}: unexpected answer {kind!r} from its worker")
+
+    def _receive(self, timeout_s: float, sample: RewardSample) -> Optional[tuple[str, Any]]:
+        """The worker's next message; None after ``timeout_s``; ("gone", error) if it died.
+        Raises :class:`RewardInterrupted` as soon as ``interrupted()`` is true."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.interrupted is not None and self.interrupted():
+                self.close()
+                raise RewardInterrupted(f"a stop signal came while {self.name} scored "
+                                        f"{_describe(sample)}: the reward was abandoned")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            try:
+                if self._inbox.poll(min(POLL_S, remaining)):
+                    return self._inbox.recv()
+            except (EOFError, OSError):
+                return "gone", self._gone(sample)
+
+    def _gone(self, sample: RewardSample) -> "_WorkerGone":
+        code = self._proc.wait() if self._proc is not None else None
+        self.close()
+        how = f"exit status {code}"
+        if code is not None and code < 0:
+            try:
+                how = f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"killed by signal {-code}"
+        return _WorkerGone(f"{self.name} ended its worker process ({how}) while scoring "
+                           f"{_describe(sample)}")
+
+    def close(self) -> None:
+        """Kill the worker (with its process group) and close the pipes; the next call starts a
+        fresh one."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                proc.kill()
+        if proc is not None:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for conn in (self._inbox, self._outbox):
+            if conn is not None:
+                conn.close()
+        self._inbox = self._outbox = None
+
+
+class _WorkerGone(RewardError):
+    """A sample whose worker process died while scoring it."""
+
+
 # ------------------------------------------------------------------------------------------------
 # HTTP reward service
 
@@ -366,11 +574,16 @@ def reward_kind(reward: "RewardConfig", data: "DataConfig") -> str:
     return data.task  # every synthetic task names its own built-in reward
 
 
-def build_reward(reward: "RewardConfig", data: "DataConfig") -> RewardFn:
-    """The reward function of a config's ``reward:`` (and ``data:``) sections."""
+def build_reward(reward: "RewardConfig", data: "DataConfig", *,
+                 interrupted: Optional[Callable[[], bool]] = None) -> RewardFn:
+    """The reward function of a config's ``reward:`` (and ``data:``) sections.
+
+    ``interrupted``: the rank's "a stop signal came" (``pipeline.loop.StopFlag``); a user
+    function's call (:class:`FunctionReward`) is abandoned as soon as it is true."""
     kind = reward_kind(reward, data)
     if kind == "function":
-        return load_function(reward.function)
+        return FunctionReward(reward.function, timeout_s=reward.timeout_s,
+                              interrupted=interrupted)
     if kind == "http":
         return HTTPReward(reward.url, timeout_s=reward.timeout_s, max_retries=reward.max_retries,
                           batch_size=reward.batch_size)

@@ -428,8 +428,9 @@ class McoreCheckpoint:
     """
 
     def __init__(self, directory: str | os.PathLike):
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        from megatron_gspo.dcp_metadata import SafeFileSystemReader, UnsafeCheckpointError
 
         self.directory = Path(directory)
         marker = self.directory / "metadata.json"
@@ -444,9 +445,13 @@ class McoreCheckpoint:
             raise CheckpointError(f"{marker}: sharded_backend {backend!r}, only 'torch_dist' is supported")
         if not (self.directory / ".metadata").is_file():
             raise CheckpointError(f"{self.directory}/.metadata: not found (incomplete checkpoint)")
-        self.reader = FileSystemReader(self.directory)
+        # torch's reader unpickles .metadata without restriction; this one resolves only the
+        # classes checkpoint metadata is made of (megatron_gspo.dcp_metadata)
+        self.reader = SafeFileSystemReader(self.directory)
         try:
             self.metadata = self.reader.read_metadata()
+        except UnsafeCheckpointError as err:
+            raise CheckpointError(str(err)) from None
         except Exception as err:  # noqa: BLE001 - a damaged pickle raises anything
             raise CheckpointError(f"{self.directory}/.metadata: unreadable ({err})") from None
         self._check_files()

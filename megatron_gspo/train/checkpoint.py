@@ -25,6 +25,19 @@ a partial save and never used. When no checkpoint is intact, :class:`CheckpointE
 is wrong with each. Loading (:func:`load_checkpoint`) needs this rank's RNG file: without it the
 resumed run would not draw the same random numbers (an error, never skipped silently).
 
+**What the manifest protects against, and what not.** The manifest catches damage: a truncated
+or partly written file, a flipped byte, a missing or extra file, a partial save. It is no
+signature: whoever can write the checkpoint can rewrite a file *and* its manifest entry, and
+such a checkpoint passes verification. Loading therefore never runs code from it: Megatron's
+reader unpickles ``model_optim/.metadata`` and the ``.distcp`` byte items without restriction,
+so :func:`load_checkpoint` first vets them (:func:`megatron_gspo.dcp_metadata.check_torch_dist`:
+``.metadata`` with an unpickler that resolves only the classes torch's checkpoint metadata is
+made of, byte items and ``common.pt`` with torch's ``weights_only`` loader; tensors and the
+RNG files are read ``weights_only`` anyway) and refuses a pickle that names anything else with
+a :class:`CheckpointError` naming the file, before Megatron reads it. Tampered *values*
+(weights, optimizer state, ``run_state.json``) are not detected; resume only from checkpoints
+whose directory you trust as you trust your code.
+
 **Disk.** Before writing, rank 0 compares the free space of the checkpoint filesystem with the
 bytes this save writes (the main replicas of every rank's shards); too little, or a write that
 fails with ENOSPC, is a :class:`CheckpointDiskFull` naming the path, the space needed and the
@@ -584,6 +597,14 @@ def load_checkpoint(path: str | Path, model_chunks: list, optimizer, *,
             f"{manifest.get('world_size', '?')} ranks and this run has {dist.get_world_size()}; "
             "without this rank's states the resumed run would not draw the random numbers the "
             "uninterrupted run would have")
+    # Megatron unpickles .metadata and the byte items without restriction: vet them first
+    # (allow-listed metadata classes, weights_only byte items); a refusal names the file
+    from megatron_gspo.dcp_metadata import UnsafeCheckpointError, check_torch_dist
+
+    try:
+        check_torch_dist(path / "model_optim")
+    except (UnsafeCheckpointError, OSError) as err:
+        raise CheckpointError(f"checkpoint {path} refused: {err}") from None
     loaded = dist_checkpointing.load(_sharded_state(model_chunks, optimizer, is_loading=True),
                                      str(path / "model_optim"))
     for i, chunk in enumerate(model_chunks):

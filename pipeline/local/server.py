@@ -80,6 +80,7 @@ import concurrent.futures
 import ipaddress
 import json
 import logging
+import re
 import sys
 import threading
 import time
@@ -106,6 +107,12 @@ PROTOCOL_VERSION = "0.5.23"  # the SGLang release whose HTTP contract this serve
 DEFAULT_MAX_N = 1024  # --max-n
 DEFAULT_MAX_QUEUED = 4096  # --max-queued-requests (SGLang's default: unbounded)
 HEALTH_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT
+DEFAULT_MAX_REQUEST_MB = 32  # --max-request-mb (SGLang: unbounded)
+DEFAULT_MAX_WEIGHT_UPDATE_MB = 4096  # --max-weight-update-mb (SGLang: unbounded)
+DEFAULT_MAX_JSON_DEPTH = 64  # --max-json-depth (SGLang: Python's recursion limit, ~1000)
+WEIGHT_UPDATE_PATHS = frozenset({"/update_weights_from_tensor", "/update_weights_from_distributed"})
+"""Paths whose bodies may carry weights (base64 safetensors buckets, per-tensor name / dtype /
+shape lists): limited by --max-weight-update-mb instead of --max-request-mb."""
 FLUSH_OK = ("Cache flushed.\nPlease check backend logs for more details. (When there are running "
             "or waiting requests, the operation will not be performed.)\n")
 # SGLang 0.5.23's answers (entrypoints/http_server.py, scheduler_components/flush_wrapper.py,
@@ -212,16 +219,61 @@ def _json(content: Any, status: int = 200):
     return JSONResponse(content=content, status_code=status)
 
 
+def http_error_body(status: int, message: str) -> dict:
+    """SGLang's answer to an ``HTTPException`` (its handler in http_server.py: ``ErrorResponse``
+    with ``type`` the status code as a string)."""
+    return {"object": "error", "message": message, "type": str(status), "param": None,
+            "code": status}
+
+
+class TooDeep(ValueError):
+    """A JSON body nested deeper than ``--max-json-depth`` (HTTP 400)."""
+
+
+_BRACKETS_ONLY = bytes(c for c in range(256) if c not in b"[]{}")
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def json_depth_exceeds(raw: bytes, limit: int) -> bool:
+    """Whether the JSON text ``raw`` nests arrays / objects deeper than ``limit`` (checked on the
+    bytes, before parsing: nothing recursive runs on them). Linear, in bounded extra memory."""
+    import numpy as np
+
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False  # cannot be deeper (every weight-update body: a few brackets)
+    if b"\\" in raw:  # escapes: strings matched properly
+        outside = _JSON_STRING.sub(b"", raw)
+    else:  # every quote opens or closes a string
+        outside = b"".join(raw.split(b'"')[0::2])
+    brackets = outside.translate(None, _BRACKETS_ONLY)
+    depth, step = 0, 1 << 20
+    for start in range(0, len(brackets), step):
+        a = np.frombuffer(brackets, np.uint8, count=min(step, len(brackets) - start),
+                          offset=start)
+        running = np.cumsum(np.where((a == 91) | (a == 123), 1, -1)) + depth
+        if int(running.max()) > limit:
+            return True
+        depth = int(running[-1])
+    return False
+
+
 async def _body(request, *, required: bool = False) -> dict:
     raw = await request.body()
     if not raw.strip():
         if required:
             raise proto.ParseError("a JSON body is required")
         return {}
+    limit = getattr(request.app.state, "max_json_depth", DEFAULT_MAX_JSON_DEPTH)
+    if json_depth_exceeds(raw, limit):
+        raise TooDeep(f"There was an error parsing the body: JSON nested deeper than this "
+                      f"server's --max-json-depth {limit}")
     try:
         body = json.loads(raw)
     except json.JSONDecodeError as err:
         raise proto.ParseError(f"JSON decode error: {err}") from None
+    except RecursionError:  # only with a --max-json-depth near Python's recursion limit
+        raise TooDeep(f"There was an error parsing the body: JSON nested too deeply "
+                      f"(--max-json-depth {limit})") from None
     if body is None:
         return {}
     if not isinstance(body, dict):
@@ -423,6 +475,8 @@ class LocalRolloutServer:
         eng = self.engine
 
         def error_response(err: Exception):
+            if isinstance(err, TooDeep):  # SGLang: FastAPI's HTTPException(400) for a body
+                return _json(http_error_body(400, str(err)), 400)  # json.loads cannot parse
             if isinstance(err, proto.ParseError):
                 return _json(proto.parse_error_body(str(err)), 400)
             if isinstance(err, proto.ContractError):

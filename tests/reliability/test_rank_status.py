@@ -68,3 +68,15 @@ def test_finished_only_when_every_rank_says_so(tmp_path):
     (tmp_path / "rank1.json").unlink()
     result = verdict(tmp_path, agent_code=143)
     assert result.code == 143 and "ranks [1] ended without reporting" in result.message
+
+
+def test_a_stop_signal_during_the_last_step_is_a_finished_run(tmp_path):
+    """Issue 22, item 7: SIGTERM during the last step. The ranks finish the step, export hf/ and
+    report 0; torchrun, stopped by the signal itself, exits 143. The run is complete: exit 0
+    (it was 143 with "ranks [] ended without reporting")."""
+    write(tmp_path, {0: {"code": 0}, 1: {"code": 0}})
+    result = verdict(tmp_path, agent_code=128 + signal.SIGTERM)
+    assert result.code == 0
+    assert result.message == ("megatron-gspo train: the run finished (the stop signal came "
+                              "during its last step); nothing to resume")
+    assert "without reporting" not in result.message

@@ -15,8 +15,9 @@ import torch
 
 from megatron_gspo.config import config_from_dict
 from pipeline.data import Prompt
-from pipeline.rewards import (HTTPReward, RewardError, RewardSample, addition, build_reward,
-                              compute_rewards, exact_match, load_function, math_equal)
+from pipeline.rewards import (FunctionReward, HTTPReward, RewardError, RewardSample, addition,
+                              build_reward, compute_rewards, exact_match, load_function,
+                              math_equal)
 from pipeline.tasks import EOS_ID, encode
 
 
@@ -225,7 +226,8 @@ def test_build_reward_from_config(service):
     assert isinstance(fn, HTTPReward) and fn.timeout_s == 2.0
     fn = build_reward(*_sections({"reward": {"kind": "function",
                                              "function": "pipeline.rewards:exact_match"}}))
-    assert fn is exact_match
+    # called in a worker process with reward.timeout_s per sample (test_reward_deadline.py)
+    assert isinstance(fn, FunctionReward) and fn.function is exact_match and fn.timeout_s == 30.0
 
 
 def _sections(data):

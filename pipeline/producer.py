@@ -1,0 +1,139 @@
+"""The rollout producer of ``rollout.async: one_step``: step n+1's rollout runs while step n trains.
+
+Rank 0 only. The loop (``pipeline.loop.run``) drives it once per step::
+
+    batch_n = producer.take()        # the batch made during step n-1 (or at the start)
+    producer.start(n + 1)            # a thread: prompts -> samples -> rewards -> batch n+1
+    trainer.train_rollout(batch_n)   # meanwhile, on every rank
+    producer.wait()                  # batch n+1 is complete (made with the weights of n-1)
+    sync_weights(version n)          # then the servers take the new weights
+
+So every sample of batch n+1 comes from the policy of step n-1: the trained policy is exactly one
+version ahead of the behaviour policy (staleness 1, the same for every token; ``off`` gives 0).
+The weights are pushed once per step, after the rollout that used the old ones has finished, so a
+push never meets requests in flight (verl's one-step off-policy schedule). The decoupled GSPO
+objective (``gspo.old_logprobs: recompute`` with the behaviour weight, docs/gspo_math.md) takes
+the ratio against the trainer's own policy and weights each sequence by its truncated behaviour
+ratio.
+
+**Nothing is lost at a checkpoint.** When the loop saves step n, batch n+1 is complete: its
+tensors and metrics are part of rank 0's run state (:meth:`state`, a safetensors blob in
+``run_state.json``) and the sampler's position is the one after its prompts, so a resumed run
+trains exactly the batch the uninterrupted run would have trained. A rollout that failed or was
+interrupted is not saved: the state then holds the sampler position from before its prompts and
+the resumed run makes it again (with the newer weights; said in docs/async.md).
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+BUFFER_KEY = "rollout_buffer"
+"""rank 0's run-state key of the finished batch of the next step."""
+
+
+class RolloutProducer:
+    """Runs ``make(step) -> (batch, metrics)`` (``pipeline.loop.rollout_phase``) on a thread.
+
+    ``sampler_state``: the data position now (the sampler's ``state_dict``), read before each
+    rollout draws its prompts (what a checkpoint holds when the rollout is not complete)."""
+
+    def __init__(self, make: Callable[[int], tuple[dict, dict]],
+                 sampler_state: Callable[[], Optional[dict]]):
+        self._make, self._sampler_state = make, sampler_state
+        self._thread: Optional[threading.Thread] = None
+        self._step: Optional[int] = None
+        self._result: Optional[tuple[dict, dict]] = None
+        self._error: Optional[BaseException] = None
+        self._sampler_before: Optional[dict] = None
+        self._failed = False
+        self.busy_s = 0.0
+        """Seconds the last rollout ran (its own wall time, on the thread)."""
+        self.finished_at: Optional[float] = None
+        """``time.monotonic()`` when the last rollout ended."""
+
+    # --- the schedule
+    def start(self, step: int) -> None:
+        """Begin ``step``'s rollout on a thread (the previous one must have been taken)."""
+        if self._thread is not None or self._result is not None:
+            raise RuntimeError(f"rollout of step {step} started while step {self._step}'s is "
+                               "not taken")
+        self._step, self._error, self._failed = step, None, False
+        self._sampler_before = self._sampler_state()
+        self._thread = threading.Thread(target=self._run, args=(step,), daemon=True,
+                                        name=f"rollout step {step}")
+        self._thread.start()
+
+    def _run(self, step: int) -> None:
+        t0 = time.monotonic()
+        try:
+            self._result = self._make(step)
+        except BaseException as err:  # noqa: BLE001 - re-raised by wait() on the loop's thread
+            self._error = err
+        finally:
+            self.finished_at = time.monotonic()
+            self.busy_s = self.finished_at - t0
+
+    def wait(self) -> None:
+        """Block until the running rollout ends; re-raise its error. No-op when none runs."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            self._result, self._failed = None, True  # a checkpoint now holds _sampler_before
+            raise error
+
+    def take(self, step: int) -> tuple[dict, dict]:
+        """``step``'s (batch, metrics): waits for its rollout; the producer is then idle."""
+        self.wait()
+        if self._result is None or self._step != step:
+            raise RuntimeError(f"no rollout of step {step} (have: step {self._step})")
+        result, self._result = self._result, None
+        self._sampler_before = None
+        return result
+
+    @property
+    def pending_step(self) -> Optional[int]:
+        """The step whose rollout runs or waits to be taken (None: idle)."""
+        return self._step if (self._thread is not None or self._result is not None) else None
+
+    # --- checkpoints
+    def state(self, sampler_now: Optional[dict]) -> dict:
+        """Rank 0's run state: the sampler position and, when the next step's batch is complete,
+        that batch (its tensors: :func:`encode_batch` makes them JSON text when it is saved) and
+        its metrics."""
+        if self._thread is None and self._result is not None:
+            batch, metrics = self._result
+            return {"sampler": sampler_now,
+                    BUFFER_KEY: {"step": self._step, "batch": batch, "metrics": metrics}}
+        if self._thread is not None or self._error is not None or self._failed:
+            return {"sampler": self._sampler_before}  # made again on resume
+        return {"sampler": sampler_now}
+
+    def restore(self, buffer: dict) -> None:
+        """Take a saved buffer back (a resumed run): ``take(buffer["step"])`` returns it."""
+        self._step = int(buffer["step"])
+        self._result = (decode_batch(buffer["batch"]), dict(buffer["metrics"]))
+
+
+def encode_batch(batch: dict[str, Any]) -> str:
+    """A batch of tensors as base64 safetensors (bit-exact; JSON-safe)."""
+    from safetensors.torch import save
+
+    bad = [k for k, v in batch.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise TypeError(f"rollout batch entries {bad} are not tensors")
+    tensors = {k: v.contiguous() for k, v in batch.items()}
+    return base64.b64encode(save(tensors)).decode("ascii")
+
+
+def decode_batch(text: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    return load(base64.b64decode(text))
