@@ -294,6 +294,16 @@ CHARTS: dict[str, Callable] = {
     "throughput.png": _simple("Throughput", "tokens / s",
                               [(ROLLOUT_TPS, "rollout"), (TRAIN_TPS, "training")]),
     "loss.png": _simple("Loss", "loss", [(TRAIN_LOSS, "train"), (EVAL_LOSS, "held-out")]),
+    # rollout.async (docs/async.md): how old the trained tokens are, and who waited for whom
+    "staleness.png": _simple("Staleness of the trained tokens", "versions behind the trained policy",
+                             [("train/staleness_mean", "mean"), ("train/staleness_max", "max")]),
+    "idle.png": _simple("Idle fractions (measured)", "fraction of the step",
+                        [("train/trainer_idle_frac", "trainer"),
+                         ("train/rollout_idle_frac", "rollout")]),
+    "behaviour_weight.png": _simple("Behaviour weight m_i (decoupled objective)", "value",
+                                    [("train/mismatch_weight_mean", "mean"),
+                                     ("train/mismatch_weight_max", "max"),
+                                     ("train/mismatch_weight_ess", "effective sample size")]),
 }
 
 

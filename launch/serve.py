@@ -15,15 +15,25 @@ The flags are SGLang's launch-flag names where one exists (``--model-path``, ``-
 ``--dp-size``, ``--attn-dp-size``, ``--enable-dp-attention``, ``--enable-metrics``; the layout
 flags are reported in ``/server_info`` and enforced as SGLang enforces them, while the server
 computes as one replica); ``--no-extensions`` turns this server's protocol extensions off;
-``--cpu-threads``, ``--weight-update-timeout``, ``--allow-pickled-tensors``, ``--max-n`` and
-``--weight-roots`` are this server's own, and so is ``--fault-perturb-weights`` (fault injection
-for the parity watchdog's tests only: docs/parity.md).
+``--cpu-threads``, ``--weight-update-timeout``, ``--allow-pickled-tensors``, ``--max-n``,
+``--weight-roots``, ``--max-request-mb``, ``--max-weight-update-mb`` and ``--max-json-depth`` are
+this server's own, and so is ``--fault-perturb-weights`` (fault injection for the parity
+watchdog's tests only: docs/parity.md).
+A bad argument is one line naming the flag, exit status 2, before the model is loaded.
 Stop it with SIGINT or SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import re
+import sys
+from pathlib import Path
+
+
+class ServeArgError(ValueError):
+    """A bad ``megatron-gspo serve`` argument; the message starts with the flag."""
 
 
 def add_parser(subparsers) -> None:
@@ -31,6 +41,11 @@ def add_parser(subparsers) -> None:
         "serve", help="local CPU rollout server with SGLang's HTTP API (no GPU needed)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
+
+    def one_line_error(message: str):  # argparse's own errors (a missing flag, not a number)
+        print(f"megatron-gspo serve: {message} (see megatron-gspo serve --help)", file=sys.stderr)
+        sys.exit(2)
+    p.error = one_line_error
     p.set_defaults(func=main)
 
 
@@ -103,6 +118,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "N --dp-size 1, as 0.5.23 resolves it")
     p.add_argument("--enable-metrics", action="store_true",
                    help="serve /metrics (SGLang's flag; without it /metrics is a 404, as there)")
+    p.add_argument("--max-request-mb", type=float, default=32, metavar="MB",
+                   help="largest request body in MiB (more: HTTP 413, refused from its "
+                        "Content-Length before it is read, or as soon as a chunked body passes "
+                        "it); default 32. Weight-update bodies have --max-weight-update-mb")
+    p.add_argument("--max-weight-update-mb", type=float, default=4096, metavar="MB",
+                   help="largest body of update_weights_from_tensor / _distributed in MiB (a "
+                        "base64 bucket is 4/3 of rollout.weight_sync_bucket_mb); default 4096")
+    p.add_argument("--max-json-depth", type=int, default=64, metavar="N",
+                   help="deepest nesting of arrays / objects in a JSON body (deeper: HTTP 400, "
+                        "checked before parsing); default 64")
     p.add_argument("--fault-perturb-weights", type=float, default=0.0, metavar="R",
                    help="FAULT INJECTION, for tests of the parity watchdog only: after every "
                         "weight update add noise of R x each weight's RMS to every weight, so the "
@@ -110,7 +135,58 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "fault_injection.py; default 0: off)")
 
 
+def _at_least(args, flag: str, low, *, allow_none: bool = False) -> None:
+    value = getattr(args, flag[2:].replace("-", "_"))
+    if value is None and allow_none:
+        return
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= low):
+        raise ServeArgError(f"{flag} {value}: must be >= {low}")
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Every argument checked before anything is loaded; :class:`ServeArgError` naming the
+    flag."""
+    for flag in ("--tp-size", "--dp-size", "--attn-dp-size", "--max-running-requests",
+                 "--max-prefill-tokens", "--cpu-threads", "--max-n", "--max-json-depth"):
+        _at_least(args, flag, 1)
+    _at_least(args, "--context-length", 2, allow_none=True)
+    _at_least(args, "--max-queued-requests", 1, allow_none=True)
+    _at_least(args, "--fault-perturb-weights", 0.0)
+    for flag in ("--weight-update-timeout", "--max-request-mb", "--max-weight-update-mb"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if not (math.isfinite(value) and value > 0):
+            raise ServeArgError(f"{flag} {value}: must be a positive number")
+    if not 1 <= args.port <= 65535:
+        raise ServeArgError(f"--port {args.port}: must be in 1 .. 65535")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        raise ServeArgError(f"--device {args.device!r}: expected cpu, cuda or cuda:N")
+    model = Path(args.model_path)
+    if not (model / "config.json").is_file():
+        raise ServeArgError(f"--model-path {args.model_path}: "
+                            + ("no config.json in it (a Hugging Face model directory?)"
+                               if model.is_dir() else "not a directory"))
+    for root in args.weight_roots:
+        if not Path(root).is_dir():
+            raise ServeArgError(f"--weight-roots {root}: not a directory")
+    from pipeline.local.server import _is_loopback, resolve_dp_layout
+
+    if args.allow_pickled_tensors and not _is_loopback(args.host):
+        raise ServeArgError(f"--allow-pickled-tensors: only with --host 127.0.0.1 (got "
+                            f"{args.host}): deserialising a pickle runs code, so such payloads "
+                            "must never come from the network")
+    try:
+        resolve_dp_layout(args.dp_size, args.attn_dp_size, args.enable_dp_attention,
+                          args.tp_size)
+    except ValueError as err:
+        raise ServeArgError(str(err)) from None
+
+
 def main(args: argparse.Namespace, argv: list[str]) -> int:
+    try:
+        validate(args)
+    except ServeArgError as err:
+        print(f"megatron-gspo serve: {err}", file=sys.stderr)
+        return 2
     from pipeline.local.server import serve
 
     return serve(args)

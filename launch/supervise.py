@@ -143,8 +143,6 @@ def run_ranks(cmd: list[str], *, env: dict, world_size: int, log_dir: Path, comm
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     try:
         agent_code = proc.wait()  # a handled signal interrupts nothing here (PEP 475)
-        if killed_by:
-            kill_tree(proc.pid)  # whatever torchrun's death left (its ranks are reparented)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -666,7 +666,8 @@ class RewardConfig:
     http: a reward service at reward.url. null: the reward of data.task (required with files)."""
     function: Optional[str] = None
     """kind function: "package.module:function" or "path/to/file.py:function", called as
-    fn(prompt, response_ids, response_text) -> float."""
+    fn(prompt, response_ids, response_text) -> float, in a worker process of rank 0 (started
+    once, kept for the run) with reward.timeout_s per sample; a stop signal abandons a call."""
     url: Optional[str] = None
     """kind http: the service's URL; POST a JSON list of {prompt, response, label, prompt_index,
     sample_index}, answered by {"rewards": [...]}."""

@@ -2,12 +2,12 @@
 
 A Megatron ``torch_dist`` checkpoint (``model_optim/`` of a training checkpoint, or a converted
 one) holds three kinds of pickles, all read by torch / Megatron with a plain unpickler or
-``torch.load(weights_only=False)``, i.e. able to run any code a tampered file asks for:
+``torch.load`` with ``weights_only`` off, i.e. able to run any code a tampered file asks for:
 
 * ``.metadata``: torch.distributed.checkpoint's ``Metadata``, ``pickle.load``-ed by
   ``FileSystemReader.read_metadata`` (torch/distributed/checkpoint/filesystem.py);
 * the byte items of the ``.distcp`` files (Megatron's ``ShardedObject`` s, e.g. every layer's
-  ``_extra_state``): ``torch.load(value, weights_only=False)`` in
+  ``_extra_state``): ``torch.load`` with ``weights_only`` off in
   ``DefaultLoadPlanner.load_bytes`` (default_planner.py);
 * ``common.pt``: ``torch.load`` with torch's default (``weights_only=True`` since torch 2.6,
   unless ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` is set).

@@ -307,7 +307,11 @@ def evaluate(ctx: LoopContext, step: int) -> dict:
                                         seed=eval_seed(cfg.run.seed))
     rewards, _ = _score(ctx, ctx.eval_prompts, groups)
     r = torch.tensor(rewards, dtype=torch.float64)
-    return {"eval/reward_mean": float(r.mean()), "eval/pass_at_1": float((r >= 1.0).double().mean())}
+    per_prompt = r.view(len(ctx.eval_prompts), -1).mean(1)
+    se = float(per_prompt.std() / len(per_prompt) ** 0.5) if len(per_prompt) > 1 else 0.0
+    # reward_se: the standard error of reward_mean over the prompts (each prompt's mean)
+    return {"eval/reward_mean": float(r.mean()), "eval/reward_se": se,
+            "eval/pass_at_1": float((r >= 1.0).double().mean())}
 
 
 def _release_servers(ctx: LoopContext) -> None:

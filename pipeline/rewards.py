@@ -41,6 +41,7 @@ import json
 import math
 import numbers
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -304,6 +305,40 @@ POLL_S = 0.1
 """How often a wait for the worker checks for a stop signal."""
 
 
+_spawn_requests: "queue.SimpleQueue" = queue.SimpleQueue()
+_spawner: Optional[threading.Thread] = None
+_spawner_lock = threading.Lock()
+
+
+def _popen(args: list[str], **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen`` from a thread that lives as long as this process.
+
+    PR_SET_PDEATHSIG (the worker dies with its owner) fires when the THREAD that started the
+    child ends, not the process: a worker started by a rollout on a thread of its own
+    (``rollout.async``, ``pipeline.producer``) would be killed when that rollout ends. The main
+    thread starts it directly; any other thread through one daemon thread kept for the purpose."""
+    global _spawner
+    if threading.current_thread() is threading.main_thread():
+        return subprocess.Popen(args, **kwargs)
+    with _spawner_lock:
+        if _spawner is None:
+            def serve() -> None:
+                while True:
+                    call_args, call_kwargs, answer = _spawn_requests.get()
+                    try:
+                        answer.put((True, subprocess.Popen(call_args, **call_kwargs)))
+                    except BaseException as err:  # noqa: BLE001 - raised in the caller
+                        answer.put((False, err))
+            _spawner = threading.Thread(target=serve, name="reward-worker-spawner", daemon=True)
+            _spawner.start()
+    answer: "queue.SimpleQueue" = queue.SimpleQueue()
+    _spawn_requests.put((args, kwargs, answer))
+    ok, value = answer.get()
+    if not ok:
+        raise value
+    return value
+
+
 class FunctionReward:
     """A user reward function (``reward.kind: function``), called in a worker process with a
     deadline: ``reward.timeout_s`` seconds per sample.
@@ -323,8 +358,9 @@ class FunctionReward:
     * ``interrupted()`` (the rank's stop flag) is checked every ``POLL_S`` s while waiting: after a
       stop signal the call is abandoned at once (:class:`RewardInterrupted`, the worker killed),
       whatever the function does, so that the rank can save its checkpoint and stop.
-    * The worker dies with this process, even by SIGKILL (PR_SET_PDEATHSIG), and ignores the stop
-      signals (this process decides when it ends).
+    * The worker dies with this process, even by SIGKILL (PR_SET_PDEATHSIG; started from a
+      thread that lives as long as the process, :func:`_popen`), and ignores the stop signals
+      (this process decides when it ends).
     """
 
     def __init__(self, spec: str, *, timeout_s: float,
@@ -340,6 +376,7 @@ class FunctionReward:
         self._proc: Optional[subprocess.Popen] = None
         self._inbox: Optional[Connection] = None
         self._outbox: Optional[Connection] = None
+        self._lock = threading.Lock()
         atexit.register(self.close)
 
     def __call__(self, prompt: Prompt, response_ids: list[int], response_text: str) -> float:
@@ -349,7 +386,12 @@ class FunctionReward:
         return value
 
     def score_batch(self, samples: Sequence[RewardSample]) -> list[Any]:
-        """One float or exception per sample, in order (see the class docstring)."""
+        """One float or exception per sample, in order (see the class docstring). Thread-safe:
+        concurrent calls take turns (one worker)."""
+        with self._lock:
+            return self._score_batch(samples)
+
+    def _score_batch(self, samples: Sequence[RewardSample]) -> list[Any]:
         results: list[Any] = []
         while len(results) < len(samples):
             start_error = self._start(samples[len(results)])
@@ -389,7 +431,7 @@ class FunctionReward:
         path = [p for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)))
         try:
-            self._proc = subprocess.Popen(
+            self._proc = _popen(
                 [sys.executable, "-m", "pipeline.reward_worker", self.spec, str(child_in),
                  str(child_out), str(os.getpid())],
                 pass_fds=(child_in, child_out), stdin=subprocess.DEVNULL, env=env,

@@ -64,6 +64,13 @@ Limits (a request must not be able to take the server down: ``n: 1000000`` once 
   queue is a 503 ``{"detail": "The request queue is full."}``, SGLang's answer when its
   ``--max-queued-requests`` is reached (before anything is queued; a streamed request gets the
   same 503 instead of SGLang's aborted stream);
+* ``--max-request-mb`` / ``--max-weight-update-mb`` (the weight-carrying
+  ``update_weights_from_tensor`` / ``_distributed``): a larger body is a 413 in SGLang's
+  HTTPException shape, from its Content-Length before it is read, or as soon as a chunked body
+  passes the limit (:class:`BodyLimit`; SGLang reads any size);
+* ``--max-json-depth``: deeper JSON is a 400 (the HTTPException shape, FastAPI's "There was an
+  error parsing the body", SGLang's answer when its parser gives up), checked on the bytes
+  before parsing (:func:`json_depth_exceeds`), never a 500;
 * ``update_weights_from_disk`` loads only from the served model's directory and the
   ``--weight-roots`` directories (paths resolved, symlinks followed), each shard named by the
   index a plain file of the directory; every header is checked against its file first, so a
@@ -206,6 +213,13 @@ class RWLock:
         return _Writer()
 
 
+def _arg(args, name: str, default):
+    """``args.name``, ``default`` when absent or None (never for 0: ``--tp-size 0`` is an error,
+    not 1)."""
+    value = getattr(args, name, None)
+    return default if value is None else value
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -281,12 +295,80 @@ async def _body(request, *, required: bool = False) -> dict:
     return body
 
 
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over its path's limit is a 413, decided before the body is
+    read: from ``Content-Length`` at once, and for a chunked body as soon as the bytes received
+    pass the limit (the rest is never read; the connection is closed). Weight-update paths
+    (:data:`WEIGHT_UPDATE_PATHS`) have their own, larger limit."""
+
+    def __init__(self, app, max_bytes: int, max_weight_bytes: int):
+        self.app = app
+        self.max_bytes, self.max_weight_bytes = int(max_bytes), int(max_weight_bytes)
+
+    def _limit(self, path: str) -> tuple[int, str]:
+        if path in WEIGHT_UPDATE_PATHS:
+            return self.max_weight_bytes, "--max-weight-update-mb"
+        return self.max_bytes, "--max-request-mb"
+
+    @staticmethod
+    async def _refuse(send, size: str, limit: int, flag: str) -> None:
+        body = json.dumps(http_error_body(413, (
+            f"Request body too large: {size} bytes, over this server's limit of {limit} bytes "
+            f"for this path ({flag} {limit >> 20})"))).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit, flag = self._limit(scope.get("path", ""))
+        declared = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
+        if declared is not None:
+            try:
+                too_large = int(declared) > limit
+            except ValueError:
+                too_large = False  # the server (h11 / httptools) refuses it itself
+            if too_large:
+                return await self._refuse(send, declared.decode(), limit, flag)
+        received = 0
+        started = False
+
+        async def counted_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise _BodyTooLarge()
+            return message
+
+        async def tracked_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except _BodyTooLarge:
+            if started:
+                raise
+            await self._refuse(send, f"more than {limit}", limit, flag)
+
+
 class LocalRolloutServer:
     """FastAPI app + engine. ``args``: the parsed ``megatron-gspo serve`` namespace."""
 
     def __init__(self, args):
         self.args = args
-        self.tp_size = int(getattr(args, "tp_size", 1) or 1)
+        self.tp_size = int(_arg(args, "tp_size", 1))
         if self.tp_size < 1:
             raise ValueError(f"--tp-size: must be >= 1, got {self.tp_size}")
         self.args_allow_pickle = bool(getattr(args, "allow_pickled_tensors", False))
@@ -294,6 +376,14 @@ class LocalRolloutServer:
             raise ValueError(f"--allow-pickled-tensors: only with --host 127.0.0.1 (got "
                              f"{args.host}): deserialising a pickle runs code, so such payloads "
                              "must never come from the network")
+        self.max_request_bytes = int(_arg(args, "max_request_mb", DEFAULT_MAX_REQUEST_MB)
+                                     * (1 << 20))
+        self.max_weight_update_bytes = int(
+            _arg(args, "max_weight_update_mb", DEFAULT_MAX_WEIGHT_UPDATE_MB) * (1 << 20))
+        self.max_json_depth = int(_arg(args, "max_json_depth", DEFAULT_MAX_JSON_DEPTH))
+        if min(self.max_request_bytes, self.max_weight_update_bytes, self.max_json_depth) < 1:
+            raise ValueError("--max-request-mb / --max-weight-update-mb / --max-json-depth: "
+                             "must be positive")
         self.max_n = int(getattr(args, "max_n", DEFAULT_MAX_N))
         max_queued = getattr(args, "max_queued_requests", DEFAULT_MAX_QUEUED)
         if self.max_n < 1 or (max_queued is not None and max_queued < 1):
@@ -315,7 +405,7 @@ class LocalRolloutServer:
         self.extensions = [] if getattr(args, "no_extensions", False) else list(EXTENSIONS)
         """The extensions offered (``--no-extensions``: none, every request is plain SGLang)."""
         self.dp_size, self.attn_dp_size = resolve_dp_layout(
-            int(getattr(args, "dp_size", 1) or 1), int(getattr(args, "attn_dp_size", 1) or 1),
+            int(_arg(args, "dp_size", 1)), int(_arg(args, "attn_dp_size", 1)),
             bool(getattr(args, "enable_dp_attention", False)), self.tp_size)
         self.num_dp_ranks = self.dp_size * self.attn_dp_size  # SGLang's num_dp_ranks_of
         self.enable_metrics = bool(getattr(args, "enable_metrics", False))
@@ -345,6 +435,10 @@ class LocalRolloutServer:
 
             fault_injection.install(self.app, self.engine, args.fault_perturb_weights,
                                     seed=args.random_seed or 0)
+        # added last: the outermost middleware (the fault injection's wraps the app's streams)
+        self.app.state.max_json_depth = self.max_json_depth
+        self.app.add_middleware(BodyLimit, max_bytes=self.max_request_bytes,
+                                max_weight_bytes=self.max_weight_update_bytes)
 
     def shutdown(self) -> None:
         """Stop the engine thread and the TP rank processes."""

@@ -7,7 +7,7 @@ it tampered the way the probe did, with the manifest entry updated so verificati
   command: torch's ``FileSystemReader.read_metadata`` is a bare ``pickle.load``);
 * ``.metadata`` left to torch's own classes but one byte item (``_extra_state``) pointed at a
   new ``.distcp`` holding a ``torch.save`` that calls ``os.system`` (Megatron's planner loads
-  byte items with ``torch.load(weights_only=False)``).
+  byte items with ``torch.load`` with ``weights_only`` off).
 
 ``load_checkpoint`` (what ``--resume`` calls) refuses both with a ``CheckpointError`` naming the
 file, the command never runs, and the untampered checkpoint still loads; the HF converter's

@@ -83,8 +83,8 @@ def test_sigkill_of_the_launcher_leaves_no_process_of_the_run(tmp_path):
     run, run_dir, marker = _hanging_run(tmp_path)
     try:
         pids = tagged_pids(run.tag)
-        assert len(pids) >= 6, pids  # launcher, torchrun, 2 ranks, reward worker, server, router
-        assert int(marker.read_text()) in pids
+        assert len(pids) >= 5, pids  # launcher, torchrun, 2 ranks, server (+ router, worker)
+        assert int(marker.read_text()) in pids  # the process the function hangs in
         run.proc.send_signal(signal.SIGKILL)
         run.wait(timeout=10)
         left = wait_gone(run.tag, timeout=60)

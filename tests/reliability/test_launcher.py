@@ -53,9 +53,11 @@ def test_an_input_error_after_the_ranks_start_is_one_message_and_exit_2(tmp_path
 
 def test_a_rank_killed_by_a_signal_is_the_root_cause_and_nothing_is_left(tmp_path):
     reward = tmp_path / "killer.py"
+    # the function runs in rank 0's reward worker (pipeline.rewards.FunctionReward): its parent
+    # is rank 0
     reward.write_text("import os, signal\n"
                       "def reward(prompt, response_ids, response_text):\n"
-                      "    os.kill(os.getpid(), signal.SIGKILL)\n")
+                      "    os.kill(os.getppid(), signal.SIGKILL)\n")
     run_dir = tmp_path / "run"
     run = Run([*train_args(run_dir, "run.num_steps=4", "reward.kind=function",
                            f"reward.function={reward}:reward"), "--nproc", "2"],

@@ -13,6 +13,16 @@ The real server (``pipeline.local.server``, uvicorn in this process) on a tiny Q
   ``../`` or a symlink out of them, is refused; ``init_weights_update_group`` never makes the
   server host a store (the probe: rank_offset 0 opened one on all interfaces for 300 s) and the
   trainer's store listens on the group's address only; no ``torch.load(weights_only=False)``.
+
+Issue 22, item 10 (a 64 MiB ``/generate`` cost the probe's server ~860 MiB before its 400, and
+deeply nested JSON was a 500):
+
+* a body over ``--max-request-mb`` is a 413 decided from its ``Content-Length`` before a byte of
+  it is read, and a chunked one as soon as the bytes received pass the limit;
+  ``update_weights_from_tensor`` / ``_distributed`` (base64 weight buckets) have their own,
+  larger ``--max-weight-update-mb``;
+* JSON nested deeper than ``--max-json-depth`` is a 400 (SGLang's HTTPException body), checked
+  on the bytes before parsing; brackets inside strings do not count.
 """
 
 from __future__ import annotations
@@ -53,7 +63,8 @@ def server(dirs):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     srv = InProcessServer(dirs["model"], max_running_requests=1, max_queued_requests=8,
-                          max_n=8, weight_roots=[str(dirs["root"])], weight_update_timeout=4.0)
+                          max_n=8, weight_roots=[str(dirs["root"])], weight_update_timeout=4.0,
+                          max_request_mb=1, max_weight_update_mb=4)
     yield srv
     srv.close()
     torch.set_num_threads(threads)
@@ -266,3 +277,122 @@ def test_no_torch_load_with_weights_only_false_anywhere():
                 if pattern.search(line):
                     hits.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert hits == [], hits
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 22, item 10: body size and JSON depth
+
+
+def _raw_request(server, path: str, headers: dict, chunks=(), timeout_s: float = 10.0):
+    """Send a request head and then ``chunks`` (bytes, already framed) until the server answers;
+    returns (status, parsed body, bytes of ``chunks`` sent before the answer came)."""
+    import select
+
+    port = int(server.url.rsplit(":", 1)[1])
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    head += "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
+    sock.sendall(head.encode())
+    sent = 0
+    try:
+        for chunk in chunks:
+            if select.select([sock], [], [], 0)[0]:
+                break  # answered: stop sending
+            try:
+                sock.sendall(chunk)
+            except OSError:  # the server closed the connection after its answer
+                break
+            sent += len(chunk)
+        raw = b""
+        deadline = time.monotonic() + timeout_s
+        while b"\r\n\r\n" not in raw or len(raw.split(b"\r\n\r\n", 1)[1]) < int(
+                re.search(rb"content-length: (\d+)", raw.lower()).group(1)):
+            assert time.monotonic() < deadline, raw[:300]
+            part = sock.recv(65536)
+            if not part:
+                break
+            raw += part
+    finally:
+        sock.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body), sent
+
+
+def test_a_body_over_the_limit_is_a_413_from_its_content_length(server):
+    start = time.monotonic()
+    status, answer, _ = _raw_request(server, "/generate", {"Content-Length": 64 << 20},
+                                     [b'{"input_ids": ['])  # 64 MiB announced, 15 bytes sent
+    assert status == 413, answer
+    assert answer["code"] == 413 and answer["object"] == "error", answer
+    assert "--max-request-mb 1" in answer["message"] and str(64 << 20) in answer["message"]
+    assert time.monotonic() - start < 5  # answered without waiting for the body
+    assert http_json("GET", server.url + "/health")[0] == 200
+
+
+def test_a_chunked_body_is_cut_off_once_it_passes_the_limit(server):
+    piece = b"5," * (32 << 10)  # 64 KiB of a JSON array of ints
+    frame = f"{len(piece):x}\r\n".encode() + piece + b"\r\n"
+    chunks = [frame] * 1024  # 64 MiB if it were all sent
+    status, answer, sent = _raw_request(server, "/generate", {"Transfer-Encoding": "chunked"},
+                                        [f"{15:x}\r\n".encode() + b'{"input_ids": [' + b"\r\n",
+                                         *chunks])
+    assert status == 413 and "--max-request-mb 1" in answer["message"], answer
+    assert sent < 24 << 20, sent  # stopped long before the 64 MiB (socket buffers aside)
+    assert http_json("GET", server.url + "/health")[0] == 200
+
+
+def test_weight_update_paths_have_their_own_larger_limit(server):
+    big = {"serialized_named_tensors": ["A" * (2 << 20)], "flush_cache": False}
+    status, answer = post(server, "/update_weights_from_tensor", big)  # 2 MiB: read, answered
+    assert status == 400 and answer["success"] is False, (status, str(answer)[:300])
+    assert "begin_weight_update" in answer["message"]  # refused for the session, not the size
+    status, answer = post(server, "/generate", {"input_ids": [5], "padding": "A" * (2 << 20)})
+    assert status == 413 and "--max-request-mb 1" in answer["message"], (status, answer)
+    status, answer, _ = _raw_request(server, "/update_weights_from_tensor",
+                                     {"Content-Length": 5 << 20}, [b"{"])
+    assert status == 413 and "--max-weight-update-mb 4" in answer["message"], answer
+
+
+def test_deeply_nested_json_is_a_400_not_a_500(server):
+    deep = '{"input_ids": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    for path in ("/generate", "/update_weights_from_tensor", "/pause_generation"):
+        status, answer, _ = _raw_request(server, path, {"Content-Length": len(deep)},
+                                         [deep.encode()])
+        assert status == 400, (path, status, answer)
+        assert answer["code"] == 400 and "--max-json-depth 64" in answer["message"], answer
+    just_over = '{"input_ids": [5], "x": ' + "[" * 64 + "]" * 64 + "}"  # depth 65
+    status, answer = post(server, "/generate", json.loads(just_over))
+    assert status == 400 and "--max-json-depth 64" in answer["message"], answer
+    # at the limit, and brackets in strings (with and without escapes) do not count: served
+    for extra in ("[" * 62 + "]" * 62, json.dumps("[{" * 500), json.dumps('\\"[' * 500)):
+        body = '{"input_ids": [5], "sampling_params": {"max_new_tokens": 1}, "x": ' + extra + "}"
+        status, answer, _ = _raw_request(server, "/generate", {"Content-Length": len(body)},
+                                         [body.encode()], timeout_s=60)
+        assert status == 200, (extra[:20], status, answer)
+
+
+def test_the_refusals_use_sglangs_httpexception_body():
+    """SGLang 0.5.23 answers an HTTPException (FastAPI's 400 for a body its parser gives up on,
+    e.g. nested past the recursion limit) with ``ErrorResponse(message=detail,
+    type=str(status), code=status)``: the 413 and the depth 400 use that shape."""
+    import inspect
+
+    import fastapi.routing
+
+    from pipeline.local.server import http_error_body
+    from tests.sglang_wheel import read_member
+
+    src = read_member("sglang/srt/entrypoints/http_server.py").decode()
+    handler = src[src.index("@app.exception_handler(HTTPException)"):]
+    handler = handler[handler.index("    error = ErrorResponse("):]
+    handler = handler[:handler.index("return ORJSONResponse")]
+    for part in ('object="error"', "message=exc.detail", "type=str(exc.status_code)",
+                 "code=exc.status_code"):
+        assert part in handler, (part, handler)
+    protocol = read_member("sglang/srt/entrypoints/openai/protocol.py").decode()
+    fields = protocol[protocol.index("class ErrorResponse(BaseModel):"):].split("\n\n")[0]
+    names = {line.split(":")[0].strip() for line in fields.splitlines()[1:] if ":" in line}
+    assert names == set(http_error_body(413, "m")) == {"object", "message", "type", "param", "code"}
+    assert http_error_body(413, "m")["type"] == "413"
+    assert "There was an error parsing the body" in inspect.getsource(fastapi.routing)

@@ -26,7 +26,8 @@ EXPECTED_OPTIONS = {
               "--max-queued-requests", "--weight-roots", "--enable-return-routed-experts",
               "--fault-perturb-weights", "--device", "--no-extensions", "--dp-size",
               "--data-parallel-size", "--attn-dp-size", "--attention-data-parallel-size",
-              "--enable-dp-attention", "--enable-metrics"},
+              "--enable-dp-attention", "--enable-metrics", "--max-request-mb",
+              "--max-weight-update-mb", "--max-json-depth"},
     "launch slurm": {"--config", "--set", "--nodes", "--rollout-nodes", "--gpus-per-node",
                      "--ntasks-per-node", "--server", "--model-path", "--partition", "--account",
                      "--time", "--job-name", "--signal-before-s", "--health-timeout-s",
@@ -78,3 +79,50 @@ def test_bad_configuration_exits_2_naming_the_field(capsys):
     code = main(["config", "--config", "launch/configs/tiny_cpu.yaml", "--world-size", "3"])
     assert code == 2
     assert "WORLD_SIZE 3 is not divisible" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--tp-size", "0"], "--tp-size 0: must be >= 1"),  # was: taken as 1
+    (["--dp-size", "0"], "--dp-size 0: must be >= 1"),
+    (["--max-n", "-3"], "--max-n -3: must be >= 1"),  # was: a ValueError traceback
+    (["--port", "70000"], "--port 70000: must be in 1 .. 65535"),
+    (["--max-request-mb", "nan"], "--max-request-mb nan: must be a positive number"),
+    (["--max-json-depth", "0"], "--max-json-depth 0: must be >= 1"),
+    (["--weight-update-timeout", "0"], "--weight-update-timeout 0.0: must be a positive number"),
+    (["--device", "tpu"], "--device 'tpu': expected cpu, cuda or cuda:N"),
+    (["--allow-pickled-tensors", "--host", "0.0.0.0"], "--allow-pickled-tensors: only with"),
+    (["--dp-size", "2", "--attn-dp-size", "2"], "--dp-size 2 with --attn-dp-size 2"),
+    (["--tp-size", "2", "--attn-dp-size", "3"], "--attn-dp-size 3: tp_size 2 must be divisible"),
+    (["--weight-roots", "/nonexistent/dir"], "--weight-roots /nonexistent/dir: not a directory"),
+], ids=lambda v: v if isinstance(v, str) and v.startswith("-") else None)
+def test_bad_serve_arguments_are_one_line_and_exit_2(tmp_path, capsys, args, said):
+    (tmp_path / "config.json").write_text("{}")  # checked first: no model is loaded
+    assert main(["serve", "--model-path", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("megatron-gspo serve: ") and said in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--model-path", "/nonexistent/model"], "--model-path /nonexistent/model: not a directory"),
+    (["--model-path", "."], "--model-path .: no config.json in it"),
+    (["--model-path", ".", "--tp-size", "two"], "argument --tp-size: invalid int value: 'two'"),
+    ([], "the following arguments are required: --model-path"),
+])
+def test_bad_serve_model_path_and_argparse_errors_are_one_line(capsys, args, said):
+    try:
+        code = main(["serve", *args])
+    except SystemExit as err:  # argparse's own errors
+        code = err.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and said in err, err
+
+
+def test_the_server_itself_never_takes_tp_size_0_as_1():
+    from argparse import Namespace
+
+    from pipeline.local.server import LocalRolloutServer
+
+    with pytest.raises(ValueError, match="--tp-size: must be >= 1, got 0"):
+        LocalRolloutServer(Namespace(tp_size=0, host="127.0.0.1"))  # before any model loads

@@ -36,6 +36,10 @@ def _write_run(run_dir, steps: int = 12, *, eval_every: int = 4):
                 "train/routing_change_frac_layer0": 0.05 / step,
                 "train/routing_change_frac_layer1": 0.15 / step,
                 "train/token_log_ratio_var": 1e-3 * step, "train/seq_log_ratio_var": 1e-4 * step,
+                "train/staleness_mean": float(step > 1), "train/staleness_max": float(step > 1),
+                "train/trainer_idle_frac": 0.1, "train/rollout_idle_frac": 0.2,
+                "train/mismatch_weight_mean": 1.0, "train/mismatch_weight_max": 1.2,
+                "train/mismatch_weight_ess": 0.99,
             }
             if step == 3:
                 record["train/entropy_mean"] = "nan"  # MetricsLogger writes non-finite as strings

@@ -228,3 +228,25 @@ def test_the_worker_dies_with_its_owner_even_by_sigkill(rewards_file, tmp_path):
         assert not _alive(worker)
     finally:
         owner.kill()
+
+
+def test_a_worker_started_by_a_rollout_thread_outlives_the_thread(rewards_file):
+    """rollout.async runs each rollout on a thread of its own: PR_SET_PDEATHSIG fires when the
+    thread that started a child ends, so the worker is started from one long-lived thread."""
+    import threading
+
+    fn = _fn(rewards_file, "counter")
+    try:
+        out = []
+        thread = threading.Thread(target=lambda: out.append(
+            compute_rewards(fn, _samples(["a"])).rewards))
+        thread.start()
+        thread.join()
+        assert out == [[1.0]]
+        worker = fn._proc.pid
+        time.sleep(1.0)
+        assert _alive(worker)  # not killed when the thread ended
+        assert compute_rewards(fn, _samples(["b"])).rewards == [2.0]  # same worker, its state
+        assert fn.worker_starts == 1
+    finally:
+        fn.close()

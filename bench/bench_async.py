@@ -1,0 +1,149 @@
+"""Synchronous vs asynchronous GSPO on the CPU, with training and rollout on separate cores.
+
+Run (about 6 minutes on the 2-core CPU machine, after the SFT policy):
+
+    .venv/bin/python bench/bench_async.py
+    .venv/bin/python bench/bench_async.py --steps 30 --sft-from runs/demo/sft/hf
+
+The demo's task and policy (launch/configs/tiny_cpu.yaml from the SFT policy of
+launch/configs/tiny_cpu_sft.yaml, made first unless ``--sft-from`` names one). For each mode the
+rollout server and the router run pinned to core 1 (``os.sched_setaffinity``, inherited by the
+processes they start) and the trainer's two ranks (EP2) pinned to core 0, in
+``rollout.mode: external``, so that generation and training really can overlap on this machine.
+Every mode trains the same number of steps on the same number of samples (``run.num_steps`` x
+``run.global_batch_size``), from the same seed and policy.
+
+Reported per mode, from the run's own metrics (``metrics.jsonl``):
+
+* time per step (mean over steps 2 .. N-1: the first pays the warm-up, the last the final
+  evaluation) and the speedup against ``off`` measured in the same invocation;
+* trainer idle fraction (1 - time in ``train_rollout`` / step time) and rollout idle fraction
+  (1 - generation time in the step's window / step time), both measured;
+* held-out reward at the end (``eval/reward_mean`` +- its standard error over the prompts);
+* GSPO clip fraction (mean over steps), staleness (mean version lag per token), and the
+  behaviour weights' effective sample size (``mismatch_weight_ess``, the decoupled objective).
+
+The last line: ``async vs sync (separate cores): one_step X.XXx, full n/a; held-out reward sync
+A.AAA, one_step B.BBB, full n/a`` (``full`` is not implemented yet: docs/async.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODES = ("off", "one_step")
+
+
+@contextlib.contextmanager
+def pinned(cores: set[int]):
+    """This process (and everything it starts meanwhile) on ``cores``."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def cli(*args: str, cores: set[int] | None = None, timeout: float = 1800) -> str:
+    pre = (lambda: os.sched_setaffinity(0, cores)) if cores else None
+    proc = subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT, text=True,
+                          capture_output=True, timeout=timeout, preexec_fn=pre)
+    if proc.returncode != 0:
+        raise SystemExit(f"megatron-gspo {' '.join(args[:3])} ... exited {proc.returncode}:\n"
+                         f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+def sft_policy(work: Path) -> Path:
+    out = work / "sft"
+    print("SFT policy (launch/configs/tiny_cpu_sft.yaml) ...", flush=True)
+    cli("sft", "--config", "launch/configs/tiny_cpu_sft.yaml", "--set", f"run.output_dir={out}",
+        "--set", "run.eval_interval=0", "--set", "run.log_interval=100")
+    return out / "hf"
+
+
+def run_mode(mode: str, policy: Path, work: Path, args) -> dict:
+    from pipeline.metrics import read_metrics
+    from pipeline.servers import LocalRolloutCluster
+
+    run_dir, weights = work / mode, work / f"weights_{mode}"
+    weights.mkdir(parents=True)
+    with pinned({1}):  # the server and the router: core 1
+        cluster = LocalRolloutCluster(policy, 1, log_dir=work / f"servers_{mode}",
+                                      server_args=["--weight-roots", str(weights)])
+        cluster.start()
+    try:
+        sets = [f"run.output_dir={run_dir}", f"run.init_from={policy}", f"rollout.async={mode}",
+                "rollout.mode=external", f"rollout.router_url={cluster.router_url}",
+                f"rollout.weight_sync_dir={weights}", f"run.num_steps={args.steps}",
+                f"run.eval_interval={args.steps}", "run.save_interval=0", f"run.seed={args.seed}"]
+        t0 = time.monotonic()
+        cli("train", "--config", "launch/configs/tiny_cpu.yaml",
+            *[a for s in sets for a in ("--set", s)], cores={0})  # the trainer: core 0
+        wall = time.monotonic() - t0
+    finally:
+        cluster.stop()
+    records = read_metrics(run_dir)
+    train = [r for r in records if "train/reward_mean" in r]
+    steady = train[1:-1] or train
+
+    def mean(key, rows=steady):
+        values = [r[key] for r in rows if key in r]
+        return statistics.fmean(values) if values else float("nan")
+
+    final = records[-1]
+    return {"mode": mode, "wall_s": wall, "step_s": mean("train/step_s"),
+            "trainer_idle": mean("train/trainer_idle_frac"),
+            "rollout_idle": mean("train/rollout_idle_frac"),
+            "reward": final["eval/reward_mean"], "reward_se": final.get("eval/reward_se", 0.0),
+            "reward_start": records[0]["eval/reward_mean"],
+            "clip": mean("train/clip_frac", train), "staleness": mean("train/staleness_mean", train),
+            "ess": mean("train/mismatch_weight_ess", train)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=20, help="training steps per mode (default 20)")
+    p.add_argument("--seed", type=int, default=1234, help="run.seed of every mode")
+    p.add_argument("--sft-from", type=Path, default=None,
+                   help="the SFT policy's HF directory (default: make one first)")
+    args = p.parse_args()
+    if os.cpu_count() is None or len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("bench_async needs 2 cores (one for training, one for rollout)")
+    with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
+        work = Path(tmp)
+        policy = args.sft_from or sft_policy(work)
+        results = {}
+        for mode in MODES:
+            print(f"rollout.async {mode}: {args.steps} steps ...", flush=True)
+            results[mode] = run_mode(mode, Path(policy), work, args)
+    base = results["off"]
+    print("\n| mode | s/step | speedup | trainer idle | rollout idle | held-out reward (start -> "
+          "end +- se) | clip frac | staleness | behaviour ESS | wall s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for mode, r in results.items():
+        print(f"| {mode} | {r['step_s']:.2f} | {base['step_s'] / r['step_s']:.2f}x | "
+              f"{r['trainer_idle']:.2f} | {r['rollout_idle']:.2f} | {r['reward_start']:.3f} -> "
+              f"{r['reward']:.3f} +- {r['reward_se']:.3f} | {r['clip']:.4f} | "
+              f"{r['staleness']:.2f} | {r['ess']:.4f} | {r['wall_s']:.0f} |")
+    one = results["one_step"]
+    print(f"\nasync vs sync (separate cores): one_step {base['step_s'] / one['step_s']:.2f}x, "
+          f"full n/a; held-out reward sync {base['reward']:.3f}, one_step {one['reward']:.3f}, "
+          "full n/a")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
