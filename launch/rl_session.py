@@ -228,8 +228,11 @@ class RLSession:
             server_args.append("--allow-pickled-tensors")
         if self.cfg.gspo.routing_replay == "rollout":  # the rollouts ask for routed experts
             server_args.append("--enable-return-routed-experts")
-        # update_weights_from_disk reads only the disk sync's directory (and the served model)
-        server_args += ["--weight-roots", r.weight_sync_dir or str(self.run_dir / "weights")]
+        # update_weights_from_disk reads only the disk sync's directory (and the served model);
+        # made here, before the servers check their --weight-roots
+        roots = Path(r.weight_sync_dir or self.run_dir / "weights")
+        roots.mkdir(parents=True, exist_ok=True)
+        server_args += ["--weight-roots", str(roots)]
         cluster = LocalRolloutCluster(model_path, r.num_servers, log_dir=self.run_dir / "logs",
                                       random_seed=self.cfg.run.seed, server_args=server_args)
         self._resources.callback(cluster.stop)  # also after a start that failed half-way

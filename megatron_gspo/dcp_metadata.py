@@ -15,7 +15,8 @@ one) holds three kinds of pickles, all read by torch / Megatron with a plain unp
 :func:`read_metadata` unpickles ``.metadata`` with :class:`MetadataUnpickler`, which resolves only
 the classes torch's checkpoint metadata is made of (:data:`ALLOWED`: ``metadata.py``'s dataclasses,
 ``filesystem._StorageInfo``, the save plans ``planner.py`` records in ``all_local_plans``,
-``torch.Size``, the torch dtypes, ``torch.serialization._get_layout``); any other global is a
+``torch.Size``, the torch dtypes, ``torch.serialization._get_layout``, and ``pathlib`` paths for
+``StorageMeta.checkpoint_id``); any other global is a
 :class:`UnsafeCheckpointError` naming the file and the global, raised before anything is
 called. :func:`check_torch_dist` vets a whole directory before Megatron reads it: ``.metadata``
 that way, then every byte item and ``common.pt`` with torch's ``weights_only`` unpickler, so the
@@ -52,6 +53,10 @@ ALLOWED: dict[str, frozenset[str]] = {
     "torch.serialization": frozenset({"_get_layout"}),
     "torch": frozenset({"Size"}),
     "collections": frozenset({"OrderedDict"}),
+    # StorageMeta.checkpoint_id is the path the writer was given (a Path when it was one);
+    # building a path object touches no file
+    "pathlib": frozenset({"Path", "PosixPath", "PurePath", "PurePosixPath", "WindowsPath",
+                          "PureWindowsPath"}),
 }
 """(module, name) pairs ``.metadata`` may name; in ``torch`` also every ``torch.dtype``."""
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,3 +55,21 @@ def hf_weights(hf_dir: Path) -> dict:
     for shard in sorted(hf_dir.glob("*.safetensors")):
         out.update(load_file(str(shard)))
     return out
+
+
+def kill_rank_after_checkpoint(args: list[str], run_dir: Path, log_path: Path, *,
+                               step: int = 2, rank: int = 1) -> int:
+    """Start ``megatron-gspo *args``, SIGKILL training rank ``rank`` once the checkpoint of
+    ``step`` is the latest, and return the launcher's exit status (its output in ``log_path``)."""
+    latest = run_dir / "checkpoints" / "latest"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "launch.cli", *args], cwd=ROOT,
+                                stdout=log, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 600
+        while not (latest.is_file() and latest.read_text().strip() == f"step_{step:06d}"):
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"no checkpoint at step {step}"
+            time.sleep(0.2)
+        os.kill(int((run_dir / "pids" / f"rank{rank}.pid").read_text()), signal.SIGKILL)
+        proc.wait(timeout=300)
+    return proc.returncode

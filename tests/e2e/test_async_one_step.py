@@ -12,17 +12,14 @@ Run: ``.venv/bin/python -m pytest -q tests/e2e/test_async_one_step.py``
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
+import json
 
 import pytest
 import torch
 
 from pipeline.metrics import read_metrics
-from tests.e2e.conftest import EP2_REFERENCE, ROOT, hf_weights, megatron_gspo, train_args
+from tests.e2e.conftest import (EP2_REFERENCE, hf_weights, kill_rank_after_checkpoint,
+                                megatron_gspo, train_args)
 
 pytestmark = pytest.mark.slow
 
@@ -56,21 +53,8 @@ def test_one_step_kill9_then_resume_is_exact(sft_policy, tmp_path):
 
     run_dir = tmp_path / "killed"
     log_path = tmp_path / "killed.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "launch.cli",
-                                 *train_args(run_dir, sft_policy, *settings)],
-                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
-        latest = run_dir / "checkpoints" / "latest"
-        deadline = time.monotonic() + 600
-        while not (latest.is_file() and latest.read_text().strip() == "step_000002"):
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "no checkpoint at step 2"
-            time.sleep(0.2)
-        os.kill(int((run_dir / "pids" / "rank1.pid").read_text()), signal.SIGKILL)
-        proc.wait(timeout=300)
-    assert proc.returncode != 0
-    import json
-
+    code = kill_rank_after_checkpoint(train_args(run_dir, sft_policy, *settings), run_dir, log_path)
+    assert code != 0, log_path.read_text()[-2000:]
     state = json.loads((run_dir / "checkpoints" / "step_000002" / "run_state.json").read_text())
     assert state["rollout_buffer"]["step"] == 3  # the next step's finished batch is saved
 

@@ -14,17 +14,13 @@ Reward rising is asserted by test_gspo_run.py for the EP2 run that this one trac
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import torch
 
 from pipeline.metrics import read_metrics
-from tests.e2e.conftest import EP2_REFERENCE, ROOT, hf_weights, megatron_gspo, train_args
+from tests.e2e.conftest import (EP2_REFERENCE, hf_weights, kill_rank_after_checkpoint,
+                                megatron_gspo, train_args)
 
 LAYOUT = ("parallel.context=2", "parallel.expert=2", "run.max_tokens_per_micro_batch=96")
 
@@ -59,19 +55,8 @@ def test_context_parallel_packed_run_tracks_ep2_and_resumes_exactly(sft_policy, 
     # kill -9 of a training rank after the step-2 checkpoint, then --resume
     run_dir = tmp_path / "killed"
     log_path = tmp_path / "killed.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "launch.cli",
-                                 *_args(run_dir, sft_policy, *settings)],
-                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
-        latest = run_dir / "checkpoints" / "latest"
-        deadline = time.monotonic() + 600
-        while not (latest.is_file() and latest.read_text().strip() == "step_000002"):
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "no checkpoint at step 2"
-            time.sleep(0.2)
-        os.kill(int((run_dir / "pids" / "rank1.pid").read_text()), signal.SIGKILL)
-        proc.wait(timeout=300)
-    assert proc.returncode != 0, log_path.read_text()[-2000:]
+    code = kill_rank_after_checkpoint(_args(run_dir, sft_policy, *settings), run_dir, log_path)
+    assert code != 0, log_path.read_text()[-2000:]
     assert not (run_dir / "hf").exists()
 
     resumed = megatron_gspo(*_args(run_dir, sft_policy, *settings), "--resume", timeout=900)

@@ -5,17 +5,12 @@ run (no step lost or repeated)."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import torch
 
 from pipeline.metrics import read_metrics
-from tests.e2e.conftest import EP2_REFERENCE, ROOT, hf_weights, megatron_gspo, train_args
+from tests.e2e.conftest import (EP2_REFERENCE, hf_weights, kill_rank_after_checkpoint,
+                                megatron_gspo, train_args)
 
 
 
@@ -53,21 +48,8 @@ def test_kill9_of_a_training_rank_then_resume_is_exact(sft_policy, ep2_reference
 
     run_dir = tmp_path / "killed"
     log_path = tmp_path / "killed.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "launch.cli", *train_args(run_dir, sft_policy,
-                                                                        *settings)],
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
-    latest = run_dir / "checkpoints" / "latest"
-    deadline = time.monotonic() + 600
-    while not (latest.is_file() and latest.read_text().strip() == "step_000002"):
-        assert proc.poll() is None, log_path.read_text()[-3000:]
-        assert time.monotonic() < deadline, "no checkpoint at step 2"
-        time.sleep(0.2)
-    victim = int((run_dir / "pids" / "rank1.pid").read_text())
-    os.kill(victim, signal.SIGKILL)
-    proc.wait(timeout=300)
-    log.close()
-    assert proc.returncode != 0, log_path.read_text()[-2000:]
+    code = kill_rank_after_checkpoint(train_args(run_dir, sft_policy, *settings), run_dir, log_path)
+    assert code != 0, log_path.read_text()[-2000:]
     steps_before = [r["step"] for r in read_metrics(run_dir)]
     assert not (run_dir / "hf").exists()
 

@@ -19,13 +19,16 @@ Without network access and without a cached wheel these tests are skipped with t
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
 import sys
 import threading
 import time
 import zipfile
 from argparse import Namespace
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -165,3 +168,31 @@ def local_server(model_dir):
     yield server
     server.close()
     torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def two_servers(model_dir: Path, log_root: Path, server_args: list[str] = (),
+                pythonpath: Optional[Path] = None):
+    """Two local servers, ``--tp-size`` 1 and 2 (seeds 0 and 10), without a router; yields their
+    URLs. ``pythonpath``: prepended to the servers' PYTHONPATH (SGLang's weight-update code cut
+    from the wheel: the ``sglang_subset`` fixture)."""
+    from pipeline.servers import LocalRolloutCluster
+
+    old = os.environ.get("PYTHONPATH")
+    if pythonpath is not None:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(pythonpath), *filter(None, [old])])
+    clusters = []
+    try:
+        for i, extra in enumerate([[], ["--tp-size", "2"]]):
+            cluster = LocalRolloutCluster(model_dir, 1, router=False, log_dir=log_root / f"logs{i}",
+                                          random_seed=10 * i, server_args=[*server_args, *extra])
+            clusters.append(cluster)
+            cluster.start()
+        yield [c.server_urls[0] for c in clusters]
+    finally:
+        for cluster in clusters:
+            cluster.stop()
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old

@@ -23,15 +23,14 @@ while requests decode on the servers. Every HTTP call is recorded and checked ag
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
-from pipeline.servers import LocalRolloutCluster
 from pipeline.weight_push import EXTENSIONS_HEADER
 from tests import sglang_rules
 from tests.distributed.spawn import run_on_ranks
 from tests.rollout import conformance_worker
+from tests.rollout.conftest import two_servers
 
 pytestmark = pytest.mark.slow
 
@@ -51,26 +50,10 @@ def shared_root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def plain_servers(model_dir, sglang_subset, shared_root, tmp_path_factory):
     """Two local servers with their extensions off (SGLang's behaviour), tp_size 1 and 2."""
-    root = tmp_path_factory.mktemp("servers")
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(sglang_subset), *filter(None, [old])])
-    clusters = []
-    try:
-        for i, extra in enumerate([[], ["--tp-size", "2"]]):
-            cluster = LocalRolloutCluster(model_dir, 1, router=False, log_dir=root / f"logs{i}",
-                                          random_seed=10 * i,
-                                          server_args=["--no-extensions", "--allow-pickled-tensors",
-                                                       "--weight-roots", str(shared_root), *extra])
-            clusters.append(cluster)
-            cluster.start()
-        yield [c.server_urls[0] for c in clusters]
-    finally:
-        for cluster in clusters:
-            cluster.stop()
-        if old is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old
+    with two_servers(model_dir, tmp_path_factory.mktemp("servers"),
+                     ["--no-extensions", "--allow-pickled-tensors", "--weight-roots",
+                      str(shared_root)], pythonpath=sglang_subset) as urls:
+        yield urls
 
 
 class _Reports(dict):

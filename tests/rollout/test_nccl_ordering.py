@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.servers import LocalRolloutCluster
 from tests.distributed.spawn import run_on_ranks
 from tests.rollout import nccl_ordering_worker
+from tests.rollout.conftest import two_servers
 
 pytestmark = pytest.mark.slow
 
@@ -39,18 +39,8 @@ TIMEOUT_S = 20.0  # each HTTP call and update-group operation: a deadlock ends i
 
 @pytest.fixture(scope="module")
 def servers(model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("nccl_servers")
-    clusters = []
-    try:
-        for i, extra in enumerate([[], ["--tp-size", "2"]]):
-            cluster = LocalRolloutCluster(model_dir, 1, router=False, log_dir=root / f"logs{i}",
-                                          random_seed=10 * i, server_args=extra)
-            clusters.append(cluster)
-            cluster.start()
-        yield [c.server_urls[0] for c in clusters]
-    finally:
-        for cluster in clusters:
-            cluster.stop()
+    with two_servers(model_dir, tmp_path_factory.mktemp("nccl_servers")) as urls:
+        yield urls
 
 
 @pytest.fixture(scope="module")

@@ -24,16 +24,15 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
-import os
 import sys
 
 import pytest
 
 from pipeline.rollout import http_json
-from pipeline.servers import LocalRolloutCluster
 from tests.distributed.layouts import LAYOUTS
 from tests.distributed.spawn import run_on_ranks
 from tests.rollout import sync_worker
+from tests.rollout.conftest import two_servers
 
 TRANSPORTS = ["disk", "tensor", "distributed"]
 LAYOUT_NAMES = ["DP2", "TP2", "EP2", "PP2", "TP2xEP2"]
@@ -49,27 +48,10 @@ def shared_root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(model_dir, sglang_subset, shared_root, tmp_path_factory):
     """Two local servers (tp_size 1 and 2) running SGLang's weight-update code."""
-    root = tmp_path_factory.mktemp("servers")
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(sglang_subset), *filter(None, [old])])
-    clusters = []
-    try:
-        for i, extra in enumerate([[], ["--tp-size", "2"]]):
-            cluster = LocalRolloutCluster(model_dir, 1, router=False, log_dir=root / f"logs{i}",
-                                          random_seed=10 * i,
-                                          server_args=["--allow-pickled-tensors",
-                                                       "--weight-roots", str(shared_root),
-                                                       *extra])
-            clusters.append(cluster)
-            cluster.start()
-        yield [c.server_urls[0] for c in clusters]
-    finally:
-        for cluster in clusters:
-            cluster.stop()
-        if old is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old
+    with two_servers(model_dir, tmp_path_factory.mktemp("servers"),
+                     ["--allow-pickled-tensors", "--weight-roots", str(shared_root)],
+                     pythonpath=sglang_subset) as urls:
+        yield urls
 
 
 def test_servers_run_sglangs_own_weight_update_code(servers, sglang_subset):
