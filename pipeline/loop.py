@@ -573,7 +573,8 @@ def run(ctx: LoopContext, trainer: Trainer, *, start_step: int) -> dict:
     # rollout.async one_step: rank 0 makes step n+1's batch on a thread while step n trains
     producer = None
     if cfg.rollout.async_ == "one_step" and is_main:
-        producer = RolloutProducer(lambda n: rollout_phase(ctx, n), ctx.sampler.state_dict)
+        producer = RolloutProducer(lambda n: rollout_phase(ctx, n), ctx.sampler.state_dict,
+                                   timeout_s=60.0 * cfg.parallel.control_timeout_minutes)
         if ctx.rollout_buffer is not None:
             producer.restore(ctx.rollout_buffer)
 

@@ -44,8 +44,11 @@ class RolloutProducer:
     rollout draws its prompts (what a checkpoint holds when the rollout is not complete)."""
 
     def __init__(self, make: Callable[[int], tuple[dict, dict]],
-                 sampler_state: Callable[[], Optional[dict]]):
+                 sampler_state: Callable[[], Optional[dict]], *, timeout_s: float = 3600.0):
         self._make, self._sampler_state = make, sampler_state
+        self.timeout_s = timeout_s
+        """The longest :meth:`wait` blocks for one rollout (the loop: parallel.
+        control_timeout_minutes, what the other ranks wait for rank 0 anyway)."""
         self._thread: Optional[threading.Thread] = None
         self._step: Optional[int] = None
         self._result: Optional[tuple[dict, dict]] = None
@@ -80,9 +83,14 @@ class RolloutProducer:
             self.busy_s = self.finished_at - t0
 
     def wait(self) -> None:
-        """Block until the running rollout ends; re-raise its error. No-op when none runs."""
+        """Block until the running rollout ends (at most ``timeout_s``: then TimeoutError naming
+        the step); re-raise its error. No-op when none runs."""
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(self.timeout_s)
+            if self._thread.is_alive():  # left running (a daemon thread): the run stops
+                self._failed = True
+                raise TimeoutError(f"the rollout of step {self._step} did not finish within "
+                                   f"{self.timeout_s:g} s (parallel.control_timeout_minutes)")
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None

@@ -147,3 +147,14 @@ def test_staleness_is_counted_per_token():
     assert m["staleness_frac_2"] == pytest.approx(3 / 6)
     assert m["staleness_frac_3plus"] == 0.0
     assert staleness_metrics([_result([("default", 0, 3)], 3)], trained=0) == {}
+
+
+def test_a_rollout_that_does_not_end_is_a_timeout_naming_the_step():
+    release = threading.Event()
+    producer = RolloutProducer(lambda s: (release.wait(30), ({}, {}))[1], _Sampler().state_dict,
+                               timeout_s=0.2)
+    producer.start(4)
+    with pytest.raises(TimeoutError, match=r"the rollout of step 4 did not finish within 0.2 s"):
+        producer.wait()
+    assert producer.state({"position": 7}) == {"sampler": {"position": 0}}  # not saved as done
+    release.set()
