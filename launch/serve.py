@@ -165,8 +165,8 @@ def validate(args: argparse.Namespace) -> None:
         raise ServeArgError(f"--model-path {args.model_path}: "
                             + ("no config.json in it (a Hugging Face model directory?)"
                                if model.is_dir() else "not a directory"))
-    for root in args.weight_roots:
-        if not Path(root).is_dir():
+    for root in args.weight_roots:  # may not exist yet: the disk sync makes it at its first push
+        if Path(root).exists() and not Path(root).is_dir():
             raise ServeArgError(f"--weight-roots {root}: not a directory")
     from pipeline.local.server import _is_loopback, resolve_dp_layout
 

@@ -101,6 +101,14 @@ def calibrate_clip_range(seq_ratio: Tensor, advantages: Tensor, target_clip_frac
         breakpoints = torch.cat([high_gap / eps_high_ref, low_gap / eps_low_ref])
         c = _kth_largest(breakpoints, k, "on either side", n, target_clip_frac)
         eps_low, eps_high = c * eps_low_ref, c * eps_high_ref
+        # c * eps_ref can round below a gap equal to c * eps_ref (ties: identical responses have
+        # identical s_i), which would clip them too: widen by ulps until at most k are clipped
+        for _ in range(64):
+            low, high = clip_fractions(s, a, eps_low, eps_high)
+            if round((low + high) * n) <= k:
+                break
+            c = math.nextafter(c, math.inf) * (1 + 1e-15)
+            eps_low, eps_high = c * eps_low_ref, c * eps_high_ref
     elif split == "equal":
         k_high = k // 2
         eps_high = _kth_largest(high_gap, k_high, "above 1 + eps_high with A > 0", n,

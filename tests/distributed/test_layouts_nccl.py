@@ -22,7 +22,7 @@ from tests.distributed.layouts import LAYOUTS, assemble, max_rel_diff, random_hf
 from tests.distributed.spawn import run_on_ranks
 from tests.distributed.test_layouts import NUM_MICROBATCHES, TOLERANCE, _batch, _run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 DELAY_S = 0.002
 EXPECTED_CALLS = {"TP2": "all_gather_single", "EP2": "all_to_all_single", "PP2": "send"}

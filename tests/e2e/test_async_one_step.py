@@ -1,8 +1,9 @@
 """``rollout.async: one_step`` end to end on CPU: 2 Megatron ranks (EP2), 2 local rollout servers
 behind the real router; step n+1's rollout runs while step n trains.
 
-* the reward rises as in the synchronous run, every trained token is exactly one version stale
-  (after the first step), and the decoupled objective's behaviour weight is reported;
+* every trained token is exactly one version stale (after the first step), and the decoupled
+  objective's behaviour weight and the idle fractions are reported (that the reward rises as in
+  the synchronous run: bench/bench_async.py, docs/performance.md);
 * a training rank killed with SIGKILL after the checkpoint of step 2, then ``--resume``, ends with
   exactly the weights of an uninterrupted one_step run: the checkpoint holds the finished batch of
   step 3 (made with the weights of step 1), so nothing is lost or made again with other weights.
@@ -26,30 +27,20 @@ pytestmark = pytest.mark.slow
 ONE_STEP = "rollout.async=one_step"
 
 
-def test_one_step_reward_rises_with_staleness_one(sft_policy, tmp_path):
-    run_dir = tmp_path / "one_step"
-    megatron_gspo(*train_args(run_dir, sft_policy, ONE_STEP, "run.num_steps=20",
-                              "run.eval_interval=20", "run.save_interval=0"), timeout=900)
-    records = read_metrics(run_dir)
-    train = [r for r in records if "train/reward_mean" in r]
-    assert [r["step"] for r in train] == list(range(1, 21))
-    assert train[0]["train/staleness_max"] == 0.0  # made at the start, with the start's weights
-    for r in train[1:]:
-        assert r["train/staleness_mean"] == r["train/staleness_max"] == 1.0, r["step"]
-        assert r["train/staleness_frac_1"] == 1.0
-        assert 0.0 < r["train/mismatch_weight_mean"] <= 2.0  # the behaviour weight, truncated at C
-        assert 0.0 < r["train/mismatch_weight_ess"] <= 1.0
-        assert 0.0 <= r["train/trainer_idle_frac"] < 1.0
-        assert 0.0 <= r["train/rollout_idle_frac"] <= 1.0
-    rewards = [r["train/reward_mean"] for r in train]
-    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.03, rewards
-    assert records[-1]["eval/reward_mean"] > records[0]["eval/reward_mean"]
-
-
 def test_one_step_kill9_then_resume_is_exact(sft_policy, tmp_path):
     settings = (*EP2_REFERENCE, ONE_STEP)
     reference = tmp_path / "reference"
     megatron_gspo(*train_args(reference, sft_policy, *settings), timeout=900)
+    train = [r for r in read_metrics(reference) if "train/reward_mean" in r]
+    assert [r["step"] for r in train] == list(range(1, 7))
+    assert train[0]["train/staleness_max"] == 0.0  # made at the start, with the start's weights
+    for r in train[1:]:  # every later token: exactly one version behind the trained policy
+        assert r["train/staleness_mean"] == r["train/staleness_max"] == 1.0, r["step"]
+        assert r["train/staleness_frac_1"] == 1.0
+        assert 0.0 < r["train/mismatch_weight_mean"] <= 2.0  # the behaviour weight, capped at C
+        assert 0.0 < r["train/mismatch_weight_ess"] <= 1.0
+        assert 0.0 <= r["train/trainer_idle_frac"] < 1.0
+        assert 0.0 <= r["train/rollout_idle_frac"] <= 1.0
 
     run_dir = tmp_path / "killed"
     log_path = tmp_path / "killed.log"

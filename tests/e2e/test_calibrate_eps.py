@@ -30,7 +30,7 @@ CONFIG = "launch/configs/tiny_cpu.yaml"
 def test_calibrate_eps_prints_and_writes_the_range(sft_policy, tmp_path):
     settings = [f"run.output_dir={tmp_path}", f"run.init_from={sft_policy}", "parallel.expert=1",
                 "rollout.num_servers=1", "run.global_batch_size=32", "run.micro_batch_size=8",
-                "gspo.updates_per_rollout=2"]
+                "gspo.updates_per_rollout=2", "gspo.dynamic_sampling=true"]
     args = ["calibrate-eps", "--config", CONFIG, "--rollouts", "2", "--target-clip-frac", "0.1"]
     for item in settings:
         args += ["--set", item]

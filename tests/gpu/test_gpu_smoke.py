@@ -123,6 +123,7 @@ def _lock_names(lock: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_downloaded_closure_installs_offline_into_an_empty_target(tmp_path):
     """``--download`` fetches the closure for CPython 3.12 (manylinux x86_64, without torch's
     closure); Python 3.12 installs it with the network cut into an empty target through the

@@ -58,6 +58,7 @@ def _hanging_run(tmp_path: Path) -> tuple[Run, Path, Path]:
     return run, run_dir, marker
 
 
+@pytest.mark.extended
 def test_sigterm_ends_a_run_whose_reward_hangs_and_keeps_the_last_step(tmp_path):
     run, run_dir, _ = _hanging_run(tmp_path)
     try:
@@ -79,6 +80,7 @@ def test_sigterm_ends_a_run_whose_reward_hangs_and_keeps_the_last_step(tmp_path)
     assert "Traceback" not in out, out[-4000:]
 
 
+@pytest.mark.extended
 def test_sigkill_of_the_launcher_leaves_no_process_of_the_run(tmp_path):
     run, run_dir, marker = _hanging_run(tmp_path)
     try:

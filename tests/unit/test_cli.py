@@ -93,7 +93,7 @@ def test_bad_configuration_exits_2_naming_the_field(capsys):
     (["--allow-pickled-tensors", "--host", "0.0.0.0"], "--allow-pickled-tensors: only with"),
     (["--dp-size", "2", "--attn-dp-size", "2"], "--dp-size 2 with --attn-dp-size 2"),
     (["--tp-size", "2", "--attn-dp-size", "3"], "--attn-dp-size 3: tp_size 2 must be divisible"),
-    (["--weight-roots", "/nonexistent/dir"], "--weight-roots /nonexistent/dir: not a directory"),
+    (["--weight-roots", "/etc/hostname"], "--weight-roots /etc/hostname: not a directory"),
 ], ids=lambda v: v if isinstance(v, str) and v.startswith("-") else None)
 def test_bad_serve_arguments_are_one_line_and_exit_2(tmp_path, capsys, args, said):
     (tmp_path / "config.json").write_text("{}")  # checked first: no model is loaded

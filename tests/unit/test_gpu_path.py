@@ -74,7 +74,7 @@ def test_local_device_index_names_the_one_gpu_per_task_fix():
     assert parallel.local_device_index({"SLURM_LOCALID": "3"}, device_count=8) == 3
     assert parallel.local_device_index({"LOCAL_RANK": "0", "SLURM_LOCALID": "5"}, device_count=1) == 0
     with pytest.raises(RuntimeError, match=r"local rank 5 but this task sees 1 GPU.*--gpu-binding "
-                                           r"per-task"):
+                                           r"task`"):
         parallel.local_device_index({"SLURM_LOCALID": "5"}, device_count=1)
 
 
