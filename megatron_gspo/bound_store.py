@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
 import socket
 from typing import Optional
 
@@ -50,10 +49,7 @@ def check_reachable(host: str, *, nodes: int, name: str = "MASTER_ADDR") -> str:
     address) and would wait for a store nobody can reach until their timeout. The usual cause is
     an image whose /etc/hosts maps the hostname to 127.0.1.1."""
     address = resolve(host)
-    # MGSPO_SINGLE_MACHINE_NODES=1: every "node" is this machine (a single-machine Slurm with
-    # several slurmd, as tests/slurm runs): loopback reaches them all
-    single_machine = os.environ.get("MGSPO_SINGLE_MACHINE_NODES") == "1"
-    if nodes > 1 and is_loopback(address) and not single_machine:
+    if nodes > 1 and is_loopback(address):
         from megatron_gspo.config import ConfigError
 
         named = (f"{host!r} resolves to {address} on this node, a loopback address"

@@ -120,7 +120,7 @@ class RolloutProducer:
             batch, metrics = self._result
             return {"sampler": sampler_now,
                     BUFFER_KEY: {"step": self._step, "batch": batch, "metrics": metrics}}
-        if self._thread is not None or self._error is not None or self._failed:
+        if self._thread is not None or self._failed:  # running, or ended without a batch
             return {"sampler": self._sampler_before}  # made again on resume
         return {"sampler": sampler_now}
 

@@ -74,9 +74,7 @@ def launch(slurm: LocalSlurm, run_dir: Path, *options: str, env: dict | None = N
     """``megatron-gspo launch slurm`` on the tiny CPU config; returns the job id."""
     cmd = [sys.executable, "-m", "launch.cli", "launch", "slurm",
            "--config", "launch/configs/tiny_cpu.yaml", "--set", f"run.output_dir={run_dir}",
-           "--nodes", "2", "--rollout-nodes", "1",
-           # the "nodes" are this machine: their names resolve to loopback, which reaches them all
-           "--env", "MGSPO_SINGLE_MACHINE_NODES=1", *options]
+           "--nodes", "2", "--rollout-nodes", "1", *options]
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(slurm.env, **(env or {})), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr

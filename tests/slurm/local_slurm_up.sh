@@ -22,7 +22,7 @@
 #   LOCAL_SLURM_MEM_MB        RealMemory per node                              [2048]
 #   LOCAL_SLURM_PREFIX        node name prefix: <prefix>1 .. <prefix>N          [node]
 #   LOCAL_SLURM_PORT          slurmctld port; slurmd i listens on PORT + i      [16817]
-#   LOCAL_SLURM_HOSTS         1: add "127.0.0.1 <nodes>" to /etc/hosts when the
+#   LOCAL_SLURM_HOSTS         1: add "<this machine's address> <nodes>" to /etc/hosts when the
 #                             names do not resolve (down removes the line)     [1]
 #   LOCAL_SLURM_CRED_EXPIRE   AuthInfo cred_expire in s (min 5); also how long
 #                             a requeued job waits before it may start again   [10]
@@ -192,8 +192,12 @@ if [ "$EDIT_HOSTS" = 1 ]; then
     if [ "${#unresolved[@]}" -gt 0 ]; then
         # append in place (/etc/hosts may be a bind mount), tagged so that down removes only ours
         [ -s /etc/hosts ] && [ -n "$(tail -c1 /etc/hosts)" ] && echo >> /etc/hosts
-        printf '127.0.0.1 %s # local_slurm:%s\n' "${unresolved[*]}" "$DIR" >> /etc/hosts
-        log "added '127.0.0.1 ${unresolved[*]}' to /etc/hosts"
+        # this machine's routable address where it has one, as a real node's name resolves
+        # (a multi-node run refuses a master address that is loopback); else 127.0.0.1
+        addr=$(hostname -I 2>/dev/null | awk '{print $1}')
+        addr=${addr:-127.0.0.1}
+        printf '%s %s # local_slurm:%s\n' "$addr" "${unresolved[*]}" "$DIR" >> /etc/hosts
+        log "added '$addr ${unresolved[*]}' to /etc/hosts"
     fi
 fi
 
