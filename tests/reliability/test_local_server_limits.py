@@ -347,7 +347,11 @@ def test_weight_update_paths_have_their_own_larger_limit(server):
     status, answer = post(server, "/update_weights_from_tensor", big)  # 2 MiB: read, answered
     assert status == 400 and answer["success"] is False, (status, str(answer)[:300])
     assert "begin_weight_update" in answer["message"]  # refused for the session, not the size
-    status, answer = post(server, "/generate", {"input_ids": [5], "padding": "A" * (2 << 20)})
+    # the same 2 MiB to /generate is refused from its Content-Length, before it is read (sent
+    # raw: a client still writing when the server closes may see a broken pipe, not the 413)
+    body = json.dumps({"input_ids": [5], "padding": "A" * (2 << 20)}).encode()
+    pieces = [body[i:i + (64 << 10)] for i in range(0, len(body), 64 << 10)]
+    status, answer, _ = _raw_request(server, "/generate", {"Content-Length": len(body)}, pieces)
     assert status == 413 and "--max-request-mb 1" in answer["message"], (status, answer)
     status, answer, _ = _raw_request(server, "/update_weights_from_tensor",
                                      {"Content-Length": 5 << 20}, [b"{"])
