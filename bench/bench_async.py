@@ -23,8 +23,12 @@ Reported per mode, from the run's own metrics (``metrics.jsonl``):
 * GSPO clip fraction (mean over steps), staleness (mean version lag per token), and the
   behaviour weights' effective sample size (``mismatch_weight_ess``, the decoupled objective).
 
-The last line: ``async vs sync (separate cores): one_step X.XXx, full n/a; held-out reward sync
-A.AAA, one_step B.BBB, full n/a`` (``full`` is not implemented yet: docs/async.md).
+Modes: ``off``, ``one_step``, ``full`` (``rollout.max_staleness`` from ``--max-staleness``) with
+the decoupled objective, and ``full_bypass``: the same with ``gspo.old_logprobs: rollout`` (the
+ratio against the recorded behaviour log-probs), for its clip fraction under staleness.
+
+The last line: ``async vs sync (separate cores): one_step X.XXx, full Y.YYx; held-out reward sync
+A.AAA, one_step B.BBB, full C.CCC``.
 """
 
 from __future__ import annotations
@@ -42,7 +46,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MODES = ("off", "one_step")
+MODES = {"off": ["rollout.async=off"], "one_step": ["rollout.async=one_step"],
+         "full": ["rollout.async=full"],
+         "full_bypass": ["rollout.async=full", "gspo.old_logprobs=rollout"]}
 
 
 @contextlib.contextmanager
@@ -85,7 +91,8 @@ def run_mode(mode: str, policy: Path, work: Path, args) -> dict:
                                       server_args=["--weight-roots", str(weights)])
         cluster.start()
     try:
-        sets = [f"run.output_dir={run_dir}", f"run.init_from={policy}", f"rollout.async={mode}",
+        sets = [f"run.output_dir={run_dir}", f"run.init_from={policy}", *MODES[mode],
+                f"rollout.max_staleness={args.max_staleness}",
                 "rollout.mode=external", f"rollout.router_url={cluster.router_url}",
                 f"rollout.weight_sync_dir={weights}", f"run.num_steps={args.steps}",
                 f"run.eval_interval={args.steps}", "run.save_interval=0", f"run.seed={args.seed}"]
@@ -110,13 +117,21 @@ def run_mode(mode: str, policy: Path, work: Path, args) -> dict:
             "reward": final["eval/reward_mean"], "reward_se": final.get("eval/reward_se", 0.0),
             "reward_start": records[0]["eval/reward_mean"],
             "clip": mean("train/clip_frac", train), "staleness": mean("train/staleness_mean", train),
-            "ess": mean("train/mismatch_weight_ess", train)}
+            "ess": mean("train/mismatch_weight_ess", train),
+            "staleness_max": max((r.get("train/staleness_max", 0.0) for r in train), default=0.0),
+            "paused": mean("sync/paused_s", train),
+            "requeued": sum(r.get("train/requeued", 0.0) for r in train),
+            "resumed": sum(r.get("train/resumed", 0.0) for r in train)}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=20, help="training steps per mode (default 20)")
     p.add_argument("--seed", type=int, default=1234, help="run.seed of every mode")
+    p.add_argument("--max-staleness", type=int, default=1,
+                   help="rollout.max_staleness of the full modes (default 1)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of "
+                   f"{', '.join(MODES)} (off is always run: the baseline)")
     p.add_argument("--sft-from", type=Path, default=None,
                    help="the SFT policy's HF directory (default: make one first)")
     args = p.parse_args()
@@ -126,22 +141,31 @@ def main() -> int:
         work = Path(tmp)
         policy = args.sft_from or sft_policy(work)
         results = {}
-        for mode in MODES:
+        chosen = ["off"] + [m for m in args.modes.split(",") if m in MODES and m != "off"]
+        for mode in chosen:
             print(f"rollout.async {mode}: {args.steps} steps ...", flush=True)
             results[mode] = run_mode(mode, Path(policy), work, args)
     base = results["off"]
     print("\n| mode | s/step | speedup | trainer idle | rollout idle | held-out reward (start -> "
-          "end +- se) | clip frac | staleness | behaviour ESS | wall s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "end +- se) | clip frac | staleness mean / max | behaviour ESS | pause s | "
+          "resumed / re-queued | wall s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for mode, r in results.items():
         print(f"| {mode} | {r['step_s']:.2f} | {base['step_s'] / r['step_s']:.2f}x | "
               f"{r['trainer_idle']:.2f} | {r['rollout_idle']:.2f} | {r['reward_start']:.3f} -> "
               f"{r['reward']:.3f} +- {r['reward_se']:.3f} | {r['clip']:.4f} | "
-              f"{r['staleness']:.2f} | {r['ess']:.4f} | {r['wall_s']:.0f} |")
-    one = results["one_step"]
-    print(f"\nasync vs sync (separate cores): one_step {base['step_s'] / one['step_s']:.2f}x, "
-          f"full n/a; held-out reward sync {base['reward']:.3f}, one_step {one['reward']:.3f}, "
-          "full n/a")
+              f"{r['staleness']:.2f} / {r['staleness_max']:.0f} | "
+              f"{'-' if r['ess'] != r['ess'] else format(r['ess'], '.4f')} | "
+              f"{r['paused']:.3f} | {r['resumed']:.0f} / {r['requeued']:.0f} | {r['wall_s']:.0f} |")
+
+    def speed(mode: str) -> str:
+        return f"{base['step_s'] / results[mode]['step_s']:.2f}x" if mode in results else "n/a"
+
+    def reward(mode: str) -> str:
+        return f"{results[mode]['reward']:.3f}" if mode in results else "n/a"
+    print(f"\nasync vs sync (separate cores): one_step {speed('one_step')}, full {speed('full')}; "
+          f"held-out reward sync {reward('off')}, one_step {reward('one_step')}, "
+          f"full {reward('full')}")
     return 0
 
 

@@ -65,6 +65,11 @@ ARMS: dict[str, tuple[str, str]] = {
     "seq_ratio_token_clip": ("seq_ratio_token_clip", "none"),
     "token_ratio_seq_clip": ("token_ratio_seq_clip", "none"),
     "seq_ratio_unnormalized": ("seq_ratio_unnormalized", "none"),
+    "gspo_replay_rollout": ("gspo", "rollout"),  # GSPO + R3
+    "cispo": ("cispo", "none"),
+    "sapo": ("sapo", "none"),
+    "luspo": ("luspo", "none"),
+    "gmpo": ("gmpo", "none"),
 }
 
 # per-step series kept in result.json and plotted (metrics.jsonl names)
@@ -78,6 +83,8 @@ SERIES = {
     "routing_change_any_frac": "train/routing_change_any_frac",
     "token_log_ratio_var": "train/token_log_ratio_var",
     "seq_log_ratio_var": "train/seq_log_ratio_var",
+    "response_length_mean": "train/response_length_mean",  # LUSPO's length-collapse claim
+    "sapo_gate_weight_mean": "train/sapo_gate_weight_mean",
 }
 EVAL = "eval/reward_mean"
 
@@ -165,7 +172,8 @@ def summarize(records: list[dict], *, collapse_kw: Optional[dict] = None) -> dic
     clip_low = avg("clip_frac_low") if avg("clip_frac_low") is not None else avg("token_clip_frac_low")
     clip_high = (avg("clip_frac_high") if avg("clip_frac_high") is not None
                  else avg("token_clip_frac_high"))
-    clip_unit = "sequence" if avg("clip_frac_low") is not None else "token"
+    clip_unit = ("sequence" if avg("clip_frac_low") is not None else
+                 "token" if avg("token_clip_frac_low") is not None else "none (soft gate)")
     eval_start = evals[0][1] if evals and evals[0][0] == 0 else None
     eval_final = evals[-1][1] if evals else None
     return {
@@ -187,6 +195,8 @@ def summarize(records: list[dict], *, collapse_kw: Optional[dict] = None) -> dic
         "routing_change_any_frac": avg("routing_change_any_frac"),
         "token_log_ratio_var": avg("token_log_ratio_var"),
         "seq_log_ratio_var": avg("seq_log_ratio_var"),
+        "response_length_mean": avg("response_length_mean"),
+        "sapo_gate_weight_mean": avg("sapo_gate_weight_mean"),
         "series": {"step": steps, **series},
     }
 

@@ -23,8 +23,8 @@ Applied by
 from that environment shows everything again). Python's own default filters still apply to what is
 not listed (e.g. a DeprecationWarning raised inside a library is hidden outside tests anyway).
 
-The entries were taken from what megatron-core 0.16.1, torch 2.13, transformers 5 and
-sglang-router 0.3.2 print in ``megatron-gspo demo``, ``sft``, ``train``, ``serve`` and the test suite
+The entries were taken from what megatron-core 0.16.1 and 0.19.2 (the two supported stacks,
+``megatron_gspo/mcore_compat.py``), torch 2.13, transformers 5 and sglang-router 0.3.2 print in ``megatron-gspo demo``, ``sft``, ``train``, ``serve`` and the test suite
 on a CPU machine. A new dependency version that prints something else shows it: add it here with
 its reason, or fix the cause.
 """
@@ -82,12 +82,12 @@ REGISTRY: tuple[BenignWarning, ...] = (
         only_without_cuda=True),
     # ------------------------------------------------------------------ every machine
     BenignWarning(
-        message=r"full scope is deprecated\. Use empty cuda_graph_scope",
+        message=r"MimoModelConfig is experimental",
         category=UserWarning,
-        module=r"megatron\.core\.transformer\.transformer_config",
-        reason="megatron-core 0.16.1's own default TransformerConfig.cuda_graph_scope='full' triggers "
-               "its own deprecation notice in __post_init__ (it then uses [], the same thing); this "
-               "project never sets the field and uses no CUDA graphs."),
+        module=r"megatron\.core\.models\.mimo",
+        reason="megatron-core 0.19's get_megatron_optimizer imports its multimodal MimoModel to test "
+               "isinstance(model, MimoModel), and that import announces the experimental API; the "
+               "policy is no MimoModel (megatron_gspo/mcore_compat.py, difference 3)."),
     BenignWarning(
         message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
         category=FutureWarning,
@@ -114,6 +114,22 @@ REGISTRY: tuple[BenignWarning, ...] = (
         reason="megatron-core 0.16.1 imports its own deprecated TE shim (multi_latent_attention); "
                "this project imports neither it nor MLA."),
     # ------------------------------------------------------------------ log records
+    BenignWarning(
+        message=r"GPTModel IS DEPRECATED",
+        category=None,
+        module="megatron.core.models.gpt.gpt_model",
+        reason="megatron-core 0.19 logs it at every GPTModel construction (HybridModel is its "
+               "successor); the policy stays on GPTModel on both supported stacks so that "
+               "checkpoints, the Hugging Face mapping and routing replay keep their parameter "
+               "names (megatron_gspo/mcore_compat.py, difference 2)."),
+    BenignWarning(
+        message=r"No CUDA runtime is found, using CUDA_HOME",
+        category=None,
+        module="torch.utils.cpp_extension",
+        reason="A CUDA build of torch (the Python 3.12 stack's wheel from the package registry) on a "
+               "machine without a GPU: torch's extension loader says it found no CUDA runtime when "
+               "Megatron imports it. Nothing is compiled on the CPU path. Shown on GPU machines.",
+        only_without_cuda=True),
     BenignWarning(
         message=r"Invalid HTTP request received\.",
         category=None,

@@ -65,13 +65,18 @@ def add_parser(subparsers) -> None:
 def calibration_config(cfg: Config, out: str) -> Config:
     """The session's configuration: one update per rollout batch (the first mini-batch's is fed
     alone), no warmup, the calibration's own run directory."""
-    from megatron_gspo.loss.variants import clips_token_ratio
+    from megatron_gspo.loss.variants import OWN_RANGE_VARIANTS, clips_token_ratio
 
+    if cfg.gspo.variant in OWN_RANGE_VARIANTS:
+        raise ConfigError(f"gspo.variant: {cfg.gspo.variant} has a range of its own (cispo_eps_*, "
+                          "sapo_tau_*, gmpo_log_eps_*), not the sequence clip range; "
+                          "calibrate-eps calibrates the sequence clip range of gspo, gspo_token, "
+                          "token_ratio_seq_clip, seq_ratio_unnormalized and luspo")
     if clips_token_ratio(cfg.gspo.variant):
         raise ConfigError(f"gspo.variant: {cfg.gspo.variant} clips the per-token ratio w_it "
                           "(gspo.token_eps_low / token_eps_high); calibrate-eps calibrates the "
-                          "sequence clip range of gspo, gspo_token, token_ratio_seq_clip and "
-                          "seq_ratio_unnormalized")
+                          "sequence clip range of gspo, gspo_token, token_ratio_seq_clip, "
+                          "seq_ratio_unnormalized and luspo")
     if cfg.gspo.updates_per_rollout == 1 and cfg.gspo.old_logprobs == "recompute":
         raise ConfigError("gspo.updates_per_rollout: 1 with gspo.old_logprobs recompute: every "
                           "update sees s_i = 1 and nothing is ever clipped; there is no clip "

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import sys
 import traceback
@@ -35,27 +34,12 @@ from typing import Optional
 
 from launch import benign_warnings, local, rank_status
 from megatron_gspo.config import ConfigError
+from pipeline import relayed_errors
 
 # Sub-command modules; each has add_parser(subparsers) and sets ``func(args, argv) -> int``.
 COMMANDS = ["launch.demo", "launch.train", "launch.sft", "launch.show_config", "launch.plot", "launch.serve", "launch.slurm",
             "launch.plan", "launch.calibrate_eps"]
 OPTIONAL_COMMANDS = ["launch.convert"]
-
-
-# Errors about the user's input (files, rows, rewards, checkpoints, a run dir in use): reported in
-# one line, exit status 2.
-_INPUT_ERRORS = {"DataError", "RewardError", "CheckpointError", "HFConfigError", "WeightSyncError",
-                 "RunDirLocked"}
-# A phase that failed on rank 0 reaches every rank as "step N: <ErrorType>: <message>"
-# (pipeline.loop.StepGuard): the type named there decides.
-_RELAYED = re.compile(r"step \d+: (\w+): ")
-
-
-def _is_input_error(err: BaseException) -> bool:
-    if type(err).__name__ in _INPUT_ERRORS:
-        return True
-    relayed = _RELAYED.match(str(err)) if type(err) is RuntimeError else None
-    return bool(relayed and relayed.group(1) in _INPUT_ERRORS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,8 +88,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         _report(console, command, f"configuration error: {err}")
         return 2
     except Exception as err:
-        if _is_input_error(err):  # bad input: the message names the file / field
-            relayed = type(err) is RuntimeError  # "step N: <ErrorType>: ..." from rank 0
+        if relayed_errors.is_input_error(err):  # bad input: the message names the file / field
+            relayed = isinstance(err, relayed_errors.RelayedError)  # "step N: ...: <Type>: ..."
             _report(console, command, str(err) if relayed else f"{type(err).__name__}: {err}")
             return 2
         if supervised:  # the traceback to the rank's log; the launcher shows the first one

@@ -48,8 +48,9 @@ def _add_direction_parsers(subparsers) -> None:
                    help="expert tensor parallel size: checked against moe_intermediate_size "
                         "(default: --tp, as in Megatron)")
     h.add_argument("--dtype", default="auto", help=DTYPE_HELP)
-    h.add_argument("--threads", type=int, default=1, metavar="N",
-                   help="writer threads (N data files; N chunks in memory at once; default 1)")
+    h.add_argument("--threads", type=_threads, default=None, metavar="N|auto",
+                   help="writer threads (N data files; N chunks in memory at once; default auto: "
+                        "one per 5 GiB of checkpoint, at most 8 or the CPU count)")
     _add_common(h)
     h.set_defaults(convert_func=_hf_to_mcore)
 
@@ -73,6 +74,18 @@ def _add_direction_parsers(subparsers) -> None:
                    help="largest safetensors shard, e.g. 5GB or 2GiB (default 5GB)")
     _add_common(m)
     m.set_defaults(convert_func=_mcore_to_hf)
+
+
+def _threads(text: str):
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--threads: 'auto' or an integer >= 1, got {text!r}")
+    return value
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:

@@ -300,6 +300,13 @@ CHARTS: dict[str, Callable] = {
     "idle.png": _simple("Idle fractions (measured)", "fraction of the step",
                         [("train/trainer_idle_frac", "trainer"),
                          ("train/rollout_idle_frac", "rollout")]),
+    "weight_pause.png": _simple("Weight update: servers paused (pause -> continue)", "seconds",
+                                [("sync/paused_s", "paused"), ("sync/seconds", "whole sync")]),
+    # rollout.async full (pipeline/streaming.py): what happened to the groups, per step
+    "stream.png": _simple("Rollout stream (async full): groups per step", "groups",
+                          [("train/requeued", "re-queued"), ("train/resumed", "samples resumed"),
+                           ("train/in_flight_groups", "in flight"),
+                           ("train/buffered_groups", "buffered")]),
     "behaviour_weight.png": _simple("Behaviour weight m_i (decoupled objective)", "value",
                                     [("train/mismatch_weight_mean", "mean"),
                                      ("train/mismatch_weight_max", "max"),

@@ -20,6 +20,8 @@ reward function / service configured      yes     yes     -       yes
 external router reachable (5 s)           note    yes     -       - (the job starts its own)
 run directory writable (probed)           -       yes     yes     yes
 run directory not locked by a live run    -       yes     yes     yes
+``--resume``: the checkpoint's model       -       yes     yes     -
+``run.loggers`` packages (wandb, mlflow)   -       yes     yes     -
 GPU-only limits (``validate_rl``)          -       yes     -       -
 apex wgrad kernel (with CUDA, when         -       yes     yes     -
 ``model.gradient_accumulation_fusion``)
@@ -68,7 +70,14 @@ def check(cfg: Config, *, program: Program, world_size: Optional[int],
     cluster's file system) are appended there instead of raised, and the checks that read them
     are skipped; every other program refuses them."""
     if program in ("train", "sft"):
+        from pipeline.trackers import check_installed
+
         check_gradient_accumulation_fusion(cfg)
+        check_installed(cfg.run.loggers)  # where the ranks run; a Slurm job's image may differ
+    if program == "train":
+        said = check_nccl_versions(cfg)
+        if said:
+            print(said, flush=True)
     missing = missing_inputs(cfg) if notes is not None else []
     if missing:
         notes.extend(f"{field}: {path} does not exist on this machine (train and launch slurm "
@@ -104,7 +113,8 @@ def before_ranks(cfg: Config, *, program: Program, world_size: int, resume: bool
     """``train`` / ``sft``: :func:`check` unless this process is a rank whose launcher already
     ran it; inside ranks started by srun or torchrun the world is theirs (WORLD_SIZE /
     SLURM_NTASKS), not the one this command would start. Also refuses a run directory that
-    holds checkpoints without ``--resume`` (the ranks refuse it too)."""
+    holds checkpoints without ``--resume`` (the ranks refuse it too), and with ``--resume`` a
+    checkpoint of another model (:func:`check_resume`)."""
     from launch import local, rank_status
 
     if rank_status.supervised():
@@ -116,6 +126,26 @@ def before_ranks(cfg: Config, *, program: Program, world_size: int, resume: bool
     if not resume and (run_dir / "checkpoints" / "latest").exists():
         raise ConfigError(f"run.output_dir: {run_dir} already holds checkpoints; pass --resume "
                           "to continue that run or choose another run.output_dir")
+    if resume:
+        check_resume(cfg)
+
+
+def check_resume(cfg: Config) -> None:
+    """``--resume``: the checkpoint the ranks would start from (the newest whose manifest reads;
+    the ranks verify its checksums, and check again) must hold this config's model: a changed
+    model field (``megatron_gspo.train.checkpoint.model_changes``: sizes, experts, vocabulary,
+    ...) or a vocabulary this tensor parallelism pads differently is a ``ConfigError`` naming the
+    fields and both values. A changed parallel layout is fine (the ranks reshard the checkpoint
+    and say so); no checkpoint, or one written before checkpoints recorded their model, passes."""
+    from megatron_gspo.train.checkpoint import resume_candidate, resume_refusal
+
+    found = resume_candidate(cfg.run.output_dir)
+    if found is None:
+        return
+    path, manifest = found
+    refusal = resume_refusal(path, manifest, cfg.model, cfg.parallel.tensor)
+    if refusal is not None:
+        raise ConfigError(refusal)
 
 
 def check_writable(run_dir: str | os.PathLike) -> None:
@@ -174,6 +204,64 @@ def check_gradient_accumulation_fusion(cfg: Config) -> None:
             f"which does not import here ({err}); install apex with --cpp_ext --cuda_ext (in an "
             "apex checkout: APEX_CPP_EXT=1 APEX_CUDA_EXT=1 pip install -v --no-build-isolation ., "
             "as slurm/Dockerfile does), or set model.gradient_accumulation_fusion: false") from None
+
+
+NCCL_VERSION_CODE = ("import torch, sys; v = torch.cuda.nccl.version() if torch.cuda.is_available() "
+                     "else None; sys.stdout.write('.'.join(map(str, v)) if v else 'none')")
+"""What the SGLang interpreter runs to report the NCCL its torch bundles."""
+
+
+def nccl_version_of(python: str, *, timeout_s: float = 120.0) -> Optional[str]:
+    """The NCCL version (``"2.27.3"``) of the torch that ``python`` imports; None if that torch
+    sees no CUDA. Raises ConfigError naming ``python`` when it cannot be asked."""
+    import subprocess
+
+    try:
+        proc = subprocess.run([python, "-c", NCCL_VERSION_CODE], capture_output=True, text=True,
+                              timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise ConfigError(f"MGSPO_SGLANG_PYTHON: {python}: cannot ask it for its NCCL version "
+                          f"({type(err).__name__}: {err})") from None
+    if proc.returncode != 0:
+        raise ConfigError(f"MGSPO_SGLANG_PYTHON: {python}: asking it for its NCCL version failed "
+                          f"(exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
+    out = proc.stdout.strip()
+    return None if out == "none" else out
+
+
+def check_nccl_versions(cfg: Config, *, trainer_version: Optional[str] = None,
+                        sglang_python: Optional[str] = None) -> Optional[str]:
+    """``rollout.weight_sync: distributed``: the trainer's and the SGLang servers' NCCL must match
+    (major.minor): every update group has both in one communicator, and mismatched NCCL versions
+    there fail or hang at its first init, after the servers have loaded. The servers' version is
+    that of ``MGSPO_SGLANG_PYTHON``'s torch (the interpreter ``launch slurm`` starts SGLang with;
+    slurm/Dockerfile gives SGLang its own environment). Returns a note (what was compared, or
+    why nothing could be) for the console; raises ConfigError on a mismatch. ``trainer_version``
+    / ``sglang_python``: this process's / the environment's when None."""
+    if cfg.rollout.weight_sync != "distributed":
+        return None
+    if trainer_version is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None  # gloo on the CPU: no NCCL on either side
+        trainer_version = ".".join(map(str, torch.cuda.nccl.version()))
+    python = sglang_python or os.environ.get("MGSPO_SGLANG_PYTHON")
+    if not python:
+        return (f"weight sync: trainer NCCL {trainer_version}; the SGLang servers' NCCL is not "
+                "checked (MGSPO_SGLANG_PYTHON is unset: it must be the same major.minor)")
+    served = nccl_version_of(python)
+    if served is None:
+        return (f"weight sync: trainer NCCL {trainer_version}; {python}'s torch sees no CUDA here, "
+                "its NCCL is not checked")
+    if served.split(".")[:2] != trainer_version.split(".")[:2]:
+        raise ConfigError(
+            f"rollout.weight_sync: distributed puts the trainer (NCCL {trainer_version}) and the "
+            f"SGLang servers ({python}: NCCL {served}) in one NCCL communicator per update group, "
+            "and NCCL versions that differ there fail or hang at its init; install the same "
+            f"nvidia-nccl version in both environments (pip install nvidia-nccl-cu12=={trainer_version} "
+            "in the SGLang one, or the other way round), or use rollout.weight_sync: disk")
+    return f"weight sync: NCCL {trainer_version} on the trainer, {served} on the SGLang servers"
 
 
 def _check_init_from(cfg: Config) -> None:

@@ -1,21 +1,20 @@
 """Set up and tear down one GSPO training session on a training rank (used by ``train``).
 
-Everything here is plumbing, held by one object, :class:`RLSession`: distributed start, the
-trainer, resume, datasets and rewards on rank 0, the rollout servers (started here in embedded
-mode, found through the router otherwise), the weight-sync pusher, signals, and a guaranteed stop
-of every process this session started (one ``ExitStack``). The loop itself is ``pipeline.loop.run``.
+Everything here is plumbing, held by one object, :class:`RLSession` (a ``launch.session.Session``,
+as ``sft``'s is): the trainer, resume, datasets and rewards on rank 0, the rollout servers (started
+here in embedded mode, found through the router otherwise), the weight-sync pusher, and a
+guaranteed stop of every process this session started. The loop itself is ``pipeline.loop.run``.
 """
 
 from __future__ import annotations
 
-import os
-from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 
+from launch.session import Session
 from megatron_gspo.config import Config, ConfigError
 
 if TYPE_CHECKING:
@@ -30,7 +29,24 @@ def weight_pusher_options(r, run_dir: Path) -> dict:
     return dict(transport=r.weight_sync, shared_dir=r.weight_sync_dir or str(Path(run_dir) / "weights"),
                 master_address=r.weight_sync_master_address, verify=r.weight_sync_verify,
                 delta=r.weight_sync_delta, timeout_s=r.request_timeout_s,
-                full_every=r.weight_sync_full_every)
+                full_every=r.weight_sync_full_every,
+                # full: requests in flight live through the update and continue on the new weights
+                pause_mode="retract" if r.async_ == "full" else "abort")
+
+
+def _stream_state(cfg: Config, run_state: dict) -> Optional[dict]:
+    """The ``rollout.async: full`` stream a checkpoint holds (None: none); a run resumed in
+    another mode would lose its groups: refused, naming the field."""
+    from pipeline.streaming import STREAM_KEY
+
+    state = run_state.get(STREAM_KEY)
+    if state is not None and cfg.rollout.async_ != "full":
+        raise ConfigError(
+            f"rollout.async: {cfg.rollout.async_}: the checkpoint was written by a "
+            f"rollout.async: full run and holds {len(state['complete'])} complete groups and "
+            f"{len(state['pending'])} prompts in flight, which another mode would not train; "
+            "resume it with rollout.async: full")
+    return state
 
 
 def validate_rl(cfg: Config, *, on_gpu: Optional[bool] = None) -> None:
@@ -58,7 +74,7 @@ def run_training(cfg: Config, *, resume: bool) -> int:
         return session.run()
 
 
-class RLSession:
+class RLSession(Session):
     """One GSPO training session on one training rank.
 
         with RLSession(cfg, resume=False) as session:   # distributed start, signals, pid file
@@ -67,54 +83,12 @@ class RLSession:
     ``run`` builds the trainer side (:meth:`build_trainer`: the policy, its optimizer, resume),
     the rollout side (:meth:`build_rollout`: rank 0's data, rewards, client, and in embedded mode
     the servers and the router) and the weight sync (:meth:`build_weight_sync`), then runs the
-    loop. Every resource is registered on ONE ``ExitStack`` the moment it exists - process groups,
-    signal handlers, servers + router, the metrics file, the pusher's update groups - and leaving
-    the ``with`` releases them in reverse order, on success, error, Ctrl-C or preemption alike.
+    loop. The start, the run lock, the signals and the one ``ExitStack`` every resource is
+    registered on are :class:`launch.session.Session`'s (shared with ``sft``).
     """
 
-    def __init__(self, cfg: Config, *, resume: bool):
-        self.cfg = cfg
-        self.resume = resume
-        self.run_dir = Path(cfg.run.output_dir)
-        self.control: Optional[dist.ProcessGroup] = None
-        """gloo over the whole world: rank 0's broadcasts and the stop flag."""
-        self.pg = None
-        """Megatron's ProcessGroupCollection of this rank."""
-        self.is_main = False
-        self.stop = None
-        self._resources = ExitStack()
-
-    # ---------------------------------------------------------------------------------------
-    def __enter__(self) -> "RLSession":
-        try:
-            self._start()
-        except BaseException:
-            self._resources.close()
-            raise
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self._resources.close()
-
-    def _start(self) -> None:
-        from megatron_gspo import parallel
-        from pipeline import loop
-
+    def validate(self) -> None:
         validate_rl(self.cfg)
-        self.control = parallel.init_distributed(self.cfg.parallel)
-        self._resources.callback(parallel.destroy)  # Megatron's groups, then torch.distributed
-        from launch.run_lock import hold
-
-        # one run per run dir: rank 0 holds run.lock until the end (every rank fails alike)
-        self._resources.enter_context(hold(self.run_dir, group=self.control))
-        self.pg = parallel.initialize(self.cfg.parallel, seed=self.cfg.run.seed)
-        self.is_main = dist.get_rank() == 0
-        if self.is_main:
-            layout = parallel.derive_layout(self.cfg.parallel, dist.get_world_size())
-            print(f"layout: {layout.describe()}", flush=True)
-        self.stop = loop.StopFlag(group=self.control).install()
-        self._resources.callback(self.stop.uninstall)
-        _write_pid_file(self.run_dir)
 
     # ---------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -133,23 +107,15 @@ class RLSession:
 
         Returns ``(trainer, start_step, run_state)``; ``run_state`` is what the loop saved with
         the checkpoint (the sampler's data position), ``{}`` on a fresh start."""
-        from megatron_gspo.train.checkpoint import checkpoint_root, latest_checkpoint
         from megatron_gspo.train.rl_trainer import RLTrainer
 
-        latest = latest_checkpoint(self.run_dir) if self.resume else None
-        if self.resume and latest is None and self.is_main:
-            print(f"--resume: no checkpoint in {checkpoint_root(self.run_dir)}, starting at step 0",
-                  flush=True)
-        if not self.resume and checkpoint_root(self.run_dir).joinpath("latest").exists():
-            raise ConfigError(f"run.output_dir: {self.run_dir} already holds checkpoints; pass "
-                              "--resume to continue that run or choose another run.output_dir")
+        latest = self.checkpoint_to_resume()
         trainer = RLTrainer(self.cfg, self.pg, init_hf_dir=self.cfg.run.init_from)
         if latest is None:
             return trainer, 0, {}
         run_state = trainer.load(latest)
         start_step = int(run_state["step"])
-        if self.is_main:
-            print(f"resumed from {latest} (step {start_step})", flush=True)
+        self.say_resumed(latest, start_step)
         return trainer, start_step, run_state
 
     def build_rollout(self, trainer: RLTrainer, run_state: dict) -> LoopContext:
@@ -192,9 +158,12 @@ class RLSession:
             server_urls = _server_urls_from_router(router_url)
         # dead servers: dropped from the router and the sync, restarted when they are ours
         pool = ServerPool(server_urls, router_url=router_url, cluster=cluster,
-                          min_servers=cfg.rollout.min_servers)
-        logger = MetricsLogger(run_dir, enabled=True)
-        self._resources.callback(logger.close)
+                          min_servers=cfg.rollout.min_servers,
+                          outage_timeout_s=cfg.rollout.outage_timeout_s,
+                          interrupted=lambda: self.stop.signum is not None)
+        client.servers = pool  # a request with no live server waits for one (wait_for_live)
+        logger = MetricsLogger.from_config(cfg, run_dir)
+        self.resources.callback(logger.close)
         encoder = train_set.encoder
         return loop.LoopContext(
             **common, logger=logger, sampler=sampler,
@@ -205,7 +174,8 @@ class RLSession:
             client=client, decode=encoder.decode,
             stop_token_ids=[encoder.eos_id], server_urls=list(server_urls), servers=pool,
             parity=_parity_watchdog(cfg, run_dir, eval_set=eval_set, train_set=train_set),
-            rollout_buffer=run_state.get(loop.BUFFER_KEY))
+            rollout_buffer=run_state.get(loop.BUFFER_KEY),
+            rollout_stream=_stream_state(cfg, run_state))
 
     def _embedded_server_model(self, trainer: RLTrainer) -> Optional[str]:
         """The Hugging Face directory embedded servers load (None in external mode): run.init_from,
@@ -235,7 +205,7 @@ class RLSession:
         server_args += ["--weight-roots", str(roots)]
         cluster = LocalRolloutCluster(model_path, r.num_servers, log_dir=self.run_dir / "logs",
                                       random_seed=self.cfg.run.seed, server_args=server_args)
-        self._resources.callback(cluster.stop)  # also after a start that failed half-way
+        self.resources.callback(cluster.stop)  # also after a start that failed half-way
         cluster.start()
         return cluster
 
@@ -250,7 +220,7 @@ class RLSession:
         dist.broadcast_object_list(rank0_urls, src=0, group=self.control)
         pusher = WeightPusher(rank0_urls[0], **weight_pusher_options(self.cfg.rollout, self.run_dir),
                               group=self.control)
-        self._resources.callback(pusher.close)
+        self.resources.callback(pusher.close)
         return pusher
 
     # ---------------------------------------------------------------------------------------
@@ -288,11 +258,6 @@ def _parity_watchdog(cfg: Config, run_dir: Path, *, eval_set=None, train_set=Non
     return ParityWatchdog(cfg, run_dir, prompts=prompts)
 
 
-def _write_pid_file(run_dir: Path) -> None:
-    """<run_dir>/pids/rank<R>.pid: which process is which training rank (for operators, tests)."""
-    pid_dir = run_dir / "pids"
-    pid_dir.mkdir(parents=True, exist_ok=True)
-    (pid_dir / f"rank{dist.get_rank()}.pid").write_text(str(os.getpid()))
 
 
 def _export_policy(trainer, cfg: Config, out: Path):

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from launch import local
 from launch.common import add_config_args, load_from_args
+from launch.session import Session
 
 
 def add_parser(subparsers) -> None:
@@ -58,52 +59,36 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     if code is not None:
         return code
 
-    import torch.distributed as dist
+    with SFTSession(cfg, resume=args.resume) as session:
+        return session.run()
 
-    from megatron_gspo.config import ConfigError
-    from megatron_gspo.train.checkpoint import checkpoint_root, latest_checkpoint
-    from megatron_gspo.train.sft import SFTTrainer
-    from pipeline.loop import PREEMPTED_EXIT_CODE, StopFlag
-    from pipeline.metrics import MetricsLogger
-    from pipeline.sft_loop import run_sft
-    from pipeline.tasks import PAD_ID
 
-    from contextlib import ExitStack
+class SFTSession(Session):
+    """One SFT session on one training rank (the start, run lock, signals and resources of
+    :class:`launch.session.Session`, as ``train``'s ``RLSession``)."""
 
-    from launch.run_lock import hold
+    def run(self) -> int:
+        """Build the trainer (resumed with ``--resume``), run the SFT loop, export the policy;
+        returns the exit status (0, or 75 after a stop signal)."""
+        from megatron_gspo.train.sft import SFTTrainer
+        from pipeline.metrics import MetricsLogger
+        from pipeline.signals import PREEMPTED_EXIT_CODE
+        from pipeline.sft_loop import run_sft
+        from pipeline.tasks import PAD_ID
 
-    control = parallel.init_distributed(cfg.parallel)
-    lock = ExitStack()
-    try:
-        lock.enter_context(hold(cfg.run.output_dir, group=control))  # one run per run dir
-        pg = parallel.initialize(cfg.parallel, seed=cfg.run.seed)
-        stop = StopFlag(group=control).install()  # checkpoint and exit 75 on a stop signal
-        lock.callback(stop.uninstall)
-        is_main = dist.get_rank() == 0
-        if is_main:
-            layout = parallel.derive_layout(cfg.parallel, dist.get_world_size())
-            print(f"layout: {layout.describe()}", flush=True)
-        run_dir = Path(cfg.run.output_dir)
-        latest = latest_checkpoint(run_dir) if args.resume else None
-        if args.resume and latest is None and is_main:
-            print(f"--resume: no checkpoint in {checkpoint_root(run_dir)}, starting at step 0",
-                  flush=True)
-        if not args.resume and checkpoint_root(run_dir).joinpath("latest").exists():
-            raise ConfigError(f"run.output_dir: {run_dir} already holds checkpoints; pass --resume "
-                              "to continue that run or choose another run.output_dir")
-        logger = MetricsLogger(cfg.run.output_dir, enabled=is_main)
-        try:
-            trainer = SFTTrainer(cfg, pg, pad_id=PAD_ID)
-            start_step, run_state = 0, None
-            if latest is not None:
-                run_state = trainer.load(latest)
-                start_step = int(run_state["step"])
-                if is_main:
-                    print(f"resumed from {latest} (step {start_step})", flush=True)
-            result = run_sft(trainer, cfg, logger=logger, start_step=start_step,
-                             run_state=run_state, stop=stop)
-        finally:
-            logger.close()
+        cfg, is_main = self.cfg, self.is_main
+        latest = self.checkpoint_to_resume()
+        logger = MetricsLogger.from_config(cfg, cfg.run.output_dir, enabled=is_main)
+        self.resources.callback(logger.close)
+        trainer = SFTTrainer(cfg, self.pg, pad_id=PAD_ID)
+        start_step, run_state = 0, None
+        if latest is not None:
+            run_state = trainer.load(latest)
+            start_step = int(run_state["step"])
+            self.say_resumed(latest, start_step)
+        result = run_sft(trainer, cfg, logger=logger, start_step=start_step,
+                         run_state=run_state, stop=self.stop)
+        logger.close()
         if result.preempted:
             if is_main:
                 print(f"preempted: checkpoint saved; exit {PREEMPTED_EXIT_CODE}", flush=True)
@@ -112,7 +97,7 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
         from pipeline.tasks import write_byte_tokenizer
 
         hf_dir = Path(cfg.run.output_dir) / "hf"
-        export_hf_dir(trainer.gpt, cfg.model, pg, hf_dir, tokenizer_dir=cfg.data.tokenizer_dir)
+        export_hf_dir(trainer.gpt, cfg.model, self.pg, hf_dir, tokenizer_dir=cfg.data.tokenizer_dir)
         if is_main and cfg.data.tokenizer_dir is None:
             write_byte_tokenizer(hf_dir)
             print(f"policy written to {hf_dir}")
@@ -121,7 +106,4 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
             if result.eval_losses:
                 print(f"held-out loss: {result.eval_losses[0]:.4f} -> "
                       f"{result.eval_losses[-1]:.4f}", flush=True)
-    finally:
-        lock.close()
-        parallel.destroy()
-    return 0
+        return 0

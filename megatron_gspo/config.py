@@ -37,7 +37,7 @@ from typing import Any, ClassVar, Literal, Optional
 
 import yaml
 
-from megatron_gspo.loss.variants import Variant, clips_token_ratio
+from megatron_gspo.loss.variants import SEQUENCE_RANGE, SPECS, Variant
 from megatron_gspo.yaml_load import MAX_SHOWN, YAMLLoadError, shown
 from megatron_gspo.yaml_load import load as load_yaml
 
@@ -216,6 +216,22 @@ class GSPOConfig:
     seq_ratio_token_clip: ``variants.TOKEN_RATIO_CLIP_VARIANTS``); the others use eps_low."""
     token_eps_high: float = 0.28
     """Token clip range, high side (see token_eps_low)."""
+    cispo_eps_low: float = 1.0
+    """cispo: the IS weight w_it is clipped to [1 - cispo_eps_low, 1 + cispo_eps_high] before it
+    is detached. 1.0: no lower bound (MiniMax-M1 sets the low side "to a large value" and tunes
+    only the high side)."""
+    cispo_eps_high: float = 4.0
+    """cispo: the high side of the IS weight's clip (4.0: weights up to 5, ScaleRL's CISPO)."""
+    sapo_tau_pos: float = 1.0
+    """sapo: the gate's temperature on tokens with a positive advantage (SAPO paper: 1.0)."""
+    sapo_tau_neg: float = 1.05
+    """sapo: the gate's temperature on the other tokens (SAPO paper: 1.05; larger: negative
+    updates fade faster off-policy)."""
+    gmpo_log_eps_low: float = 0.4
+    """gmpo: each token's log-ratio is clipped to [-gmpo_log_eps_low, gmpo_log_eps_high] (PPO's
+    min per token, by the sign of A_i) before the geometric mean (GMPO paper: (e^-0.4, e^0.4))."""
+    gmpo_log_eps_high: float = 0.4
+    """gmpo: the high side of the log-space clip (see gmpo_log_eps_low)."""
     group_size: int = 8
     """G: responses sampled per prompt."""
     normalize_std: bool = True
@@ -275,6 +291,12 @@ class GSPOConfig:
         for name in ("eps_low", "eps_high", "token_eps_low", "token_eps_high"):
             value = getattr(self, name)
             _require(0 < value < 1, f"gspo.{name}: must be in (0, 1), got {value}")
+        _require(0 < self.cispo_eps_low <= 1,
+                 f"gspo.cispo_eps_low: must be in (0, 1] (1: no lower bound), got {self.cispo_eps_low}")
+        for name in ("cispo_eps_high", "sapo_tau_pos", "sapo_tau_neg", "gmpo_log_eps_low",
+                     "gmpo_log_eps_high"):
+            value = getattr(self, name)
+            _require(value > 0 and math.isfinite(value), f"gspo.{name}: must be > 0, got {value}")
         _require(self.group_size >= 2,
                  f"gspo.group_size: must be >= 2 for group-relative advantages, got {self.group_size}")
         _require(self.kl_coef >= 0, f"gspo.kl_coef: must be >= 0, got {self.kl_coef}")
@@ -296,10 +318,10 @@ class GSPOConfig:
     def clip_range(self) -> tuple[float, float]:
         """(eps_low, eps_high) for the configured variant: the token range for the variants that
         clip the per-token ratio w_it, the sequence range for the others (gspo_token included:
-        its tokens' ratios have the value s_i)."""
-        if clips_token_ratio(self.variant):
-            return self.token_eps_low, self.token_eps_high
-        return self.eps_low, self.eps_high
+        its tokens' ratios have the value s_i); cispo's and gmpo's own (gmpo: log space); sapo
+        has no clip (the sequence range is returned and unused)."""
+        low, high = SPECS[self.variant].eps_fields or SEQUENCE_RANGE
+        return getattr(self, low), getattr(self, high)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -338,6 +360,16 @@ class RolloutConfig:
     servers on the trainer's node (``tensor``; the local server needs --allow-pickled-tensors);
     or a broadcast group per sending rank with every GPU of every server, flattened buckets
     (``distributed``: NCCL on GPUs, gloo on CPU)."""
+    weight_sync_senders: Literal["auto", "rank", "node", "stage"] = "auto"
+    """Which training ranks send the weights (``megatron_gspo.hf.gather.sender_ranks``): ``rank``:
+    every rank that holds a tensor whole (or a TP group's first rank) sends its own (pipeline x
+    expert senders; the disk transport's shards are written by all of them in parallel);
+    ``node``: one rank per node and pipeline stage sends what its node's ranks of that stage hold
+    (moved to it inside the node first); ``stage``: one rank per pipeline stage (slime's choice).
+    With ``weight_sync: distributed`` each sender is one NCCL update group that every
+    rollout-server GPU joins, its buffers outside SGLang's mem_fraction_static (``megatron-gspo
+    plan`` counts them): fewer senders, fewer groups. ``auto``: ``node`` for ``distributed``,
+    ``rank`` for ``disk`` and ``tensor``."""
     weight_sync_dir: Optional[str] = None
     """Shared directory for disk sync (default: <run.output_dir>/weights)."""
     weight_sync_bucket_mb: int = 512
@@ -380,6 +412,10 @@ class RolloutConfig:
     dropped from the router and the weight sync (embedded mode: restarted, synced to the current
     weights, then back in the router; ``pipeline.server_pool``); with fewer left the run stops
     with an error."""
+    outage_timeout_s: float = 300.0
+    """How long a rollout waits for a live server when every one is gone (embedded: restarting;
+    external: until the router has a worker again); then the run stops naming each server and
+    why it is gone. A stop signal ends the wait at once."""
     # -- SGLang server flags (the Slurm launcher passes them; names as SGLang spells them) --
     mem_fraction_static: Optional[float] = None
     """SGLang --mem-fraction-static: the share of GPU memory for weights and KV cache; null:
@@ -398,19 +434,39 @@ class RolloutConfig:
     weight_sync tensor / distributed need dp_size 1."""
     cuda_graph_max_bs: Optional[int] = None
     """SGLang --cuda-graph-max-bs-decode: the largest decode batch captured in a CUDA graph."""
-    async_: Literal["off", "one_step"] = "off"
+    async_: Literal["off", "one_step", "full"] = "off"
     """YAML key ``async`` (a Python keyword, hence the field's name): whether generation overlaps
     training (docs/async.md). ``off``: rollout, training, weight sync, one after the other.
     ``one_step``: step n+1's rollout runs (rank 0, a thread: ``pipeline.producer``) while step n
     trains, with the weights of step n-1; the weights are pushed once per step, after that
     rollout has finished; every sample is exactly one version stale, which the decoupled
-    objective corrects (``gspo.old_logprobs: recompute`` with the behaviour weight). Not with
-    rollout.colocated (the servers give their memory to training while it runs)."""
+    objective corrects (``gspo.old_logprobs: recompute`` with the behaviour weight). ``full``:
+    generation never stops (``pipeline.streaming``): groups are admitted while at most
+    rollout.max_staleness versions ahead of the trainer, the weights are pushed after every
+    update with the servers paused in SGLang's ``retract`` mode (requests in flight continue
+    under the new weights: partial rollouts), and each step trains the oldest complete groups.
+    Not with rollout.colocated (the servers give their memory to training while it runs)."""
+    max_staleness: int = 1
+    """eta: the most weight versions between the policy that generated any token of a trained
+    sample and the policy being trained. ``full`` admits groups so that no sample exceeds it and
+    never trains one that would (re-queued, generated again under the new weights, counted);
+    ``one_step`` is exactly 1 stale (needs >= 1); ``off`` is 0."""
 
     YAML_KEYS: ClassVar[dict] = {"async": "async_"}
     """YAML key -> field name, where the two differ."""
 
+    def senders(self) -> str:
+        """weight_sync_senders with ``auto`` resolved."""
+        if self.weight_sync_senders != "auto":
+            return self.weight_sync_senders
+        return "node" if self.weight_sync == "distributed" else "rank"
+
     def __post_init__(self) -> None:
+        _require(self.max_staleness >= 0,
+                 f"rollout.max_staleness: must be >= 0, got {self.max_staleness}")
+        _require(self.async_ != "one_step" or self.max_staleness >= 1,
+                 f"rollout.max_staleness: {self.max_staleness} is below rollout.async one_step's "
+                 "staleness (every sample is exactly 1 version stale); use async: off, or full")
         _require(self.async_ == "off" or not self.colocated,
                  f"rollout.async: {self.async_} needs the rollout servers on their own devices; "
                  "rollout.colocated servers release their memory while the trainer runs")
@@ -422,6 +478,8 @@ class RolloutConfig:
                  f"rollout.local_server_device: {self.local_server_device!r} is not cpu, cuda or "
                  "cuda:N")
         _require(self.min_servers >= 1, f"rollout.min_servers: must be >= 1, got {self.min_servers}")
+        _require(self.outage_timeout_s > 0,
+                 f"rollout.outage_timeout_s: must be > 0, got {self.outage_timeout_s}")
         _require(self.mode != "embedded" or self.min_servers <= self.num_servers,
                  f"rollout.min_servers: {self.min_servers} exceeds rollout.num_servers "
                  f"{self.num_servers} (the embedded run's servers)")
@@ -522,6 +580,52 @@ class OptimConfig:
                  f"{self.optimizer!r}")
 
 
+LOGGERS: tuple[str, ...] = ("jsonl", "tensorboard", "wandb", "mlflow")
+"""What ``run.loggers`` may list (``pipeline.metrics`` and ``pipeline.trackers``; docs/metrics.md)."""
+
+
+def _require_name(value: Optional[str], path: str) -> None:
+    _require(value is None or bool(value.strip()), f"{path}: empty; name it or leave it null")
+
+
+@dataclass(kw_only=True, slots=True)
+class WandbConfig:
+    """Weights & Biases, when run.loggers lists wandb (``pipeline.trackers.WandbTracker``)."""
+
+    project: Optional[str] = None
+    """W&B project; null: the WANDB_PROJECT environment variable, else "megatron-gspo"."""
+    entity: Optional[str] = None
+    """W&B team or user; null: WANDB_ENTITY, else the logged-in account's default entity."""
+    mode: Optional[Literal["online", "offline"]] = None
+    """online: upload while the run goes (needs `wandb login` and a network); offline: write
+    the run under <dir>/wandb/offline-run-* for a later `wandb sync`. null: the WANDB_MODE
+    environment variable when set (as verl and slime do), else offline: cluster nodes often
+    have no internet, and an offline run never waits for a login or a network."""
+    dir: Optional[str] = None
+    """Where W&B writes (its wandb/ folder is made inside); null: WANDB_DIR, else
+    run.output_dir."""
+
+    def __post_init__(self) -> None:
+        for name in ("project", "entity", "dir"):
+            _require_name(getattr(self, name), f"run.wandb.{name}")
+
+
+@dataclass(kw_only=True, slots=True)
+class MLflowConfig:
+    """MLflow, when run.loggers lists mlflow (``pipeline.trackers.MLflowTracker``)."""
+
+    tracking_uri: Optional[str] = None
+    """Tracking store: a server (http://...), a database (sqlite:///...) or a directory
+    (file:...); null: MLFLOW_TRACKING_URI, else the file store file:<run.output_dir>/mlruns
+    (offline; `mlflow ui --backend-store-uri <run.output_dir>/mlruns` shows it)."""
+    experiment: Optional[str] = None
+    """Experiment name; null: MLFLOW_EXPERIMENT_NAME, else "megatron-gspo" (made if missing)."""
+
+    def __post_init__(self) -> None:
+        _require_name(self.tracking_uri, "run.mlflow.tracking_uri")
+        _require_name(self.experiment, "run.mlflow.experiment")
+
+
 @dataclass(kw_only=True, slots=True)
 class RunSettings:
     """Seed, length, batch sizes, output and logging of one run."""
@@ -566,6 +670,17 @@ class RunSettings:
     keep_checkpoints: Optional[int] = None
     """After each checkpoint, delete all but the newest this many in <output_dir>/checkpoints
     (never the one the run resumed from); null: keep every checkpoint."""
+    loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    """Where rank 0 logs every step's metrics (docs/metrics.md): jsonl (<output_dir>/metrics.jsonl,
+    required: plots, --resume and the parity checks read it), tensorboard (<output_dir>/tb),
+    wandb (Weights & Biases, run.wandb; pip install 'megatron-gspo[wandb]') and mlflow (run.mlflow;
+    pip install 'megatron-gspo[mlflow]'). W&B and MLflow get a step once no resumed run can
+    redo it: at each checkpoint and at the end of the run; a resumed run continues the same W&B /
+    MLflow run (ids in <output_dir>/trackers.json)."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """W&B settings (only with wandb in run.loggers)."""
+    mlflow: MLflowConfig = field(default_factory=MLflowConfig)
+    """MLflow settings (only with mlflow in run.loggers)."""
 
     def __post_init__(self) -> None:
         for name in ("num_steps", "micro_batch_size", "global_batch_size", "seq_length", "log_interval"):
@@ -584,6 +699,7 @@ class RunSettings:
         _require(self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 1,
                  f"run.max_tokens_per_micro_batch: must be >= 1 (or null for padded rows), got "
                  f"{self.max_tokens_per_micro_batch}")
+        validate_loggers(self)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -852,6 +968,22 @@ def validate_recompute(model: ModelConfig) -> None:
                       "no MLA, dense MLP or shared experts)")
     _require(model.recompute_modules is None or len(model.recompute_modules) > 0,
              "model.recompute_modules: empty; list at least one module or unset recompute")
+
+
+def validate_loggers(run: RunSettings) -> None:
+    """Known names, each once, jsonl among them; run.wandb / run.mlflow only with their logger."""
+    choices = ", ".join(LOGGERS)
+    for i, name in enumerate(run.loggers):
+        _require(name in LOGGERS, f"run.loggers[{i}]: unknown logger {shown(name)} (choose from "
+                                  f"{choices})")
+        _require(name not in run.loggers[:i], f"run.loggers[{i}]: {name!r} is listed twice")
+    _require("jsonl" in run.loggers,
+             f"run.loggers: must include jsonl (got {run.loggers}): metrics.jsonl is what plots, "
+             "--resume and the parity checks read")
+    for name, default in (("wandb", WandbConfig()), ("mlflow", MLflowConfig())):
+        _require(getattr(run, name) == default or name in run.loggers,
+                 f"run.{name}: set, but run.loggers does not list {name}; add it to run.loggers "
+                 f"or unset run.{name}")
 
 
 def validate_routing_replay(gspo: GSPOConfig, model: ModelConfig) -> None:

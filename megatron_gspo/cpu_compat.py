@@ -28,7 +28,8 @@ The accommodations (docs/cpu_accommodations.md tells why each is needed and what
    events. On the CPU all work is synchronous, so each is a no-op.
 3. ``moe_utils.te_general_gemm = None``: megatron-core 0.16.1 imports it from Transformer Engine
    inside a ``try`` and leaves the name undefined when TE is absent, so the router raises
-   ``NameError`` (``router_gating_linear``). ``None`` selects its torch fallback.
+   ``NameError`` (``router_gating_linear``). ``None`` selects its torch fallback. (0.19 sets
+   ``None`` itself; there this does nothing.)
 4. Gradient clipping: ``clip_grad_by_total_norm_fp32`` asserts
    ``param.grad.type() == 'torch.cuda.FloatTensor'``. The replacement keeps the semantics
    (same coefficient ``max_norm / (total_norm + 1e-6)``, applied only when below 1, fp32 grads)

@@ -38,12 +38,14 @@ Besides the training ranks' GPU peak, the plan reports:
   (4 + 4 + 8). Without the gradient copy the estimate was 25% low (12 of 16 bytes); with
   ``gspo.routing_replay: rollout`` also the routed-experts tensor below;
 * the routing-replay batch tensor (``gspo.routing_replay: rollout``): int16 ``[rollout samples,
-  run.seq_length, layers, top-k]`` per step, built on rank 0 (``pipeline.loop.rollout_phase``)
-  and today handed whole to every training rank with the batch (not only its data-parallel
-  share); printed with its size also when replay is off;
+  run.seq_length, layers, top-k]`` per step, built whole on rank 0 (``pipeline.loop.rollout_phase``);
+  each other rank receives only the rows it trains on, 1/dp of it
+  (``RLTrainer.scatter_routed_experts``: raw bytes, no pickling); printed with its size also
+  when replay is off;
 * per rollout-server GPU (``rollout.weight_sync: distributed``): the NCCL buffers of the weight
-  update groups. ``pipeline.weight_push`` makes one update group per source rank of the gather
-  (:func:`update_group_count`: ``parallel.pipeline x parallel.expert`` ranks), and every SGLang
+  update groups. ``pipeline.weight_push`` makes one update group per sending rank of the gather
+  (:func:`update_group_count`: ``rollout.weight_sync_senders``: one per node and pipeline stage,
+  per stage, or per source rank, ``parallel.pipeline x parallel.expert``), and every SGLang
   GPU joins each of them; each is estimated at ``NCCL_UPDATE_GROUP_BYTES`` (below). NCCL
   allocates them with cudaMalloc outside PyTorch's caching allocator, i.e. outside SGLang's
   ``mem_fraction_static`` (which covers its weights and KV-cache pool): they must fit in the
@@ -369,16 +371,33 @@ def routing_replay_bytes(cfg: Config) -> tuple[float, str]:
     return float(n), " x ".join(str(x) for x in shape)
 
 
-def update_group_count(cfg: Config) -> int:
-    """The weight-update groups every SGLang GPU joins with ``rollout.weight_sync: distributed``:
-    one per source rank of the gather (``pipeline.weight_push.WeightPusher._make_groups``).
+GPUS_PER_NODE = 8
+"""The planner's assumption for ``rollout.weight_sync_senders: node`` (H100 / H200 nodes)."""
 
-    ``hf.gather`` sends each HF tensor from the lowest rank holding it whole, else the lowest
-    holding a piece of it. Per pipeline stage that is one rank for the dense tensors (the stage's
-    lowest rank) and one per expert-parallel rank for the experts (each EP rank's experts whole
-    with expert_tensor 1, else the lowest rank of its expert-TP group); the stage's lowest rank
-    is also EP rank 0's, so ``pipeline x expert`` sources in all."""
+
+def update_group_count(cfg: Config, world_size: Optional[int] = None, *,
+                       mode: Optional[str] = None) -> int:
+    """The weight-update groups every SGLang GPU joins with ``rollout.weight_sync: distributed``:
+    one per sending rank (``pipeline.weight_push.WeightPusher._make_groups``), which
+    ``rollout.weight_sync_senders`` chooses (``megatron_gspo.hf.gather.sender_ranks``):
+
+    * ``rank``: ``hf.gather`` sends each HF tensor from the lowest rank holding it whole, else
+      the lowest holding a piece of it. Per pipeline stage that is one rank for the dense tensors
+      (the stage's lowest rank) and one per expert-parallel rank for the experts (each EP rank's
+      experts whole with expert_tensor 1, else the lowest rank of its expert-TP group); the
+      stage's lowest rank is also EP rank 0's, so ``pipeline x expert`` senders in all;
+    * ``stage``: one per pipeline stage;
+    * ``node``: one per node and stage: ``pipeline x ceil(ranks per stage / GPUS_PER_NODE)``
+      (``world_size`` ranks; without it, as ``stage``).
+
+    ``mode``: that setting instead of the configuration's (resolved)."""
     p = cfg.parallel
+    mode = mode or cfg.rollout.senders()
+    if mode == "stage" or (mode == "node" and world_size is None):
+        return p.pipeline
+    if mode == "node":
+        per_stage = world_size // p.pipeline
+        return p.pipeline * -(-per_stage // GPUS_PER_NODE)
     return p.pipeline * (p.expert if cfg.model.num_experts else 1)
 
 
@@ -550,25 +569,34 @@ def plan_memory(cfg: Config, world_size: int, gpu_memory_gib: float, *, spec: st
     replay_on = cfg.gspo.routing_replay == "rollout"
     if replay_on:
         host_items.append(Item("routing-replay tensor", replay,
-                               "(the whole batch's, on every rank; rank 0 builds it; about "
-                               "twice that while broadcast_object_list unpickles it)"))
+                               "(the whole batch's, on rank 0, which builds it and sends each "
+                               "rank its rows: 1/dp of it on every other rank)"))
     notes = [f"routing replay (gspo.routing_replay rollout): int16 [{shape}] (samples x "
              f"seq_length x layers x top-k) = {replay / 1e9:.2f} GB ({replay / GIB:.2f} GiB) per "
-             "step, sent whole to every training rank"
+             f"step, built on rank 0, which sends each training rank only its rows: "
+             f"{replay / layout.data / 1e9:.2f} GB at data-parallel {layout.data}"
              + (" (on: in the host memory above)" if replay_on else
                 f" (off here: routing_replay {cfg.gspo.routing_replay})")]
-    notes += _rollout_server_notes(cfg, gpu_memory_gib)
+    notes += _rollout_server_notes(cfg, gpu_memory_gib, world_size)
     return MemoryPlan(describe_layout=layout.describe(), header=header, stages=stages,
                       gpu_memory_gib=gpu_memory_gib, host_items=host_items, notes=notes)
 
 
-def _rollout_server_notes(cfg: Config, gpu_memory_gib: float) -> list[str]:
+def _rollout_server_notes(cfg: Config, gpu_memory_gib: float,
+                          world_size: Optional[int] = None) -> list[str]:
     """Per SGLang GPU: the weight-update groups' NCCL buffers (``weight_sync: distributed``)."""
     r, p = cfg.rollout, cfg.parallel
-    count = update_group_count(cfg)
+    # what distributed would use: auto resolves to node there
+    mode = r.senders() if r.weight_sync == "distributed" or r.weight_sync_senders != "auto" \
+        else "node"
+    count = update_group_count(cfg, world_size, mode=mode)
     groups = NCCL_UPDATE_GROUP_BYTES * count
-    estimate = (f"{count} update group(s) (one per source rank: pipeline {p.pipeline} x "
-                f"expert {p.expert if cfg.model.num_experts else 1}) x "
+    why = {"rank": f"one per sending rank: pipeline {p.pipeline} x expert "
+                   f"{p.expert if cfg.model.num_experts else 1}",
+           "stage": f"one per pipeline stage: {p.pipeline}",
+           "node": f"one per node and pipeline stage, {GPUS_PER_NODE} GPUs per node"}[mode]
+    estimate = (f"{count} update group(s) ({why}; rollout.weight_sync_senders "
+                f"{r.weight_sync_senders}) x "
                 f"{NCCL_UPDATE_GROUP_BYTES / MIB:.0f} MiB NCCL buffers (NCCL_BUFFSIZE "
                 f"{NCCL_BUFFSIZE / MIB:.0f} MiB x {NCCL_CHANNELS} channels x 2) = "
                 f"{groups / GIB:.2f} GiB")

@@ -1,5 +1,8 @@
 """Run metrics a person can read and plot: one JSON object per step in ``metrics.jsonl``, the same
-scalars in TensorBoard (``tb/``), and a one-line progress report per step on stdout.
+scalars in TensorBoard (``tb/``), and a one-line progress report per step on stdout; and, as
+``run.loggers`` lists them, in Weights & Biases and MLflow (``pipeline.trackers``: they get a step
+once it is covered by a checkpoint, :meth:`MetricsLogger.commit`). docs/metrics.md names every
+metric.
 
 Only one process (global rank 0) writes; the others get a logger whose methods do nothing.
 
@@ -8,7 +11,9 @@ calls :meth:`MetricsLogger.resume_at` (N) before its first record, which drops t
 later steps (an earlier run went past its last checkpoint and crashed or was stopped) from
 ``metrics.jsonl`` and opens TensorBoard with ``purge_step=N + 1``, so that TensorBoard discards
 the earlier run's events from step N + 1 on. A fresh start (N = 0) in a directory that already
-has a ``metrics.jsonl`` moves it aside to ``metrics.jsonl.<k>`` (k = 1, 2, ...).
+has a ``metrics.jsonl`` moves it aside to ``metrics.jsonl.<k>`` (k = 1, 2, ...). The trackers
+follow the same rule (``pipeline.trackers.TrackerSet``): a resumed run continues the same W&B /
+MLflow run, a fresh start begins new ones.
 """
 
 from __future__ import annotations
@@ -19,7 +24,13 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from pipeline.trackers import TrackerSet, build_trackers, move_aside
+
+if TYPE_CHECKING:
+    from megatron_gspo.config import Config
+    from pipeline.trackers import Tracker
 
 
 def _plain(value: Any) -> Any:
@@ -31,11 +42,16 @@ def _plain(value: Any) -> Any:
 
 
 class MetricsLogger:
-    """Append step metrics to ``<run_dir>/metrics.jsonl`` and TensorBoard (``<run_dir>/tb``).
+    """Append step metrics to ``<run_dir>/metrics.jsonl`` and TensorBoard (``<run_dir>/tb``), and
+    hand them to the external ``trackers`` (W&B, MLflow: ``pipeline.trackers``), which get each
+    step at its :meth:`commit`; ``config`` (the resolved configuration) is logged to a tracker
+    run when it is created.
 
-    The files are opened at :meth:`resume_at` or, without it, at the first :meth:`log`."""
+    The files and trackers are opened at :meth:`resume_at` or, without it, at the first
+    :meth:`log`."""
 
     def __init__(self, run_dir: str | Path, *, enabled: bool = True, tensorboard: bool = True,
+                 trackers: Sequence[Tracker] = (), config: Optional[dict] = None,
                  stream=sys.stdout):
         self.enabled = enabled
         self.run_dir = Path(run_dir)
@@ -43,9 +59,19 @@ class MetricsLogger:
         self.tensorboard = tensorboard
         self._tb = None
         self._file = None
+        self._trackers = TrackerSet(list(trackers), run_dir, config=config) if trackers else None
         self._start = time.monotonic()
         if enabled:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+
+    @classmethod
+    def from_config(cls, cfg: Config, run_dir: str | Path, *,
+                    enabled: bool = True) -> MetricsLogger:
+        """The logger ``cfg.run.loggers`` asks for (rank 0: ``enabled``; the others' do nothing
+        and build no tracker)."""
+        return cls(run_dir, enabled=enabled, tensorboard="tensorboard" in cfg.run.loggers,
+                   trackers=build_trackers(cfg.run, run_dir) if enabled else (),
+                   config=cfg.to_dict())
 
     @property
     def path(self) -> Path:
@@ -60,6 +86,7 @@ class MetricsLogger:
             return
         if self._file is not None or self._tb is not None:
             raise RuntimeError("MetricsLogger.resume_at: call it before the first log()")
+        records = []
         if self.path.exists():
             if step > 0:
                 kept = []
@@ -70,22 +97,23 @@ class MetricsLogger:
                         continue  # a line cut short when the previous run was killed
                     if isinstance(record, dict) and int(record.get("step", step + 1)) <= step:
                         kept.append(line + "\n")
+                        records.append(record)
                 tmp = self.path.with_name(self.path.name + ".tmp")
                 tmp.write_text("".join(kept))
                 os.replace(tmp, self.path)
             else:
-                k = 1
-                while self.path.with_name(f"{self.path.name}.{k}").exists():
-                    k += 1
-                os.replace(self.path, self.path.with_name(f"{self.path.name}.{k}"))
+                move_aside(self.path)
         tb_dir = self.run_dir / "tb"
         if step > 0:
             purge: Optional[int] = step + 1
         else:  # a fresh start hides every event of an earlier run in this directory
             purge = 0 if tb_dir.is_dir() and any(tb_dir.iterdir()) else None
-        self._open(purge_step=purge)
+        self._open(purge_step=purge, resume_step=step, records=records)
 
-    def _open(self, purge_step: Optional[int] = None) -> None:
+    def _open(self, purge_step: Optional[int] = None, resume_step: Optional[int] = None,
+              records: Sequence[dict] = ()) -> None:
+        if self._trackers is not None:  # first: a tracker that cannot open stops the run here
+            self._trackers.open(resume_step, list(records))
         self._file = open(self.path, "a", buffering=1)
         if self.tensorboard:
             try:
@@ -103,6 +131,8 @@ class MetricsLogger:
         record = {"step": step, "time_s": round(time.monotonic() - self._start, 3)}
         record.update({k: _plain(v) for k, v in metrics.items()})
         self._file.write(json.dumps(record) + "\n")
+        if self._trackers is not None:
+            self._trackers.add(step, record)
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
@@ -110,11 +140,22 @@ class MetricsLogger:
         if progress:
             print(progress, file=self.stream, flush=True)
 
+    def commit(self, step: int) -> None:
+        """The steps <= ``step`` can no longer be re-run (their checkpoint is written, or the run
+        ended): send them to the trackers. Called on every rank after each checkpoint."""
+        if self.enabled and self._trackers is not None and self._file is not None:
+            self._trackers.commit(step)
+
     def close(self) -> None:
+        """Close the files and end the trackers' runs; steps logged after the last
+        :meth:`commit` stay in metrics.jsonl only (a resumed run redoes them)."""
         if self._file is not None:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._trackers is not None and self._file is not None:
+            self._trackers.close()
+            self._trackers = None  # closed once; a later commit or close does nothing
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

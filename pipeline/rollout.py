@@ -20,6 +20,17 @@ wait is bounded (``health_timeout_s``, ``request_timeout_s`` per attempt, ``max_
 errors are :class:`RolloutError` naming the URL, the HTTP status and what the server last said,
 whichever of SGLang's three error-body shapes it used.
 
+No server left (``servers``: the run's ``pipeline.server_pool.ServerPool``): a request that fails
+without an answer or with a 5xx (the router's ``500 call_upstream_request_error`` when its worker
+died, then ``503 No available workers``) asks the pool (``wait_for_live``, on a thread, once for
+every request that failed meanwhile). While a server serves, it is an ordinary retry; otherwise
+the batch waits, bounded, until the pool has a server serving again (restarted and synced to the
+current weights), and the failed requests are sent again with a fresh attempt budget (at most
+``max_attempts`` such waits per request). The results already in are kept. A request sent again
+is generated again from its prompt, with its own ``sampling_seed``: a non-streaming ``/generate``
+whose server died returns no partial output to continue from. Every re-send is counted
+(``requests_retried``, also in the pool's metrics).
+
 Log-probs: ``output_logprobs`` are SGLang's ``output_token_logprobs``, i.e. log-probs of the
 temperature-scaled distribution ``log_softmax(logits / T)`` before top-k / top-p truncation
 (greedy: ``T = 1``). Compare them with the trainer's log-probs computed at the same temperature.
@@ -107,6 +118,29 @@ class RolloutResult:
     len(output_ids) - 1, L, K]``, row t = the experts every layer routed token t of
     ``prompt_ids + output_ids`` to on the server; None when not asked for (or an aborted sample
     without them)."""
+
+
+def result_to_json(r: RolloutResult) -> dict:
+    """A sample as JSON (a checkpoint of the ``full`` mode's buffer; bit-exact: floats as JSON
+    numbers round-trip, routed experts as nested lists)."""
+    d = asdict(replace(r, routed_experts=None))
+    d["weight_versions"] = [list(span) for span in r.weight_versions]
+    d["routed_experts"] = None if r.routed_experts is None else r.routed_experts.tolist()
+    return d
+
+
+def result_from_json(d: dict) -> RolloutResult:
+    import torch
+
+    routed = d.get("routed_experts")
+    return RolloutResult(
+        rid=d["rid"], prompt_ids=list(d["prompt_ids"]), output_ids=list(d["output_ids"]),
+        output_logprobs=[float(x) for x in d["output_logprobs"]],
+        finish_reason=d["finish_reason"], matched_stop=d["matched_stop"],
+        prompt_tokens=int(d["prompt_tokens"]), completion_tokens=int(d["completion_tokens"]),
+        weight_version=d["weight_version"], server_url=d["server_url"],
+        weight_versions=[(str(v), int(a), int(b)) for v, a, b in d["weight_versions"]],
+        routed_experts=None if routed is None else torch.tensor(routed, dtype=torch.int32))
 
 
 class RolloutError(RuntimeError):
@@ -376,6 +410,10 @@ class _Batch:
 
     def __init__(self) -> None:
         self.stopping = False  # over-sampling: enough groups, do not send more
+        self.recoveries = 0  # waits for a live server that ended with one serving
+        self.outage_lock: Optional[asyncio.Lock] = None  # one wait for a live server at a time
+        self.outage_error: Optional[BaseException] = None  # the wait failed: every request fails
+        self.alive_at = float("-inf")  # when the pool last said a server serves
 
 
 class RolloutClient:
@@ -385,7 +423,9 @@ class RolloutClient:
                  *, max_concurrency: int = 64, request_timeout_s: float = 600.0,
                  health_timeout_s: float = 300.0, max_attempts: int = 5,
                  retry_backoff_s: float = 0.5, connect_timeout_s: float = 10.0,
-                 server_cooldown_s: float = 5.0):
+                 server_cooldown_s: float = 5.0, servers: Any = None):
+        """``servers``: the run's ``ServerPool`` (``wait_for_live``, ``requests_retried``), or
+        None: failures are retried ``max_attempts`` times, then raised."""
         if not router_url and not server_urls:
             raise ValueError("RolloutClient: give router_url or server_urls")
         self.router_url = router_url.rstrip("/") if router_url else None
@@ -400,6 +440,9 @@ class RolloutClient:
         self._inflight: dict[str, int] = {u: 0 for u in self.server_urls}
         self._down_until: dict[str, float] = {}
         self._rr = 0
+        self.servers = servers
+        self.requests_retried = 0
+        """``/generate`` requests sent again after a failure (so far)."""
 
     # --- targets
     def _pick(self, avoid: str | None) -> str:
@@ -438,7 +481,7 @@ class RolloutClient:
                              health_timeout_s=self.health_timeout_s,
                              max_attempts=self.max_attempts, retry_backoff_s=self.retry_backoff_s,
                              connect_timeout_s=self.connect_timeout_s,
-                             server_cooldown_s=self.server_cooldown_s)
+                             server_cooldown_s=self.server_cooldown_s, servers=self.servers)
 
     # --- one sample
     async def _one(self, session, sem: asyncio.Semaphore, batch: _Batch, rid: str,
@@ -449,31 +492,39 @@ class RolloutClient:
         async with sem:
             last: Optional[RolloutError] = None
             url: Optional[str] = None
-            for attempt in range(self.max_attempts):
+            failures = 0  # attempts failed since the request was sent first (or servers came back)
+            sends = 0
+            waits = 0
+            while True:
                 if batch.stopping:
                     return _not_sent(rid, prompt, url or self.router_url or "")
-                if attempt:
-                    await asyncio.sleep(min(8.0, self.retry_backoff_s * 2 ** (attempt - 1))
+                if failures:
+                    await asyncio.sleep(min(8.0, self.retry_backoff_s * 2 ** (failures - 1))
                                         * (0.5 + random.random()))
                 url = self._pick(avoid=url)
-                send_rid = rid if attempt == 0 else f"{rid}:retry{attempt}"
+                send_rid = rid if sends == 0 else f"{rid}:retry{sends}"
+                if sends:
+                    self._count_retry()
+                sends += 1
+                sent_at = batch.recoveries
                 payload = generate_payload(send_rid, prompt, sampling,
                                            return_routed_experts=routed_experts is not None)
                 self._inflight[url] = self._inflight.get(url, 0) + 1
                 timeout = aiohttp.ClientTimeout(total=self.request_timeout_s,
                                                 sock_connect=self.connect_timeout_s)
+                timed_out = False
                 try:
                     async with session.post(url + "/generate", json=payload, timeout=timeout) as resp:
                         status, text = resp.status, await resp.text()
                 except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
                     timed_out = isinstance(err, asyncio.TimeoutError)
+                    status, text = None, ""
                     last = RolloutError(url, None, (f"no answer within {self.request_timeout_s:g} s"
                                                     if timed_out else f"{type(err).__name__}: {err}"))
                     if not self.router_url:
                         self._down_until[url] = time.monotonic() + self.server_cooldown_s
                     if timed_out:  # it may still be running there: free it (best effort)
                         await self._abort_on(session, [url], rid=send_rid)
-                    continue
                 finally:
                     self._inflight[url] -= 1
                 if status == 200:
@@ -485,14 +536,62 @@ class RolloutClient:
                                                      routed_experts=routed_experts)
                     self._down_until.pop(url, None)
                     return result
-                last = RolloutError(url, status, error_message(text))
-                if status not in RETRYABLE_STATUS:
-                    raise last
-                if not self.router_url and status >= 500:
-                    self._down_until[url] = time.monotonic() + self.server_cooldown_s
-            assert last is not None
-            raise RolloutError(last.url, last.status,
-                               f"gave up after {self.max_attempts} attempts; last: {last.message}")
+                if status is not None:
+                    last = RolloutError(url, status, error_message(text))
+                    if status not in RETRYABLE_STATUS:
+                        raise last
+                    if not self.router_url and status >= 500:
+                        self._down_until[url] = time.monotonic() + self.server_cooldown_s
+                # no server to answer (a refused or dropped connection, a 5xx): the pool says
+                # whether one serves; if none did, it waited for one and the budget starts again
+                no_server = (status is None and not timed_out) or (status or 0) >= 500
+                if no_server and self.servers is not None and waits < self.max_attempts:
+                    if await self._wait_for_servers(batch, sent_at, last):
+                        waits += 1
+                        failures = 0  # sent again at once, with the whole budget
+                        continue
+                failures += 1
+                if failures >= self.max_attempts:
+                    assert last is not None
+                    raise RolloutError(last.url, last.status, f"gave up after {self.max_attempts} "
+                                       f"attempts; last: {last.message}")
+
+    def _count_retry(self) -> None:
+        self.requests_retried += 1
+        if self.servers is not None:
+            self.servers.requests_retried += 1
+
+    async def _wait_for_servers(self, batch: _Batch, sent_at: int, error: RolloutError) -> bool:
+        """``servers.wait_for_live(error)`` on a thread, once for every request that failed
+        meanwhile; True when servers came back since this request was sent (send it again at
+        once), False when one was serving anyway (an ordinary retry). The pool's error (no
+        server within its bound) ends every request of the batch."""
+        if batch.outage_lock is None:
+            batch.outage_lock = asyncio.Lock()
+        async with batch.outage_lock:
+            if batch.outage_error is not None:
+                raise batch.outage_error
+            if batch.recoveries != sent_at:  # servers came back after this request went out
+                return True
+            if time.monotonic() - batch.alive_at < 1.0:  # asked a moment ago: one serves
+                return False
+            work = asyncio.get_running_loop().run_in_executor(None, self.servers.wait_for_live,
+                                                              error)
+            try:
+                recovered = await asyncio.shield(work)
+            except asyncio.CancelledError:
+                # the batch is being cancelled: the pool's wait (a restart, a collective weight
+                # sync) is not abandoned half-way, it ends before the batch does
+                await asyncio.wait([work])
+                raise
+            except Exception as err:  # noqa: BLE001 - every request of the batch fails alike
+                batch.outage_error = err
+                raise
+            if recovered:
+                batch.recoveries += 1
+            else:
+                batch.alive_at = time.monotonic()
+            return recovered
 
     async def _abort_on(self, session, urls: Sequence[str], *, rid: Optional[str] = None) -> None:
         import aiohttp
@@ -619,6 +718,9 @@ class RolloutClient:
                 for task in pending:
                     task.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
+                for task in tasks:  # the others that failed alike (no live server) are seen
+                    if task.done() and not task.cancelled():
+                        task.exception()
                 await self._abort_on(session, self.server_urls or [self.router_url])
                 raise
         if min_complete_groups is None:

@@ -15,16 +15,37 @@ which servers to push to (:meth:`ServerPool.check`):
 * fewer than ``rollout.min_servers`` left: :class:`ServerPoolError` (the run stops, saying which
   servers died and where their logs are).
 
-``metrics()`` (logged every step): ``rollout/servers_alive`` (servers in the router, serving) and
-``rollout/server_restarts`` (restarts so far in this process).
+**A server that dies during a rollout** (:meth:`ServerPool.wait_for_live`, the rollout client's
+hook: ``RolloutClient(servers=pool)``): a request that fails for want of a server (no answer, or a
+5xx such as the router's ``503 No available workers``) asks the pool. While another server serves,
+the request is simply sent again. When none does, the rollout in flight waits: embedded mode
+restarts the dead servers (the same path as :meth:`check`; a failed restart is tried again every
+few seconds), external mode waits for a dropped server to answer ``/health`` again or for the
+router to list a new healthy worker (taken out of the router, like a returning one, until it holds
+the current weights). The servers that came back get the current weights before they serve: the
+pool has every training rank run the loop's weight sync (the same ``sync_weights`` as after a
+step: :meth:`check`, the push to the members, :meth:`admit`) through :class:`SyncChannel`, which
+the loop opens while rank 0 runs a phase the other ranks wait for (``pipeline.rank0.run_on_rank0``).
+Then the requests that failed are sent again; the samples already received are kept, so each
+request of the batch still yields exactly one sample. A resent request is generated again from
+its prompt (same ``sampling_seed``, a new rid): SGLang's non-streaming ``/generate`` returns
+nothing of a request whose server died, so there is no partial output to continue from. The wait
+is bounded (``outage_timeout_s``): then :class:`ServerPoolError` ``rollout: no live server for N s
+(...)`` naming each server, why it is gone and what its restart said (external: the router).
+
+``metrics()`` (logged every step): ``rollout/servers_alive`` (servers in the router, serving),
+``rollout/server_restarts`` (restarts so far in this process) and ``rollout/requests_retried``
+(``/generate`` requests sent again after a failure, so far).
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
 from pipeline.rollout import RolloutError, http_json
 
@@ -33,6 +54,10 @@ if TYPE_CHECKING:
 
 PROBE_TIMEOUT_S = 30.0
 """How long ``/health`` may take (the local server runs a one-token generation when idle)."""
+OUTAGE_TIMEOUT_S = 300.0
+"""How long a rollout waits for a live server (restarts included) before it fails."""
+OUTAGE_POLL_S = 2.0
+"""Between two looks at dead servers while a rollout waits (restarts tried again, /health)."""
 
 
 class ServerPoolError(RuntimeError):
@@ -45,6 +70,7 @@ class _Server:
     index: Optional[int]  # in the embedded cluster; None for external servers
     state: str = "serving"  # serving | pending (synced next, then admitted) | dropped
     why: str = ""
+    died: str = ""  # why it was last found dead (kept while it is restarted)
 
 
 @dataclass
@@ -59,11 +85,22 @@ class ServerPool:
     cluster: Optional["LocalRolloutCluster"] = None
     min_servers: int = 1
     probe_timeout_s: float = PROBE_TIMEOUT_S
+    outage_timeout_s: float = OUTAGE_TIMEOUT_S
+    """:meth:`wait_for_live`: how long a rollout waits for a live server
+    (``rollout.outage_timeout_s``)."""
+    interrupted: Optional[Callable[[], bool]] = None
+    """True once the run is asked to stop (a stop signal): a waiting rollout gives up at once."""
     restarts: int = 0
     events: int = 0
     """Drops, restarts and returns so far: a sync retried after a failure compares it."""
+    requests_retried: int = 0
+    """``/generate`` requests sent again (counted by the rollout client)."""
+    channel: "SyncChannel" = field(default_factory=lambda: SyncChannel())
+    """How :meth:`wait_for_live` has every rank sync the servers that came back (the loop opens
+    it)."""
     _servers: list[_Server] = field(default_factory=list)
     _renewed: list[str] = field(default_factory=list)
+    _lock: threading.RLock = field(default_factory=threading.RLock)
 
     def __post_init__(self) -> None:
         if self.min_servers < 1:
@@ -85,17 +122,36 @@ class ServerPool:
         """Probe every server; drop the dead (router, sync), restart them in embedded mode,
         re-include external ones that answer again; returns :meth:`members`. Raises
         :class:`ServerPoolError` when fewer than ``min_servers`` are left."""
+        with self._lock:
+            self._probe()
+            left = self.members()
+            if len(left) < self.min_servers:
+                dead = "; ".join(f"{s.url}: {s.why}" for s in self._servers
+                                 if s.state == "dropped")
+                raise ServerPoolError(
+                    f"only {len(left)} of {len(self._servers)} rollout servers left, "
+                    f"rollout.min_servers is {self.min_servers} ({dead})")
+            return left
+
+    def _probe(self, *, restart_dropped: bool = False) -> None:
+        """:meth:`check` without the ``min_servers`` rule; ``restart_dropped``: embedded
+        servers whose restart failed before are restarted again (a waiting rollout)."""
         for server in self._servers:
             if server.state == "dropped":
-                if server.index is None and self._answers(server):
-                    server.state = "pending"
-                    self._renew(server)
-                    self._note(f"{server.url} answers again: synced, then back in the router")
+                if server.index is None:
+                    if self._answers(server):
+                        server.state = "pending"
+                        self._remove_from_router(server)  # whoever restarted it may have added it
+                        self._renew(server)
+                        self._note(f"{server.url} answers again: synced, then back in the "
+                                   "router")
+                elif restart_dropped:
+                    self._restart(server, server.died or server.why)
                 continue
             why = self._dead(server)
             if why is None:
                 continue
-            server.why = why
+            server.why = server.died = why
             self.events += 1
             self._remove_from_router(server)
             if server.index is None:
@@ -105,22 +161,18 @@ class ServerPool:
                 continue
             self._note(f"{server.url} is gone ({why}): restarting it (out of the router until "
                        "it holds the current weights)")
-            try:
-                self.cluster.restart_server(server.index, register=False)
-            except (RolloutError, OSError) as err:
-                server.state, server.why = "dropped", f"{why}; its restart failed: {err}"
-                self._note(f"{server.url}: restart failed, dropped ({err})")
-                continue
-            self.restarts += 1
-            server.state = "pending"
-            self._renew(server)
-        left = self.members()
-        if len(left) < self.min_servers:
-            dead = "; ".join(f"{s.url}: {s.why}" for s in self._servers if s.state == "dropped")
-            raise ServerPoolError(
-                f"only {len(left)} of {len(self._servers)} rollout servers left, "
-                f"rollout.min_servers is {self.min_servers} ({dead})")
-        return left
+            self._restart(server, why)
+
+    def _restart(self, server: _Server, why: str) -> None:
+        try:
+            self.cluster.restart_server(server.index, register=False)
+        except (RolloutError, OSError) as err:
+            server.state, server.why = "dropped", f"{why}; its restart failed: {err}"
+            self._note(f"{server.url}: restart failed, dropped ({err})")
+            return
+        self.restarts += 1
+        server.state = "pending"
+        self._renew(server)
 
     def take_renewed(self) -> list[str]:
         """Members that are new processes since the last call (restarted, or back): the weight
@@ -146,7 +198,111 @@ class ServerPool:
 
     def metrics(self) -> dict[str, float]:
         return {"rollout/servers_alive": float(sum(s.state == "serving" for s in self._servers)),
-                "rollout/server_restarts": float(self.restarts)}
+                "rollout/server_restarts": float(self.restarts),
+                "rollout/requests_retried": float(self.requests_retried)}
+
+    # ------------------------------------------------------------------ a rollout's calls
+    def wait_for_live(self, error: Optional[RolloutError] = None) -> bool:
+        """A rollout request failed for want of a server (``error``; the rollout client calls
+        this on a thread). Returns False at once when a server serves (the request is sent
+        again, counted as an attempt); otherwise waits until one serves again - restarted or
+        back, synced to the current weights through :attr:`channel`, admitted - and returns
+        True. After ``outage_timeout_s``: :class:`ServerPoolError` naming what it waited for."""
+        with self._lock:
+            if self._serving_alive():
+                return False
+            start = time.monotonic()
+            deadline = start + self.outage_timeout_s
+            self._note(f"no live server ({error.message if error else 'no answer'}): the "
+                       f"rollout waits for one (at most {self.outage_timeout_s:.0f} s)")
+            first = True
+            while True:
+                self._probe(restart_dropped=not first)
+                first = False
+                waited = any(s.state == "pending" for s in self._servers)
+                if waited:  # waits a while for the sync to be possible
+                    self._sync_pending(deadline)
+                if self._serving_alive():
+                    self._note(f"a server serves again after {time.monotonic() - start:.0f} s: "
+                               "the rollout resumes its unfinished requests")
+                    return True
+                if time.monotonic() >= deadline:
+                    raise ServerPoolError(f"rollout: no live server for "
+                                          f"{self.outage_timeout_s:.0f} s ({self._describe()})")
+                if self.interrupted is not None and self.interrupted():
+                    raise ServerPoolError(f"rollout: stopped (a stop signal) after waiting "
+                                          f"{time.monotonic() - start:.0f} s for a live server "
+                                          f"({self._describe()})")
+                if not waited:
+                    time.sleep(max(0.0, min(OUTAGE_POLL_S, deadline - time.monotonic())))
+                if self.cluster is None:
+                    self._adopt_router_workers()
+
+    def _serving_alive(self) -> bool:
+        """Whether a serving server is alive now (those found dead are not dropped here: the
+        next :meth:`_probe` does that)."""
+        return any(s.state == "serving" and self._dead(s) is None for s in self._servers)
+
+    def _sync_pending(self, deadline: float) -> None:
+        """The pending servers get the current weights (every rank's weight sync, through
+        :attr:`channel`) and are admitted by it; a sync that cannot start soon (before
+        ``deadline``, at most ``OUTAGE_POLL_S``) leaves them pending."""
+        pending = [s.url for s in self._servers if s.state == "pending"]
+        try:  # a while at a time: the caller looks at the servers (and a stop) in between
+            ran = self.channel.run(timeout_s=max(0.0, min(OUTAGE_POLL_S,
+                                                          deadline - time.monotonic())))
+        except Exception as err:  # noqa: BLE001 - named with the servers that waited for it
+            raise ServerPoolError(f"rollout: {', '.join(pending)} came back, but the weight "
+                                  f"sync that makes it serve failed: {err}") from err
+        if not ran:
+            for server in self._servers:
+                if server.state == "pending":
+                    server.why = (f"{server.died or 'came back'}; back and waiting for a weight "
+                                  "sync, but no sync could run (every rank must take part)")
+
+    def _describe(self) -> str:
+        parts = []
+        for s in self._servers:
+            if s.state == "serving":
+                continue
+            why = s.why or s.died or ("back, waiting for the weight sync"
+                                      if s.state == "pending" else s.state)
+            name = f"server {s.index} at {s.url}" if s.index is not None else s.url
+            parts.append(f"{name}: {why}")
+        if self.cluster is None and self.router_url:
+            try:
+                from pipeline.rollout import router_workers
+
+                workers = [f"{w['url']} ({'healthy' if w.get('is_healthy') else 'unhealthy'})"
+                           for w in router_workers(self.router_url)]
+            except RolloutError as err:
+                workers = [f"unknown: {err}"]
+            parts.append(f"router {self.router_url}: workers {', '.join(workers) or 'none'}")
+        return "; ".join(parts) or "no servers"
+
+    def _adopt_router_workers(self) -> None:
+        """External mode, no server left: a healthy worker the router lists that the pool does
+        not know (someone started a replacement) joins the pool like a returning server:
+        out of the router until synced, then admitted."""
+        if not self.router_url:
+            return
+        from pipeline.rollout import router_workers
+        from pipeline.servers import remove_from_router
+
+        try:
+            workers = router_workers(self.router_url)
+        except RolloutError:
+            return
+        known = {s.url for s in self._servers}
+        for worker in workers:
+            url = worker["url"].rstrip("/")
+            if url in known or not worker.get("is_healthy"):
+                continue
+            remove_from_router(self.router_url, url)
+            server = _Server(url, None, state="pending", died="new worker in the router")
+            self._servers.append(server)
+            self._renew(server)
+            self._note(f"{url}: a new worker in the router: synced, then back in the router")
 
     # ------------------------------------------------------------------ helpers
     def _renew(self, server: _Server) -> None:
@@ -189,10 +345,11 @@ class ServerPool:
 def _add_to_router(router_url: str, server_url: str, timeout_s: float = 120.0) -> None:
     from pipeline.rollout import router_workers
 
-    status, answer = http_json("POST", router_url.rstrip("/") + "/workers",
-                               {"url": server_url, "worker_type": "regular"}, timeout_s=10.0)
-    if status not in (200, 202):
-        raise RolloutError(router_url + "/workers", status, str(answer))
+    if not any(w["url"].rstrip("/") == server_url for w in router_workers(router_url)):
+        status, answer = http_json("POST", router_url.rstrip("/") + "/workers",
+                                   {"url": server_url, "worker_type": "regular"}, timeout_s=10.0)
+        if status not in (200, 202):
+            raise RolloutError(router_url + "/workers", status, str(answer))
     deadline = time.monotonic() + timeout_s
     while not any(w["url"].rstrip("/") == server_url and w.get("is_healthy")
                   for w in router_workers(router_url)):
@@ -200,3 +357,61 @@ def _add_to_router(router_url: str, server_url: str, timeout_s: float = 120.0) -
             raise RolloutError(router_url + "/workers", 200,
                                f"{server_url} not healthy in the router after {timeout_s:.0f} s")
         time.sleep(0.2)
+
+
+class SyncChannel:
+    """How a rollout on rank 0 has every training rank run a weight sync (a collective) while
+    the other ranks wait for rank 0's outcome.
+
+    The loop (``pipeline.rank0.run_on_rank0``) opens it on rank 0 while it runs a phase the other
+    ranks wait for (``with channel.opened(request):``); :meth:`run` (any thread of rank 0: the
+    rollout client's hook) waits until it is open and calls ``request()``, which tells the other
+    ranks to sync and syncs rank 0's side. The phase's outcome is broadcast only after the
+    channel is closed, which waits for a running request: the other ranks always receive the
+    request before the outcome. Openings nest (a sync itself runs ``run_on_rank0``); only the
+    outermost one's request is used, and a request never runs inside another."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._depth = 0
+        self._request: Optional[Callable[[], None]] = None
+        self._runner: Optional[int] = None  # the thread running a request
+
+    @contextmanager
+    def opened(self, request: Callable[[], None]) -> Iterator[None]:
+        with self._cond:
+            if self._depth == 0:
+                self._request = request
+            self._depth += 1
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                me = threading.get_ident()
+                while self._runner is not None and self._runner != me:
+                    self._cond.wait()
+                self._depth -= 1
+                if self._depth == 0:
+                    self._request = None
+
+    def run(self, timeout_s: float) -> bool:
+        """Run the open channel's request (waiting at most ``timeout_s`` for it to open);
+        False if it did not open in time. The request's error is raised."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            if self._runner == threading.get_ident():
+                raise RuntimeError("a weight sync asked for another one")
+            while self._depth == 0 or self._runner is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            self._runner, request = threading.get_ident(), self._request
+        try:
+            request()
+        finally:
+            with self._cond:
+                self._runner = None
+                self._cond.notify_all()
+        return True

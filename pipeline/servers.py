@@ -16,6 +16,9 @@ training rank that saves its preemption checkpoint), and logs to ``log_dir/<name
 ``stop()`` (also on an error during start, on ``KeyboardInterrupt`` and at interpreter exit) ends
 exactly the process groups this object started, with SIGKILL (they hold no state worth a graceful
 exit, and they would not see a SIGTERM); a SIGKILLed owner takes them along (PR_SET_PDEATHSIG).
+That signal comes when the *thread* that started a child ends, so a process started off the main
+thread (a restart asked for by a rollout's worker thread) is started by a thread of this object
+that lives until :meth:`stop`.
 
 **Logs are size-bounded** (:class:`RotatingLog`): a thread of this process copies each child's
 output into ``<name>.log`` and rotates it at ``log_max_bytes`` (``<name>.log.1`` ...
@@ -29,7 +32,9 @@ and :meth:`register` admits it once it holds the current weights.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -202,6 +207,8 @@ class LocalRolloutCluster:
         self._log_writers: dict[str, RotatingLog] = {}
         self._restarts = [0] * num_servers
         self._atexit = False
+        self._spawner: Optional[threading.Thread] = None
+        self._spawn_queue: "queue.Queue" = queue.Queue()
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "LocalRolloutCluster":
@@ -237,6 +244,10 @@ class LocalRolloutCluster:
         writers, self._log_writers = self._log_writers, {}
         for writer in writers.values():
             writer.close()
+        if self._spawner is not None:  # its children are gone: it may end
+            self._spawn_queue.put(None)
+            self._spawner.join(10)
+            self._spawner = None
         if self._atexit:
             atexit.unregister(self.stop)
             self._atexit = False
@@ -267,9 +278,9 @@ class LocalRolloutCluster:
         try:
             # a SIGKILLed owner (e.g. a training rank) leaves no server behind; the job's stop
             # signals do not reach them (the owner stops them, see the module docstring)
-            proc = subprocess.Popen(cmd, stdout=log.fd, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True, env=env,
-                                    preexec_fn=shielded_helper)
+            proc = self._popen(cmd, stdout=log.fd, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, start_new_session=True, env=env,
+                               preexec_fn=shielded_helper)
         except BaseException:
             log.close()
             raise
@@ -278,6 +289,27 @@ class LocalRolloutCluster:
         self._logs[name] = log_path
         self._log_writers[name] = log
         return proc
+
+    def _popen(self, cmd: list[str], **kwargs) -> subprocess.Popen:
+        """``subprocess.Popen`` from a thread that outlives the child's use: the main thread, or
+        this object's spawner thread (PR_SET_PDEATHSIG fires when the forking thread ends)."""
+        if threading.current_thread() is threading.main_thread():
+            return subprocess.Popen(cmd, **kwargs)
+        if self._spawner is None or not self._spawner.is_alive():
+            self._spawner = threading.Thread(target=self._spawn_loop, daemon=True,
+                                             name="rollout-spawner")
+            self._spawner.start()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._spawn_queue.put((cmd, kwargs, done))
+        return done.result()
+
+    def _spawn_loop(self) -> None:
+        while (item := self._spawn_queue.get()) is not None:
+            cmd, kwargs, done = item
+            try:
+                done.set_result(subprocess.Popen(cmd, **kwargs))
+            except BaseException as err:  # noqa: BLE001 - raised in the asking thread
+                done.set_exception(err)
 
     # ------------------------------------------------------------------ servers
     def _start_server(self, i: int) -> None:

@@ -8,7 +8,8 @@ or anything with the :class:`SFTStepper` methods) trains each data-parallel rank
 With ``run.save_interval`` > 0 every rank calls ``trainer.save`` (collective) after every
 save_interval-th step and after the last, with the sampler's position as the run state; a resumed
 run (``start_step`` and that ``run_state``, from ``trainer.load``) draws exactly the batches the
-uninterrupted run would have drawn. Every step logs ``train/lr``, the learning rate it used.
+uninterrupted run would have drawn. Every step logs ``train/lr``, the learning rate it used. After
+each checkpoint, and at the end, ``logger.commit`` hands the steps it covers to W&B / MLflow.
 
 Stop signals (``stop``, a ``pipeline.loop.StopFlag``: SIGTERM, SIGINT, SIGUSR1 to any rank): after
 each step every rank learns whether any rank was signalled (one tiny all-reduce); if so, every
@@ -24,7 +25,7 @@ from typing import Any, Optional, Protocol
 
 from megatron_gspo.config import Config
 from pipeline.data import PromptSampler, build_datasets
-from pipeline.loop import StopFlag
+from pipeline.signals import StopFlag
 from pipeline.metrics import MetricsLogger
 
 Pairs = list[tuple[list[int], list[int]]]
@@ -102,9 +103,13 @@ def run_sft(trainer: SFTStepper, cfg: Config, *, logger: MetricsLogger, start_st
         saved = bool(save_interval) and (step % save_interval == 0 or step == cfg.run.num_steps)
         if saved:
             trainer.save(cfg.run.output_dir, step, {"sampler": sampler.state_dict()})
+            logger.commit(step)
         if stop is not None and step < cfg.run.num_steps and stop.any_rank():
             if not saved:
                 trainer.save(cfg.run.output_dir, step, {"sampler": sampler.state_dict()})
+                logger.commit(step)
             result.preempted = True
             break
+    if not result.preempted:  # finished: no run redoes its steps (saved or not)
+        logger.commit(cfg.run.num_steps)
     return result

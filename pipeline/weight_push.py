@@ -137,7 +137,8 @@ class SyncStats:
         """What the loop logs under ``sync/``."""
         return {"seconds": self.seconds_total, "gbytes_per_s": self.gbytes_per_s,
                 "bytes": self.bytes, "wire_bytes": self.wire_bytes, "delta": float(self.delta),
-                "verified_buckets": self.verified_buckets}
+                "verified_buckets": self.verified_buckets,
+                "paused_s": float(self.phases.get("paused_s", 0.0))}
 
 
 class WeightPusher:
@@ -385,7 +386,7 @@ class WeightPusher:
         return ext, verify
 
     def _begin(self, stream, stats: SyncStats) -> dict:
-        t0 = time.perf_counter()
+        t0 = self._paused_at = time.perf_counter()
         self._each_server(lambda u: rollout.control(u, "/pause_generation",
                                                     {"mode": self.pause_mode},
                                                     timeout_s=self.timeout_s))
@@ -711,3 +712,5 @@ class WeightPusher:
         self._each_server(lambda u: rollout.control(u, "/continue_generation", {},
                                                     timeout_s=self.timeout_s))
         stats.phases["flush_continue_s"] = time.perf_counter() - t0
+        # what generation waited: from the pause request to the last server's continue
+        stats.phases["paused_s"] = time.perf_counter() - self._paused_at

@@ -6,11 +6,14 @@ of every GSPO run in the tests (tests/e2e, tests/slurm). About 90 s on a busy 2-
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.tiers import EXTENDED, SLOW
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,6 +26,56 @@ def pytest_configure(config) -> None:
     if not benign_warnings.showing_everything() and not benign_warnings.cuda_machine():
         for line in benign_warnings.pytest_filters(only_without_cuda=True):
             config.addinivalue_line("filterwarnings", line)
+
+
+# The tests that touch Megatron-Core and run on both supported stacks (megatron_gspo/mcore_compat.py):
+# marked ``mcore`` here, in one place; .ci/run runs ``pytest -m mcore`` on the Python 3.12 stack
+# (megatron-core 0.19.2) after the full suite on the default one. Node-id prefixes.
+MCORE_SUBSET = (
+    "tests/unit/test_model_config.py",                # the policy's Megatron config
+    "tests/unit/test_cpu_compat.py",                  # the CPU accommodations still apply / needed
+    "tests/unit/test_benign_warnings.py",             # Megatron's notices silenced, others loud
+    # gradients equal to the single process: one data-, one tensor+expert-, one pipeline-parallel
+    # case (all of them on the default stack; CI's time)
+    "tests/distributed/test_layouts.py::test_one_step_matches_single_process[DP2]",
+    "tests/distributed/test_layouts.py::test_one_step_matches_single_process[TP2xEP2xETP2]",
+    "tests/distributed/test_layouts.py::test_one_step_matches_single_process[PP2]",
+    "tests/distributed/test_logprobs.py",             # log-probs against transformers' Qwen3-MoE
+    "tests/distributed/test_checkpoint.py",           # save / resume exactly, across layouts
+    "tests/distributed/test_convert.py",              # HF <-> Megatron round trip, resharding
+    # RouterReplay: bit-equal replay, the update it changes, replay under TP2xEP2 (SP slices)
+    "tests/distributed/test_routing_replay.py::test_replay_of_unchanged_routing_is_bit_equal",
+    "tests/distributed/test_routing_replay.py::test_replayed_gates_differ_exactly_where_expert_sets_differ",
+    "tests/distributed/test_routing_replay.py::test_replay_changes_the_update",
+    "tests/distributed/test_routing_replay.py::test_replay_under_expert_and_tensor_parallelism[TP2xEP2]",
+    "tests/distributed/test_resume_new_layout.py",    # resume resharded under another layout
+    "tests/e2e/test_gspo_run.py::test_gspo_reward_rises_and_metrics_are_written",
+    "tests/e2e/test_console.py::test_two_rank_sft_console_is_rank_0_without_third_party_warnings",
+)
+
+
+def pytest_runtest_logreport(report) -> None:
+    # MGSPO_TEST_TIMES=FILE appends "nodeid<TAB>phase<TAB>seconds<TAB>outcome" per test phase as the
+    # run goes (what the tiers in pyproject.toml were sized from; kept even if the run is cut short)
+    path = os.environ.get("MGSPO_TEST_TIMES")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{report.nodeid}\t{report.when}\t{report.duration:.2f}\t{report.outcome}\n")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if _listed(item.nodeid, MCORE_SUBSET):
+            item.add_marker(pytest.mark.mcore)
+        if _listed(item.nodeid, SLOW):
+            item.add_marker(pytest.mark.slow)  # the fast tier leaves it out (tests/tiers.py)
+        if _listed(item.nodeid, EXTENDED):
+            item.add_marker(pytest.mark.extended)  # out of the README's suite (tests/tiers.py)
+
+
+def _listed(nodeid: str, prefixes: tuple[str, ...]) -> bool:
+    """``nodeid`` is one of ``prefixes``: a file, a test function (any of its parameters) or a case."""
+    return any(nodeid == p or nodeid.startswith((p + "::", p + "[")) for p in prefixes)
 
 
 @pytest.fixture(scope="session")

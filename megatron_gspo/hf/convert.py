@@ -204,14 +204,16 @@ def _write_order(chunk: Chunk, entry_index: int, num_layers: int) -> tuple:
 
 def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tensor: int = 1, pipeline: int = 1,
                 expert: int = 1, expert_tensor: Optional[int] = None, dtype: str = "auto",
-                progress: bool = True, overwrite: bool = False, thread_count: int = 1,
-                sync_files: bool = True, vocab_block_bytes: int = VOCAB_BLOCK_BYTES
+                progress: bool = True, overwrite: bool = False,
+                thread_count: Optional[int] = None, sync_files: bool = True,
+                vocab_block_bytes: int = VOCAB_BLOCK_BYTES
                 ) -> ConversionResult:
     """Convert a Hugging Face Qwen3-MoE directory to a Megatron torch_dist checkpoint.
 
     ``tensor`` etc. are checked against the model and ``tensor`` sets the vocabulary padding; the
     result loads under any layout. config.json and the tokenizer files are copied to
-    ``out_dir/hf_config/`` for the way back.
+    ``out_dir/hf_config/`` for the way back. ``thread_count``: writer threads, each writing its
+    own data file with one chunk in memory; None: :func:`auto_writer_threads` of the size.
     """
     from tqdm import tqdm
 
@@ -241,12 +243,30 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tensor: int = 1, pip
                                           chunk.offsets, chunk.sizes, produce))
         objects = dict.fromkeys(extra_state_keys(model), none_object_bytes())
         total = sum(math.prod(w.sizes) * w.dtype.itemsize for w in writes)
+        if thread_count is None:
+            thread_count = auto_writer_threads(total)
+        elif thread_count < 1:
+            raise ValueError(f"thread_count: must be >= 1, got {thread_count}")
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="hf-to-mcore",
                   disable=not progress, mininterval=0.5) as bar:
             write_checkpoint(out_dir, writes, objects, thread_count=thread_count,
                              sync_files=sync_files, on_written=bar.update)
     copy_hf_files(hf_dir, out_dir / HF_CONFIG_DIR)
     return ConversionResult(out_dir, len(writes), total, time.perf_counter() - start_time)
+
+
+BYTES_PER_WRITER = 5 * 2**30
+"""The data one writer thread of :func:`hf_to_mcore` writes, by default (HF's shard size)."""
+
+
+def auto_writer_threads(total_bytes: int, cpu_count: Optional[int] = None) -> int:
+    """Writer threads for a checkpoint of ``total_bytes``: one per :data:`BYTES_PER_WRITER`, at
+    least 1 and at most 8 or the CPU count. One thread would write one 470 GB file at 235B, at one
+    stream's speed; parallel file systems want several files and writers."""
+    import os
+
+    cpus = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
+    return max(1, min(8, cpus, math.ceil(total_bytes / BYTES_PER_WRITER)))
 
 
 # ----------------------------------------------------------------------------------------------

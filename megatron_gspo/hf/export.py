@@ -1,9 +1,15 @@
 """A complete Hugging Face directory from the live, sharded policy.
 
-The full tensors come from the weight sync's gather (``gather.iter_full_hf_tensors``: every
-region sent once to global rank 0, bucket by bucket, through the one HF mapping), so memory on rank
-0 is bounded by a bucket, not the model. Used to write the SFT result, the initial policy of the
-rollout servers and the final policy of a GSPO run.
+The full tensors come from the weight sync's gather (``megatron_gspo.hf.gather``): each HF tensor
+is assembled on its source rank (the lowest rank that holds it whole, else the first of its TP
+group), and **every source rank writes its own buckets** as safetensors shards, in parallel, into
+the shared output directory. Nothing funnels through rank 0 (at 235B that would be one rank
+receiving and writing ~470 GB): each rank receives only its TP peers' shards and writes about its
+share of the model; memory is bounded by two buckets per source. Rank 0 then gathers the small
+weight maps, names the shards ``model-NNNNN-of-MMMMM.safetensors`` (a rename each; the writer's rank stays in
+each shard's metadata, ``rank``) and writes the index and config.json. Used to write the SFT result, the initial policy of the rollout servers
+and the final policy of a GSPO run. The output directory must be one every rank sees (a shared
+file system on a cluster, as for checkpoints).
 """
 
 from __future__ import annotations
@@ -63,29 +69,42 @@ def export_hf_dir(gpt, model: ModelConfig, pg_collection, out_dir: str | Path, *
                   tokenizer_dir: Optional[str | Path] = None,
                   bucket_bytes: int = 512 << 20) -> Optional[Path]:
     """Collective: write a transformers-loadable directory (safetensors shards + index +
-    config.json [+ tokenizer files]) on rank 0. Returns the directory on rank 0."""
+    config.json [+ tokenizer files]); each source rank writes its own shards. Returns the
+    directory on rank 0 (None elsewhere)."""
     from safetensors.torch import save_file
+
+    from megatron_gspo.hf.gather import HFGather
 
     out_dir = Path(out_dir)
     rank = dist.get_rank()
-    if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    weight_map, total = {}, 0
-    from megatron_gspo.hf.gather import iter_full_hf_tensors
-
-    for i, bucket in enumerate(iter_full_hf_tensors(gpt, model, pg_collection,
-                                                    bucket_bytes=bucket_bytes)):
-        if rank != 0:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written: list[tuple[int, str, dict[str, int]]] = []  # (bucket index, file, {name: bytes})
+    stream = HFGather(model, bucket_bytes=bucket_bytes).buckets(gpt, pg_collection)
+    for bucket in stream:
+        if bucket.flat is None:  # another rank's bucket
             continue
-        shard = f"model-{i + 1:05d}.safetensors"
-        save_file({k: v.contiguous() for k, v in bucket.items()}, str(out_dir / shard),
-                  metadata={"format": "pt"})
-        for name, tensor in bucket.items():
-            weight_map[name] = shard
-            total += tensor.numel() * tensor.element_size()
+        tensors = {n: t.cpu().contiguous() for n, t in bucket.named_tensors()}
+        part = f"part-{bucket.index:05d}-rank{rank:05d}.safetensors"
+        save_file(tensors, str(out_dir / part), metadata={"format": "pt", "rank": str(rank)})
+        written.append((bucket.index, part,
+                        {n: t.numel() * t.element_size() for n, t in tensors.items()}))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, written)
     if rank == 0:
+        parts = sorted((w for ws in everyone for w in ws), key=lambda w: w[0])  # bucket order
+        weight_map, total = {}, 0
+        for i, (_, part, sizes) in enumerate(parts):
+            shard = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+            (out_dir / part).replace(out_dir / shard)
+            for name, nbytes in sizes.items():
+                weight_map[name] = shard
+                total += nbytes
+        for stale in out_dir.glob("model*.safetensors"):  # an earlier export's extra shards
+            if stale.name not in weight_map.values():
+                stale.unlink()
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+            indent=1))
         dtype = "bfloat16" if model.params_dtype == "bfloat16" else "float32"
         (out_dir / "config.json").write_text(json.dumps(hf_config_dict(model, dtype=dtype), indent=1))
         if tokenizer_dir:

@@ -154,7 +154,7 @@ def _local_pieces(gpt, model_cfg, pg_collection):
 
 
 def _build_plan(pieces, model_cfg: ModelConfig, dtype: torch.dtype, bucket_bytes: int, *,
-                single_source: Optional[int]) -> _Plan:
+                single_source: Optional[int], senders: Optional[list[int]] = None) -> _Plan:
     names = hf_param_names(model_cfg)
     shapes = hf_param_shapes(model_cfg)
     index = {n: i for i, n in enumerate(names)}
@@ -192,6 +192,8 @@ def _build_plan(pieces, model_cfg: ModelConfig, dtype: torch.dtype, bucket_bytes
             source[i] = single_source
         elif source[i] is None:
             source[i] = partial_min[i]
+        if single_source is None and senders is not None:  # the sender of that rank's group
+            source[i] = senders[source[i]]
     owner = {k: (source[k[0]] if source[k[0]] in ranks else min(ranks))
              for k, ranks in holders.items()}
 
@@ -233,21 +235,47 @@ def _build_plan(pieces, model_cfg: ModelConfig, dtype: torch.dtype, bucket_bytes
     return _Plan(names, shapes, dtype, keys_by_rank, buckets)
 
 
+def sender_ranks(mode: str, pipeline_rank: int) -> Optional[list[int]]:
+    """Collective (the default group): rank -> the rank that sends its tensors to the rollout
+    servers, for ``rollout.weight_sync_senders``: ``rank`` -> None (every source rank sends its
+    own: one update group per source); ``stage`` -> the lowest rank of its pipeline stage;
+    ``node`` -> the lowest rank on the same host and pipeline stage (no byte crosses a node or a
+    stage inside the trainer, and every server GPU joins one update group per node-stage)."""
+    import socket
+
+    if mode == "rank":
+        return None
+    if mode not in ("stage", "node"):
+        raise ValueError(f"weight_sync_senders {mode!r}: expected rank, stage or node")
+    key = (socket.gethostname() if mode == "node" else "", pipeline_rank)
+    keys: list = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, key)
+    first: dict = {}
+    for r, k in enumerate(keys):
+        first.setdefault(tuple(k), r)
+    return [first[tuple(k)] for k in keys]
+
+
 class HFGather:
     """The plan, the buffers and the gather; see the module docstring. Collective: every rank
     calls the same methods in the same order.
 
     ``single_source``: send every tensor from that one rank (the HF export writes on rank 0).
+    ``senders``: rank -> the rank that sends its tensors (:func:`sender_ranks`: one sender per
+    node and pipeline stage, or per stage; the tensors move to it inside the trainer, over
+    NVLink within a node); None: every source rank sends its own.
     """
 
     def __init__(self, model_cfg: ModelConfig, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 dtype: Optional[torch.dtype] = None, single_source: Optional[int] = None):
+                 dtype: Optional[torch.dtype] = None, single_source: Optional[int] = None,
+                 senders: Optional[list[int]] = None):
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes: must be >= 1, got {bucket_bytes}")
         self.model_cfg = model_cfg
         self.bucket_bytes = bucket_bytes
         self.dtype = dtype
         self.single_source = single_source
+        self.senders = senders
         self.plan: Optional[_Plan] = None
         self._buffers: list[torch.Tensor] = []
 
@@ -257,7 +285,7 @@ class HFGather:
         if self.plan is None:
             dtype = self.dtype or (pieces[0][1].dtype if pieces else torch.float32)
             self.plan = _build_plan(pieces, self.model_cfg, dtype, self.bucket_bytes,
-                                    single_source=self.single_source)
+                                    single_source=self.single_source, senders=self.senders)
         return pieces
 
     def buckets(self, gpt, pg_collection) -> "BucketStream":

@@ -30,6 +30,23 @@ Variants (J_i is the per-sequence objective, maximised):
                                               sg[s_i] exp(lp_it - sg[lp_it]) A_it   otherwise ]
     token_ratio_seq_clip    J_i = clip(s_i) A_i if the sequence is cut by s_i, else (1/n_i) sum_t w_it A_i
     seq_ratio_unnormalized  J_i = PPO(S_i, A_i),  S_i = exp(sum_t (lp_it - old_it))   (no 1/n_i)
+    cispo (MiniMax-M1, arXiv 2506.13585)
+                            J_i = (1/n_i) sum_t sg[clip(w_it)] A_it exp(lp_it - sg[lp_it])
+                            (gradient sg[clip(w)] A grad lp: the paper's sg(r^) A log pi; no token
+                            dropped; the clip is the IS weight's, [1 - eps_low, 1 + eps_high],
+                            eps_low = 1 being no lower bound); token-normalised (below)
+    sapo (arXiv 2511.20347) J_i = (1/n_i) sum_t f_it(w_it) A_it,  f(w) = (4/tau) sigmoid(tau (w - 1)),
+                            tau = tau_pos if A_it > 0 else tau_neg (a soft gate, no clip: its
+                            gradient is 4 sigma (1 - sigma) w A grad lp, the on-policy one at w = 1)
+    luspo (arXiv 2602.05261) J_i = PPO(s_i, A_i) as gspo; token-normalised (each sequence's term
+                            scaled by its length n_i, against GSPO's length bias)
+    gmpo (arXiv 2507.20673) J_i = A_i exp((1/n_i) sum_t l~_it),  l~_it = log w_it except where PPO's
+                            min cuts in log space: sg[clamp(log w_it, -eps_low, eps_high)] when
+                            A_i > 0 and log w > eps_high, or A_i < 0 and log w < -eps_low
+                            (the geometric mean of the token-clipped ratios; eps in log space)
+Token-normalised variants (``variants.TOKEN_NORMALIZED_VARIANTS``: cispo, luspo) multiply each
+sequence's whole term by n_i, and D is then the number of response tokens (the default; the
+distributed caller passes the mini-batch's token count): a mean over tokens, not sequences.
 The eps pair is whatever the caller passes. Variants whose clipped ratio is a sequence ratio want
 the sequence range (paper: 3e-4 / 4e-4); those that clip the per-token w_it
 (``TOKEN_RATIO_CLIP_VARIANTS``: grpo, seq_ratio_token_clip) a token range (0.2 / 0.28). "Token-clip
@@ -83,8 +100,9 @@ import torch
 from torch import Tensor
 
 from megatron_gspo.loss.advantages import group_advantages
-from megatron_gspo.loss.variants import (SEQUENCE_CLIP_VARIANTS, TOKEN_CLIP_VARIANTS,
-                                         TOKEN_RATIO_CLIP_VARIANTS, VARIANTS, Variant)
+from megatron_gspo.loss.variants import (SEQUENCE_CLIP_VARIANTS, SPECS, TOKEN_CLIP_VARIANTS,
+                                         TOKEN_NORMALIZED_VARIANTS, TOKEN_RATIO_CLIP_VARIANTS,
+                                         VARIANTS, Variant)
 
 __all__ = [
     "LOG_RATIO_LIMIT",
@@ -146,6 +164,8 @@ def gspo_loss(
     entropy_coef: float = 0.0,
     rollout_log_probs: Tensor | None = None,
     mismatch_cap: float | None = None,
+    sapo_tau_pos: float = 1.0,
+    sapo_tau_neg: float = 1.05,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (and ablation) policy loss; formulas, variants and the CP decomposition in the module docstring.
 
@@ -178,6 +198,7 @@ def gspo_loss(
             per token, the log-prob the token was sampled with, whichever weight version that was)
             and the cap C of the detached weight ``m_i = min(exp(mean_t(old - rollout)), C)``
             multiplying J_i (the decoupled objective's behaviour weight, module docstring).
+        sapo_tau_pos, sapo_tau_neg: sapo's gate temperatures (tokens with A_it > 0 / the others).
 
     Returns:
         ``(loss, metrics)``: scalar loss; ``metrics`` maps names to detached 0-d tensors (means
@@ -192,8 +213,15 @@ def gspo_loss(
         sequence-clip variants: ``clip_frac_low``, ``clip_frac_high``, ``clip_frac``: fraction
             of sequences cut on the low side (A < 0, r < 1 - eps_low), the high side (A > 0,
             r > 1 + eps_high), either; r = s_i (S_i for seq_ratio_unnormalized)
-        token-clip variants: ``token_clip_frac_low``, ``token_clip_frac_high``,
-            ``token_clip_frac``: the same as fractions of response tokens
+        token-clip variants (and gmpo): ``token_clip_frac_low``, ``token_clip_frac_high``,
+            ``token_clip_frac``: the same as fractions of response tokens (cispo: tokens whose IS
+            weight was clipped, w < 1 - eps_low / w > 1 + eps_high, whatever the advantage; gmpo:
+            tokens whose log-ratio was cut, A_i < 0 and log w < -eps_low / A_i > 0 and
+            log w > eps_high); sapo has no clip: ``sapo_gate_weight_mean`` (token-mean of the
+            gate's gradient weight 4 sigma (1 - sigma) relative to the on-policy gradient, 1 at
+            w = 1) and ``sapo_gate_weight_low_frac`` (fraction of tokens below 0.5)
+        token-normalised variants (cispo, luspo): ``loss`` and ``policy_loss`` are the sums as
+            above with each sequence's term multiplied by n_i (D is then a token count)
         with ref_log_probs: ``kl_mean`` (mean_i KL_i); with entropy: ``entropy_mean`` (mean_i H_i)
         with rollout_log_probs: ``mismatch_weight_mean`` (mean_i m_i), ``mismatch_weight_max``
             (max_i m_i), ``mismatch_weight_ess`` (the normalised effective sample size of the
@@ -202,7 +230,7 @@ def gspo_loss(
             ``mismatch_log_prob_abs_diff_mean`` (token-mean of |old - rollout|)
     """
     _check_options(variant, eps_low, eps_high, loss_denominator, ref_log_probs, kl_coef, entropy, entropy_coef,
-                   rollout_log_probs, mismatch_cap)
+                   rollout_log_probs, mismatch_cap, sapo_tau_pos, sapo_tau_neg)
     dtype = _compute_dtype(log_probs)
     is_response_token_BT = _response_mask(response_mask, log_probs.shape)
     for name, tensor in (("old_log_probs", old_log_probs), ("ref_log_probs", ref_log_probs), ("entropy", entropy),
@@ -227,7 +255,7 @@ def gspo_loss(
     if advantages_B is None and variant in SEQUENCE_CLIP_VARIANTS:
         local_sums["advantage_sum"] = advantages_BT.sum(-1)
     local_sums |= _variant_token_sums(variant, log_probs_BT, log_ratio_BT, advantages_BT, is_response_token_BT,
-                                      eps_low, eps_high)
+                                      eps_low, eps_high, sapo_tau_pos, sapo_tau_neg)
     if ref_log_probs is not None:
         ref_minus_log_probs_BT = masked(ref_log_probs.detach()) - log_probs_BT
         ref_minus_log_probs_BT = ref_minus_log_probs_BT.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
@@ -265,9 +293,15 @@ def gspo_loss(
         per_sequence_B = per_sequence_B - kl_coef * (sums["kl_sum"] / num_tokens_safe_B)
     if entropy is not None:
         per_sequence_B = per_sequence_B + entropy_coef * (sums["entropy_sum"] / num_tokens_safe_B)
+    token_normalized = variant in TOKEN_NORMALIZED_VARIANTS
+    if token_normalized:  # each sequence counts n_i times: a mean over tokens
+        policy_term_B = policy_term_B * num_tokens_B
+        per_sequence_B = per_sequence_B * num_tokens_B
 
     num_sequences = is_nonempty_B.sum().to(dtype)
-    denominator = num_sequences.clamp(min=1.0) if loss_denominator is None else float(loss_denominator)
+    default_denominator = num_tokens_B.sum() if token_normalized else num_sequences
+    denominator = (default_denominator.clamp(min=1.0) if loss_denominator is None
+                   else float(loss_denominator))
     zero = torch.zeros((), dtype=dtype, device=log_probs.device)
     loss = -torch.where(is_nonempty_B, per_sequence_B, zero).sum() / denominator
 
@@ -283,11 +317,16 @@ def gspo_loss(
         }
         metrics |= _masked_stats("response_length", num_tokens_B, is_nonempty_B)
         metrics |= _masked_stats("log_ratio_seq", log_ratio_seq_B, is_nonempty_B, with_std=True)
-        if variant in SEQUENCE_CLIP_VARIANTS:
+        cut_stats = SPECS[variant].cut_stats
+        if cut_stats == "sequence":
             is_cut_low_B, is_cut_high_B = cut_counts
             metrics["clip_frac_low"] = (is_cut_low_B & is_nonempty_B).sum() / num_nonempty
             metrics["clip_frac_high"] = (is_cut_high_B & is_nonempty_B).sum() / num_nonempty
             metrics["clip_frac"] = metrics["clip_frac_low"] + metrics["clip_frac_high"]
+        elif cut_stats == "none":  # sapo: the soft gate's weights instead
+            metrics["sapo_gate_weight_mean"] = sums["gate_weight_sum"].sum() / num_tokens.clamp(min=1.0)
+            metrics["sapo_gate_weight_low_frac"] = (sums["num_low_gate_tokens"].sum()
+                                                    / num_tokens.clamp(min=1.0))
         else:
             num_cut_low_B, num_cut_high_B = cut_counts
             metrics["token_clip_frac_low"] = num_cut_low_B.sum() / num_tokens.clamp(min=1.0)
@@ -323,6 +362,8 @@ def _variant_token_sums(
     is_response_token_BT: Tensor,
     eps_low: float,
     eps_high: float,
+    sapo_tau_pos: float = 1.0,
+    sapo_tau_neg: float = 1.05,
 ) -> dict[str, Tensor]:
     """Local ``[B]`` sums over response tokens that the variant's J_i needs besides n_i and sum(lp - old)."""
     # value 1, gradient 1 w.r.t. lp_it: "pi_theta(y_it) / sg[pi_theta(y_it)]"
@@ -345,9 +386,42 @@ def _variant_token_sums(
             "num_negative_advantage_tokens": is_negative_BT.sum(-1).to(log_ratio_BT.dtype).detach(),
         }
 
+    if variant == "luspo":
+        return {}
+    if variant == "gmpo":
+        # PPO's min per token in log space, by the sign of the (per-sequence) advantage: a
+        # positive-advantage token is cut above eps_high, a negative one below -eps_low; a cut
+        # token keeps the clamped value and no gradient
+        is_cut_high_BT = is_response_token_BT & (advantages_BT > 0) & (log_ratio_BT > eps_high)
+        is_cut_low_BT = is_response_token_BT & (advantages_BT < 0) & (log_ratio_BT < -eps_low)
+        clipped_BT = torch.where(is_cut_low_BT | is_cut_high_BT,
+                                 log_ratio_BT.clamp(-eps_low, eps_high).detach(), log_ratio_BT)
+        return {"clipped_log_ratio_sum": masked_sum(clipped_BT),
+                "num_cut_low_tokens": is_cut_low_BT.sum(-1).to(log_ratio_BT.dtype).detach(),
+                "num_cut_high_tokens": is_cut_high_BT.sum(-1).to(log_ratio_BT.dtype).detach()}
+
     token_ratio_BT = torch.exp(log_ratio_BT.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
     if variant == "token_ratio_seq_clip":
         return {"token_ratio_sum": masked_sum(token_ratio_BT)}
+    if variant == "sapo":
+        # f(w) = (4 / tau) sigmoid(tau (w - 1)): value f(w) A, gradient 4 sigma (1 - sigma) w A grad lp
+        taus = [torch.tensor(t, dtype=log_ratio_BT.dtype, device=log_ratio_BT.device)
+                for t in (sapo_tau_pos, sapo_tau_neg)]
+        tau_BT = torch.where(advantages_BT > 0, *taus)
+        gate_BT = torch.sigmoid(tau_BT * (token_ratio_BT - 1.0))
+        weight_BT = (4.0 * gate_BT * (1.0 - gate_BT)).detach()
+        return {"token_objective_sum": masked_sum(4.0 / tau_BT * gate_BT * advantages_BT),
+                "gate_weight_sum": masked_sum(weight_BT),
+                "num_low_gate_tokens": masked_sum((weight_BT < 0.5).to(log_ratio_BT.dtype))}
+    if variant == "cispo":
+        # sg[clip(w)] A_it grad lp_it: value clip(w) A (the unit weight), no token dropped; the
+        # clip is of the IS weight, on both sides whatever the advantage's sign
+        is_low_BT = is_response_token_BT & (token_ratio_BT < 1.0 - eps_low)
+        is_high_BT = is_response_token_BT & (token_ratio_BT > 1.0 + eps_high)
+        weight_BT = _clip(token_ratio_BT, eps_low, eps_high).detach()
+        return {"token_objective_sum": masked_sum(weight_BT * advantages_BT * unit_weight_BT),
+                "num_cut_low_tokens": is_low_BT.sum(-1).to(log_ratio_BT.dtype).detach(),
+                "num_cut_high_tokens": is_high_BT.sum(-1).to(log_ratio_BT.dtype).detach()}
 
     # token-clip variants: the cut decision is per token, by its own w_it and A_it
     is_cut_low_BT, is_cut_high_BT = _ppo_cut(token_ratio_BT, advantages_BT, eps_low, eps_high)
@@ -387,7 +461,7 @@ def _variant_objective(
     """
     seq_ratio_B = torch.exp(log_ratio_seq_B.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
 
-    if variant in ("gspo", "seq_ratio_unnormalized"):
+    if variant in ("gspo", "seq_ratio_unnormalized", "luspo"):  # luspo: n_i J_i, in gspo_loss
         if variant == "seq_ratio_unnormalized":
             seq_ratio_B = torch.exp(sums["log_ratio_sum"].clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
         is_cut_low_B, is_cut_high_B = _ppo_cut(seq_ratio_B, advantages_B, eps_low, eps_high)
@@ -415,8 +489,14 @@ def _variant_objective(
         num_cut_high_tokens_B = is_cut_high_B * sums["num_positive_advantage_tokens"]
         return objective_B, (num_cut_low_tokens_B.detach(), num_cut_high_tokens_B.detach())
 
+    if variant == "gmpo":
+        log_mean_B = (sums["clipped_log_ratio_sum"] / num_tokens_safe_B).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+        return (advantages_B * torch.exp(log_mean_B),
+                (sums["num_cut_low_tokens"].detach(), sums["num_cut_high_tokens"].detach()))
+    if variant == "sapo":
+        return sums["token_objective_sum"] / num_tokens_safe_B, None
     cut_counts = (sums["num_cut_low_tokens"].detach(), sums["num_cut_high_tokens"].detach())
-    if variant == "grpo":
+    if variant in ("grpo", "cispo"):  # cispo: gspo_loss multiplies by n_i (token normalisation)
         return sums["token_objective_sum"] / num_tokens_safe_B, cut_counts
     if variant == "seq_ratio_token_clip":
         uncut_B = seq_ratio_B.detach() * sums["uncut_advantage_sum"]
@@ -486,11 +566,17 @@ def _split_advantages(
 
 
 def _check_options(variant, eps_low, eps_high, loss_denominator, ref_log_probs, kl_coef, entropy, entropy_coef,
-                   rollout_log_probs, mismatch_cap) -> None:
+                   rollout_log_probs, mismatch_cap, sapo_tau_pos=1.0, sapo_tau_neg=1.05) -> None:
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; valid variants: {', '.join(VARIANTS)}")
-    if not (0.0 <= eps_low < 1.0) or not (eps_high >= 0.0):
-        raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got eps_low={eps_low}, eps_high={eps_high}")
+    # cispo: eps_low = 1 is no lower bound; gmpo: a log-space range, any eps_low >= 0
+    low_limit = {"cispo": 1.0, "gmpo": math.inf}.get(variant)
+    low_ok = 0.0 <= eps_low < 1.0 if low_limit is None else 0.0 <= eps_low <= low_limit
+    if not low_ok or not (eps_high >= 0.0):
+        raise ValueError(f"need 0 <= eps_low < 1 (cispo: <= 1; gmpo: any, log space) and eps_high >= 0, "
+                         f"got eps_low={eps_low}, eps_high={eps_high}")
+    if variant == "sapo" and not (sapo_tau_pos > 0 and sapo_tau_neg > 0):
+        raise ValueError(f"sapo needs sapo_tau_pos > 0 and sapo_tau_neg > 0, got {sapo_tau_pos}, {sapo_tau_neg}")
     if loss_denominator is not None and not loss_denominator > 0:
         raise ValueError(f"loss_denominator={loss_denominator} must be > 0 (the number of sequences of the mini-batch)")
     if kl_coef != 0.0 and ref_log_probs is None:

@@ -78,3 +78,23 @@ def global_num_sequences(
     if _is_parallel(dp_group):
         dist.all_reduce(num_sequences, op=dist.ReduceOp.SUM, group=dp_group)
     return int(num_sequences.item())
+
+
+def global_num_tokens(
+    local_counts: torch.Tensor | Sequence[torch.Tensor],
+    *,
+    dp_group: dist.ProcessGroup | None,
+    cp_group: dist.ProcessGroup | None,
+) -> int:
+    """Number of response tokens in the whole mini-batch, identical on every rank: the loss
+    units of the token-normalised variants (``variants.TOKEN_NORMALIZED_VARIANTS``). Same inputs
+    as :func:`global_num_sequences`; every token is held by exactly one (CP, DP) rank, so the
+    local sums are summed over both groups."""
+    parts = [local_counts] if isinstance(local_counts, torch.Tensor) else list(local_counts)
+    if not parts:
+        raise ValueError("local_counts is empty: pass at least one (possibly zero-row) tensor")
+    total = torch.stack([p.to(torch.int64).sum() for p in parts]).sum().reshape(1)
+    for group in (cp_group, dp_group):
+        if _is_parallel(group):
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return int(total.item())

@@ -25,10 +25,13 @@ table at import time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, Optional, get_args
+
+SEQUENCE_RANGE = ("eps_low", "eps_high")
+TOKEN_RANGE = ("token_eps_low", "token_eps_high")
 
 Variant = Literal["gspo", "gspo_token", "grpo", "seq_ratio_token_clip", "token_ratio_seq_clip",
-                  "seq_ratio_unnormalized"]
+                  "seq_ratio_unnormalized", "cispo", "sapo", "luspo", "gmpo"]
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,24 @@ class VariantSpec:
     name: str
     meaning: str
     cut_unit: Literal["sequence", "token"]
-    clipped_ratio: Literal["sequence", "token"]
+    clipped_ratio: Literal["sequence", "token", "none"]
+    cut_stats: Literal["sequence", "token", "none"] = ""  # type: ignore[assignment]
+    """What the clip metrics count: sequences (``clip_frac*``), tokens (``token_clip_frac*``) or
+    nothing (a variant without a hard clip); default: the cut unit."""
+    eps_fields: Optional[tuple[str, str]] = ()  # type: ignore[assignment]
+    """The ``gspo.*`` fields of the clip range ``GSPOConfig.clip_range`` returns; default by the
+    clipped ratio (sequence: ``eps_low|high``, token: ``token_eps_low|high``, none: None)."""
+    normalization: Literal["sequence", "token"] = "sequence"
+    """``sequence``: J_i is a mean over the sequence's tokens and the loss a mean over sequences;
+    ``token``: each sequence counts with its length n_i and the loss is a mean over all response
+    tokens of the mini-batch (CISPO's token-mean, LUSPO's length scaling)."""
+
+    def __post_init__(self):
+        if not self.cut_stats:
+            object.__setattr__(self, "cut_stats", self.cut_unit)
+        if self.eps_fields == ():
+            object.__setattr__(self, "eps_fields", {"sequence": SEQUENCE_RANGE, "token": TOKEN_RANGE,
+                                                    "none": None}[self.clipped_ratio])
 
 
 _SPECS = (
@@ -54,6 +74,19 @@ _SPECS = (
     VariantSpec("seq_ratio_unnormalized", "ablation: PPO on S_i = exp(sum_t log-ratio), GSPO "
                 "without the 1/n_i length normalisation", cut_unit="sequence",
                 clipped_ratio="sequence"),
+    VariantSpec("cispo", "CISPO (MiniMax-M1): every token's gradient A_it grad log pi weighted by "
+                "its IS weight w_it clipped and detached; no token dropped; token-mean",
+                cut_unit="token", clipped_ratio="token", normalization="token",
+                eps_fields=("cispo_eps_low", "cispo_eps_high")),
+    VariantSpec("sapo", "SAPO: a sigmoid soft gate (4/tau) sigma(tau (w_it - 1)) on every token "
+                "instead of a hard clip, tau_pos / tau_neg by the advantage's sign",
+                cut_unit="token", clipped_ratio="none", cut_stats="none"),
+    VariantSpec("luspo", "LUSPO: GSPO with each sequence's term scaled by its length n_i, the loss "
+                "a mean over tokens (against GSPO's length bias)", cut_unit="sequence",
+                clipped_ratio="sequence", normalization="token"),
+    VariantSpec("gmpo", "GMPO: A_i times the geometric mean of the token ratios, each clipped in "
+                "log space (PPO's min per token)", cut_unit="sequence", clipped_ratio="token",
+                cut_stats="token", eps_fields=("gmpo_log_eps_low", "gmpo_log_eps_high")),
 )
 
 SPECS: dict[str, VariantSpec] = {spec.name: spec for spec in _SPECS}
@@ -65,11 +98,21 @@ if VARIANTS != tuple(SPECS):  # the Literal and the table are one list, in one o
 SEQUENCE_CLIP_VARIANTS: tuple[str, ...] = tuple(s.name for s in _SPECS if s.cut_unit == "sequence")
 # The cut unit is the token: these accept per-token advantages A_it ("token-clip variants").
 TOKEN_CLIP_VARIANTS: tuple[str, ...] = tuple(s.name for s in _SPECS if s.cut_unit == "token")
-# The clipped ratio is the per-token w_it: these use the token clip range.
+# The variants with a clip range of their own (``GSPOConfig.clip_range``): cispo's IS-weight
+# range, sapo's gate (no clip), gmpo's log-space range.
+OWN_RANGE_VARIANTS: tuple[str, ...] = tuple(s.name for s in _SPECS
+                                            if s.eps_fields not in (SEQUENCE_RANGE, TOKEN_RANGE))
+# The clipped ratio is the per-token w_it and the range the token one (gspo.token_eps_low|high).
 TOKEN_RATIO_CLIP_VARIANTS: tuple[str, ...] = tuple(s.name for s in _SPECS
-                                                   if s.clipped_ratio == "token")
+                                                   if s.eps_fields == TOKEN_RANGE)
+
+
+# Each sequence counts with its length: the loss is a mean over response tokens.
+TOKEN_NORMALIZED_VARIANTS: tuple[str, ...] = tuple(s.name for s in _SPECS
+                                                   if s.normalization == "token")
 
 
 def clips_token_ratio(variant: str) -> bool:
-    """True when ``variant`` compares the per-token ratio w_it with the clip range (token range)."""
-    return SPECS[variant].clipped_ratio == "token"
+    """True when ``variant`` compares the per-token ratio w_it with the token clip range
+    (``gspo.token_eps_low|high``; CISPO and GMPO have ranges of their own)."""
+    return variant in TOKEN_RATIO_CLIP_VARIANTS

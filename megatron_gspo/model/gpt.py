@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megatron_gspo import mcore_compat
 from megatron_gspo.config import ConfigError, ModelConfig, ParallelConfig, padded_vocab_size
 
 
@@ -148,6 +149,8 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig, *,
         variable_seq_lengths=parallel.pipeline > 1,
         # activation recompute (Megatron's fields; validated in config.validate_recompute)
         **recompute,
+        # no CUDA graphs, under the running Megatron's field name (mcore_compat, difference 1)
+        **mcore_compat.no_cuda_graph_kwargs(),
     )
 
 

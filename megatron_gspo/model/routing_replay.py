@@ -164,28 +164,3 @@ class RoutingPass:
         if self.capture_key is not None:
             mb[self.capture_key] = self.routing.computed()
         self.routing.reset()
-
-
-def validate_routed_experts(batch: dict, num_layers: int, topk: int, num_experts: int) -> None:
-    """The rollout servers' ``routed_experts`` of an RL batch: ``[rows, T, num_layers, topk]``
-    integers in ``[-1, num_experts)``, no expert twice for one (token, layer)."""
-    where = "gspo.routing_replay: rollout: the batch's 'routed_experts'"
-    if "routed_experts" not in batch:
-        raise ValueError(f"{where} is missing (the rollout servers must return the routed "
-                         "experts: SGLang's return_routed_experts)")
-    value, tokens = batch["routed_experts"], batch["tokens"]
-    expected = (*tokens.shape, num_layers, topk)
-    if tuple(value.shape) != expected:
-        raise ValueError(f"{where} has shape {tuple(value.shape)}, expected {expected} "
-                         "(rows, positions of 'tokens', model.num_layers, model.moe_router_topk)")
-    if value.dtype.is_floating_point or value.dtype == torch.bool:
-        raise ValueError(f"{where} must be integer expert indices, got {value.dtype}")
-    if value.numel() and (int(value.min()) < -1 or int(value.max()) >= num_experts):
-        raise ValueError(f"{where} holds indices outside [-1, {num_experts}): "
-                         f"[{int(value.min())}, {int(value.max())}]")
-    ordered = value.sort(dim=-1).values
-    duplicate = ((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any(-1)
-    if bool(duplicate.any()):
-        row, pos, layer = (int(i) for i in duplicate.nonzero()[0])
-        raise ValueError(f"{where}: row {row}, position {pos}, layer {layer} names an expert "
-                         f"twice: {value[row, pos, layer].tolist()}")

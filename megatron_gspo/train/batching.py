@@ -93,6 +93,27 @@ def select_rows(batch: dict[str, torch.Tensor], index: torch.Tensor) -> dict[str
     return {k: v[index].clone() for k, v in batch.items()}
 
 
+def take_rows(batch: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """:func:`select_rows`, also of a batch whose ``routed_experts`` hold only the rows listed in
+    ``batch["routed_rows"]`` (sorted: ``RLTrainer.scatter_routed_experts``); the result holds
+    every field for ``rows`` and no ``routed_rows``."""
+    held = batch.get("routed_rows")
+    out = {}
+    for key, value in batch.items():
+        if key == "routed_rows":
+            continue
+        if key == "routed_experts" and held is not None:
+            pos = torch.searchsorted(held, rows).clamp(max=max(len(held) - 1, 0))
+            if len(rows) and (len(held) == 0 or not torch.equal(held[pos], rows)):
+                missing = sorted(set(rows.tolist()) - set(held.tolist()))
+                raise ValueError(f"routed_experts: rows {missing[:8]} were not received by this "
+                                 "rank (routed_rows)")
+            out[key] = value[pos].clone()
+        else:
+            out[key] = value[rows].clone()
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Packed micro-batches under a token budget (THD), balanced over data-parallel ranks
 #
@@ -338,3 +359,30 @@ def response_counts(micro_batch: dict) -> torch.Tensor:
     cu_local = micro_batch["cu_seqlens_local"]
     seg = segment_ids(cu_local, mask.numel())
     return per_sequence_sums(mask.reshape(-1).to(torch.int64), seg, len(cu_local) - 1)
+
+
+def validate_routed_experts(batch: dict, num_layers: int, topk: int, num_experts: int) -> None:
+    """The rollout servers' ``routed_experts`` of an RL batch: ``[rows, T, num_layers, topk]``
+    integers in ``[-1, num_experts)``, no expert twice for one (token, layer); ``rows`` is the
+    length of ``batch["routed_rows"]`` when the batch holds only those rows' experts."""
+    where = "gspo.routing_replay: rollout: the batch's 'routed_experts'"
+    if "routed_experts" not in batch:
+        raise ValueError(f"{where} is missing (the rollout servers must return the routed "
+                         "experts: SGLang's return_routed_experts)")
+    value, tokens = batch["routed_experts"], batch["tokens"]
+    rows = len(batch["routed_rows"]) if "routed_rows" in batch else tokens.shape[0]
+    expected = (rows, tokens.shape[1], num_layers, topk)
+    if tuple(value.shape) != expected:
+        raise ValueError(f"{where} has shape {tuple(value.shape)}, expected {expected} "
+                         "(rows, positions of 'tokens', model.num_layers, model.moe_router_topk)")
+    if value.dtype.is_floating_point or value.dtype == torch.bool:
+        raise ValueError(f"{where} must be integer expert indices, got {value.dtype}")
+    if value.numel() and (int(value.min()) < -1 or int(value.max()) >= num_experts):
+        raise ValueError(f"{where} holds indices outside [-1, {num_experts}): "
+                         f"[{int(value.min())}, {int(value.max())}]")
+    ordered = value.sort(dim=-1).values
+    duplicate = ((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any(-1)
+    if bool(duplicate.any()):
+        row, pos, layer = (int(i) for i in duplicate.nonzero()[0])
+        raise ValueError(f"{where}: row {row}, position {pos}, layer {layer} names an expert "
+                         f"twice: {value[row, pos, layer].tolist()}")

@@ -78,6 +78,8 @@ REDUCTIONS: dict[str, Reduction] = {
     "token_clip_frac_low": _PER_TOKEN,  # fractions of response tokens
     "token_clip_frac_high": _PER_TOKEN,
     "token_clip_frac": _PER_TOKEN,
+    "sapo_gate_weight_mean": _PER_TOKEN,  # sapo: the soft gate's gradient weights, per token
+    "sapo_gate_weight_low_frac": _PER_TOKEN,
     "mismatch_log_prob_abs_diff_mean": _PER_TOKEN,  # token-mean |old - rollout|
     "rollout_trainer_logprob_abs_diff": _PER_TOKEN,  # token-mean |trainer - rollout|
     # after the step's updates (train.routing_metrics; docs/routing.md)

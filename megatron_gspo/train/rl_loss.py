@@ -16,7 +16,8 @@ A micro-batch (one row per sequence, prompt + response, right-padded to the sche
 
 ``make_gspo_loss_fn`` returns ``loss_fn(logits, batch) -> (sum over this rank's sequences of the
 per-sequence loss, metrics)``; ``train_step.forward_backward`` applies the scaling contract (divide
-by the global number of sequences N, undo Megatron's micro-batch and DP factors). Under context
+by the global number of sequences N, or of response tokens for the token-normalised variants
+cispo and luspo, and undo Megatron's micro-batch and DP factors). Under context
 parallelism the per-sequence sums go through ``sequence_reduce`` (an all-reduce over the CP group
 with identity backward), so every CP rank has the exact ``s_i``.
 """
@@ -72,6 +73,7 @@ def make_gspo_loss_fn(model: ModelConfig, gspo_cfg: GSPOConfig, pg_collection, *
             eps_high=eps_high,
             variant=gspo_cfg.variant,
             loss_denominator=1.0,  # a SUM over sequences; train_step divides by the global N
+            # (the global response-token count for the token-normalised variants)
             sequence_reduce=sequence_reduce,
             ref_log_probs=rows(batch.get("ref_log_probs")) if gspo_cfg.kl_coef > 0 else None,
             kl_coef=gspo_cfg.kl_coef,
@@ -79,6 +81,8 @@ def make_gspo_loss_fn(model: ModelConfig, gspo_cfg: GSPOConfig, pg_collection, *
             entropy_coef=gspo_cfg.entropy_coef,
             rollout_log_probs=rows(batch.get("rollout_log_probs")) if use_rollout else None,
             mismatch_cap=gspo_cfg.mismatch_cap if use_rollout else None,
+            sapo_tau_pos=gspo_cfg.sapo_tau_pos,
+            sapo_tau_neg=gspo_cfg.sapo_tau_neg,
         )
         return loss_sum, metrics
 

@@ -53,14 +53,15 @@ from megatron_gspo.model import gpt as policy
 from megatron_gspo.config import Config, validate_data_parallel
 from megatron_gspo.train.initial_weights import is_mcore_checkpoint, load_initial_weights  # noqa: F401
 from megatron_gspo.loss.context_parallel import make_sequence_reduce
-from megatron_gspo.loss.loss_scaling import global_num_sequences
+from megatron_gspo.loss.loss_scaling import global_num_sequences, global_num_tokens
+from megatron_gspo.loss.variants import TOKEN_NORMALIZED_VARIANTS
 from megatron_gspo.train.rl_loss import make_gspo_loss_fn, make_log_prob_fn
 from megatron_gspo.train.train_step import (TrainState, build_train_state, current_lr,
                                             forward_backward, train_step)
 from megatron_gspo.train.checkpoint import CheckpointedTrainer
-from megatron_gspo.train.batching import (add_logit_index, loss_rows, packed_micro_batches,
-                                          response_counts, select_rows, split_for_rank,
-                                          split_rows_for_context_parallel)
+from megatron_gspo.train.batching import (add_logit_index, loss_rows, pack_micro_batch,
+                                          plan_micro_batches, response_counts, sequence_lengths,
+                                          split_rows_for_context_parallel, take_rows)
 from megatron_gspo.train.metric_reduction import reduce_metrics
 
 _OLD_POLICY_METRICS = ("entropy_mean", "rollout_trainer_logprob_abs_diff")
@@ -138,8 +139,12 @@ class RLTrainer(CheckpointedTrainer):
                              "gspo.updates_per_rollout rows per mini-batch)")
         return rows // (dp * mbs)
 
-    def minibatches(self, batch: dict, step: int) -> list[list[dict]]:
-        """This rank's micro-batches of each of the k mini-batches (layout-independent split)."""
+    def row_plan(self, batch: dict, step: int) -> list[list[torch.Tensor]]:
+        """The batch rows (int64 indices) of each of this rank's micro-batches of each of the k
+        mini-batches: a seeded permutation cut into k mini-batches (layout-independent), each
+        split over the data-parallel ranks (padded rows: equal slices; packed: the plan of
+        ``batching.plan_micro_batches``, the same on every rank). Needs only the small per-row
+        fields of ``batch`` (``tokens``' shape, the lengths), not the routed experts."""
         rows = batch["tokens"].shape[0]
         k = self.cfg.gspo.updates_per_rollout
         if rows % k != 0:
@@ -148,25 +153,58 @@ class RLTrainer(CheckpointedTrainer):
         gen = torch.Generator().manual_seed(self.cfg.run.seed * 100_003 + step)
         order = torch.randperm(rows, generator=gen)
         size = rows // k
-        return [self.micro_batches(select_rows(batch, order[j * size:(j + 1) * size]))
-                for j in range(k)]
+        pg = self.pg
+        dp_rank, dp = pg.dp.rank(), pg.dp.size()
+        budget = self.cfg.run.max_tokens_per_micro_batch
+        lengths = sequence_lengths(batch) if budget is not None else None
+        plan = []
+        for j in range(k):
+            mini = order[j * size:(j + 1) * size]
+            if budget is not None:
+                mine = plan_micro_batches(lengths[mini].tolist(), budget, dp, cp_size=pg.cp.size(),
+                                          tp_size=pg.tp.size())[dp_rank]
+                plan.append([mini[torch.tensor(list(ix), dtype=torch.long)] for ix in mine])
+            else:
+                num = self._num_microbatches(size)
+                per_mb = size // dp // num
+                start = dp_rank * (size // dp)
+                plan.append([mini[start + i * per_mb:start + (i + 1) * per_mb] for i in range(num)])
+        return plan
 
-    def micro_batches(self, mini: dict) -> list[dict]:
-        """This rank's micro-batches of one mini-batch (padded rows: the same layout for every
-        parallel configuration; packed: the same plan on every rank), its CP share, and the
-        response positions where the output layer runs."""
+    def minibatches(self, batch: dict, step: int) -> list[list[dict]]:
+        """This rank's micro-batches of each of the k mini-batches (:meth:`row_plan`)."""
+        return [[self.micro_batch(batch, rows) for rows in mini]
+                for mini in self.row_plan(batch, step)]
+
+    def micro_batch(self, batch: dict, rows: torch.Tensor) -> dict:
+        """The micro-batch of ``rows`` of ``batch`` as this rank holds it (padded rows: its CP
+        share of each row; packed: one pack, its CP share), with the response positions where
+        the output layer runs. ``batch`` may hold only some rows' routed experts
+        (:meth:`scatter_routed_experts`)."""
         pg = self.pg
         cp_rank, cp, tp = pg.cp.rank(), pg.cp.size(), pg.tp.size()
-        budget = self.cfg.run.max_tokens_per_micro_batch
-        if budget is not None:
-            mbs = packed_micro_batches(mini, budget, dp_rank=pg.dp.rank(), dp_size=pg.dp.size(),
-                                       cp_rank=cp_rank, cp_size=cp, tp_size=tp)
+        part = take_rows(batch, rows)
+        if self.cfg.run.max_tokens_per_micro_batch is not None:
+            mb = pack_micro_batch(part, range(len(rows)), cp_rank=cp_rank, cp_size=cp, tp_size=tp)
         else:
-            rows = mini["tokens"].shape[0]
-            mbs = [split_rows_for_context_parallel(mb, cp_rank, cp, tp)
-                   for mb in split_for_rank(mini, pg.dp.rank(), pg.dp.size(),
-                                            self._num_microbatches(rows))]
-        return [add_logit_index(mb) for mb in mbs]
+            mb = split_rows_for_context_parallel(part, cp_rank, cp, tp)
+        return add_logit_index(mb)
+
+    def scatter_routed_experts(self, batch: dict, step: int, group=None) -> None:
+        """Collective over ``group`` (gloo): rank 0's ``batch["routed_experts"]`` (every row,
+        ``[B, T, layers, top-k]``: 2 GB per step at 30B) reaches each rank as the rows of its
+        own micro-batches only (:meth:`row_plan`): ``batch["routed_experts"]`` then holds those
+        rows and ``batch["routed_rows"]`` their indices, on every rank, rank 0 included. One
+        data-parallel rank's share per rank instead of the whole tensor to every rank."""
+        from megatron_gspo.train.row_scatter import scatter_rows
+
+        needed = torch.cat([rows for mini in self.row_plan(batch, step) for rows in mini]
+                           ).unique(sorted=True)
+        model = self.cfg.model
+        shape = (batch["tokens"].shape[1], model.num_layers, model.moe_router_topk)
+        full = batch.pop("routed_experts", None)
+        batch["routed_experts"] = scatter_rows(full, needed, shape, torch.int16, group=group)
+        batch["routed_rows"] = needed
 
     def _routing_pass(self, *, replay: bool, capture_key: Optional[str] = None):
         """The per-micro-batch routing hooks of one pass (None when nothing is replayed or
@@ -247,7 +285,7 @@ class RLTrainer(CheckpointedTrainer):
         start = time.monotonic()
         gspo = self.cfg.gspo
         if gspo.routing_replay == "rollout":
-            from megatron_gspo.model.routing_replay import validate_routed_experts
+            from megatron_gspo.train.batching import validate_routed_experts
 
             model = self.cfg.model
             validate_routed_experts(batch, model.num_layers, model.moe_router_topk,
@@ -265,8 +303,10 @@ class RLTrainer(CheckpointedTrainer):
         update_metrics, grad_norms, lr = [], [], None
         routing = self._routing_pass(replay=gspo.routing_replay != "none")
         for microbatches in minibatches:
-            n_global = global_num_sequences([response_counts(mb) for mb in microbatches],
-                                            dp_group=self.pg.dp, cp_group=self.pg.cp)
+            count = (global_num_tokens if gspo.variant in TOKEN_NORMALIZED_VARIANTS
+                     else global_num_sequences)  # the loss's units: tokens or sequences
+            n_global = count([response_counts(mb) for mb in microbatches],
+                             dp_group=self.pg.dp, cp_group=self.pg.cp)
             if n_global == 0:
                 continue
             out = train_step(self.state, microbatches, loss_fn, num_units_global=n_global,
@@ -298,12 +338,14 @@ class RLTrainer(CheckpointedTrainer):
         to the end. Bucket size ``rollout.weight_sync_bucket_mb``, dtype
         ``rollout.weight_sync_dtype``; the plan and the buffers are made once and kept."""
         if getattr(self, "_hf_gather", None) is None:
-            from megatron_gspo.hf.gather import HFGather
+            from megatron_gspo.hf.gather import HFGather, sender_ranks
 
             rollout = self.cfg.rollout
             dtype = getattr(torch, rollout.weight_sync_dtype) if rollout.weight_sync_dtype else None
+            senders = sender_ranks(rollout.senders(),
+                                   self.pg.pp.rank())
             self._hf_gather = HFGather(self.cfg.model, bucket_bytes=rollout.weight_sync_bucket_mb << 20,
-                                       dtype=dtype)
+                                       dtype=dtype, senders=senders)
         return self._hf_gather.buckets(self.gpt, self.pg)
 
     # --- scoring given sequences (the parity watchdog, calibrate-eps) ---------------------------

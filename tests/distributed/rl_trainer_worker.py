@@ -9,7 +9,9 @@ coordinates, and what ``reduce_metrics`` was given on this rank (recorded, not r
 from __future__ import annotations
 
 
-def run_train_rollout(rank, world_size, cfg_dict, batch, step):
+def run_train_rollout(rank, world_size, cfg_dict, batch, step, scatter=False):
+    """``train_rollout`` of ``batch`` on every rank; ``scatter``: only rank 0 holds the routed
+    experts and ``scatter_routed_experts`` sends each rank its rows first (as the loop does)."""
     from megatron_gspo import parallel
     from megatron_gspo.config import config_from_dict
     from megatron_gspo.model import gpt as policy
@@ -28,20 +30,36 @@ def run_train_rollout(rank, world_size, cfg_dict, batch, step):
         reduce_inputs.append([{k: float(v) for k, v in m.items()} for m in per_microbatch])
         return real_reduce(per_microbatch, pg_collection)
 
+    received = None
+    if scatter:
+        batch = dict(batch)
+        if rank != 0:
+            del batch["routed_experts"]
+        trainer.scatter_routed_experts(batch, step)
+        received = (batch["routed_rows"].tolist(), batch["routed_experts"].clone())
+    units = []  # the loss units (num_units_global) of each mini-batch's update
+    real_step = rl_trainer.train_step
+
+    def recording_step(*args, num_units_global, **kwargs):
+        units.append(num_units_global)
+        return real_step(*args, num_units_global=num_units_global, **kwargs)
+
     rl_trainer.reduce_metrics = recording_reduce
+    rl_trainer.train_step = recording_step
     try:
         metrics = trainer.train_rollout(batch, step)
     finally:
         rl_trainer.reduce_metrics = real_reduce
+        rl_trainer.train_step = real_step
     after = [(p, t.clone()) for p, t in policy.local_hf_pieces(trainer.gpt, cfg.model, pg)]
     out = {"metrics": metrics, "before": before, "weights": after,
            "is_metric_rank": is_metric_rank(pg),
            # [forward-only pass, updates]: this rank's micro-batch metric dicts
-           "reduce_inputs": reduce_inputs}
+           "reduce_inputs": reduce_inputs, "received": received, "units": units}
     parallel.destroy_model_parallel()
     return out
 
 
-def run_train_rollouts(rank, world_size, cfg_dicts, batch, step):
+def run_train_rollouts(rank, world_size, cfg_dicts, batch, step, scatter=False):
     """``run_train_rollout`` for several configurations (the same layout) in one spawn."""
-    return [run_train_rollout(rank, world_size, cfg, batch, step) for cfg in cfg_dicts]
+    return [run_train_rollout(rank, world_size, cfg, batch, step, scatter) for cfg in cfg_dicts]

@@ -4,6 +4,7 @@ loads, and transformers' own Qwen3-MoE gives the same per-token log-probs as the
 from __future__ import annotations
 
 import json
+import re
 
 import torch
 
@@ -50,3 +51,21 @@ def test_exported_policy_matches_transformers(tmp_path):
     expected = torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
     for log_probs in results:  # both EP ranks ran the same batch
         assert (log_probs.double() - expected).abs().max() < 1e-5
+    # nothing funnels through rank 0: under EP2 rank 1 is the source of its experts and writes
+    # their shards itself (each shard's metadata names its writer); the index names every shard
+    from safetensors import safe_open
+
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert shards == sorted(p.name for p in (tmp_path / "hf").glob("*.safetensors"))
+    assert shards[-1].endswith(f"-of-{len(shards):05d}.safetensors")
+    writers = {}
+    for shard in shards:
+        with safe_open(str(tmp_path / "hf" / shard), framework="pt") as f:
+            for name in f.keys():
+                writers[name] = int(f.metadata()["rank"])
+    assert set(writers) == set(index["weight_map"])
+    expert = {n: int(re.search(r"\.mlp\.experts\.(\d+)\.", n).group(1)) for n in writers
+              if ".mlp.experts." in n}
+    assert expert and all(writers[n] == e // 2 for n, e in expert.items())  # 4 experts, EP2
+    assert {writers[n] for n in writers if n not in expert} == {0}  # DP-replicated: lowest rank

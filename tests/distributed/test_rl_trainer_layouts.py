@@ -62,9 +62,9 @@ def rollout_batch(seed: int = 11, seq: int = 16, vocab: int = 250) -> dict:
     }
 
 
-def _run(layout: str, batch: dict) -> dict:
+def _run(layout: str, batch: dict, gspo: dict = GSPO) -> dict:
     world, parallel = LAYOUTS[layout]
-    cfg = tiny_config(parallel, gspo=GSPO, run=RUN)
+    cfg = tiny_config(parallel, gspo=gspo, run=RUN)
     results = run_on_ranks(world, rl_trainer_worker.run_train_rollout, (cfg, batch, STEP),
                            timeout_s=300)
     for rank, r in enumerate(results):  # the reduction is collective: every rank has the result
@@ -79,6 +79,7 @@ def _run(layout: str, batch: dict) -> dict:
             "weights": assemble(results, "weights", shapes),
             # the micro-batch metrics the metric ranks reduced: [forward-only pass, updates]
             "forward_only": [m for r in metric_ranks for m in r["reduce_inputs"][0]],
+            "units": results[0]["units"],
             "updates": [m for r in metric_ranks for m in r["reduce_inputs"][1]]}
 
 
@@ -127,3 +128,24 @@ def test_train_rollout_matches_single_process(layout, reference):
     bad = {n: max_rel_diff(run["weights"][n], ref["weights"][n]) for n in ref["weights"]
            if max_rel_diff(run["weights"][n], ref["weights"][n]) > TOLERANCE}
     assert not bad, f"{layout}: updated weights differ from the single-process run: {bad}"
+
+
+@pytest.mark.parametrize("variant", ["cispo", "sapo", "luspo", "gmpo"])
+def test_later_objectives_train_under_data_parallelism_as_in_one_process(variant):
+    # the four objectives the field ships (issue 26) through the trainer: DP2 equals one process,
+    # and the loss units are what each objective normalises by: response tokens for cispo and
+    # luspo (a mean over tokens), sequences for sapo and gmpo
+    batch = rollout_batch()
+    gspo = {**GSPO, "variant": variant}
+    ref, run = _run("1", batch, gspo), _run("DP2", batch, gspo)
+    tokens, sequences = int(batch["response_mask"].sum()), 15
+    assert sum(ref["units"]) == (tokens if variant in ("cispo", "luspo") else sequences)
+    assert run["units"] == ref["units"] and len(ref["units"]) == 2
+    bad = {k: (run["metrics"][k], v) for k, v in ref["metrics"].items() if k not in TIMING
+           and abs(run["metrics"][k] - v) > TOLERANCE * max(abs(v), SCALE_FLOOR)}
+    assert not bad, f"{variant} DP2: reduced metrics differ from the single-process run: {bad}"
+    moved = max(max_rel_diff(ref["weights"][n], ref["before"][n]) for n in ref["weights"])
+    assert moved > 1e-3, f"{variant}: the update did not move the weights"
+    bad = {n: max_rel_diff(run["weights"][n], ref["weights"][n]) for n in ref["weights"]
+           if max_rel_diff(run["weights"][n], ref["weights"][n]) > TOLERANCE}
+    assert not bad, f"{variant} DP2: updated weights differ from the single-process run: {bad}"

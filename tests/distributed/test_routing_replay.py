@@ -117,18 +117,20 @@ def rollout_batch(seed: int = 13, vocab: int = 250) -> dict:
             "routed_experts": experts}
 
 
-def _run(world: int, parallel: dict, replays: tuple, budget=None) -> dict:
-    """One spawn: ``train_rollout`` of the batch with each routing replay mode in ``replays``."""
+def _run(world: int, parallel: dict, replays: tuple, budget=None, scatter=False) -> dict:
+    """One spawn: ``train_rollout`` of the batch with each routing replay mode in ``replays``
+    (``scatter``: each rank receives only its rows of rank 0's routed experts first)."""
     cfgs = [tiny_config(parallel, gspo={**GSPO, "routing_replay": replay},
                         run={**RUN, "max_tokens_per_micro_batch": budget}) for replay in replays]
     per_rank = run_on_ranks(world, rl_trainer_worker.run_train_rollouts,
-                            (cfgs, rollout_batch(), STEP), timeout_s=300)
+                            (cfgs, rollout_batch(), STEP, scatter), timeout_s=300)
     shapes = hf_param_shapes(config_from_dict(cfgs[0]).model)
     out = {}
     for i, replay in enumerate(replays):
         results = [r[i] for r in per_rank]
         out[replay] = {"metrics": results[0]["metrics"],
-                       "weights": assemble(results, "weights", shapes)}
+                       "weights": assemble(results, "weights", shapes),
+                       "received": [r["received"] for r in results]}
     return out
 
 
@@ -174,3 +176,19 @@ def test_replay_under_expert_and_tensor_parallelism(layout, references):
 def test_rollout_replay_under_pipeline_and_packed_context_parallelism(name, world, parallel,
                                                                       budget, references):
     _compare(_run(world, parallel, ("rollout",), budget)["rollout"], references["rollout"], name)
+
+
+@pytest.mark.parametrize("budget", [None, 16], ids=["padded", "packed"])
+def test_each_rank_receives_only_the_routed_experts_of_its_own_rows(budget, references):
+    # the loop keeps the routed experts out of the batch's broadcast and scatters them: under DP2
+    # each rank gets the rows of its own micro-batches (4 of 8 padded; the packing plan's share
+    # packed), their values exactly, and trains to the single-process result
+    run = _run(2, {}, ("rollout",), budget, scatter=True)["rollout"]
+    _compare(run, references["rollout"], f"DP2 scattered {budget}")
+    full = rollout_batch()["routed_experts"].to(torch.int16)
+    got = [set(rows) for rows, _ in run["received"]]
+    assert not got[0] & got[1] and got[0] | got[1] == set(range(len(RESPONSE_LENGTHS)))
+    if budget is None:
+        assert [len(rows) for rows in got] == [4, 4]
+    for rows, experts in run["received"]:
+        assert rows == sorted(rows) and torch.equal(experts, full[rows])

@@ -14,9 +14,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def megatron_gspo(*args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+def megatron_gspo(*args: str, timeout: float = 600, check: bool = True,
+                  env: dict | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"megatron-gspo {' '.join(args)} exited {proc.returncode}\n"
                              f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")

@@ -22,7 +22,7 @@ from pipeline.metrics import read_metrics
 from tests.e2e.conftest import (EP2_REFERENCE, hf_weights, kill_rank_after_checkpoint,
                                 megatron_gspo, train_args)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # the extended tier: .ci/run runs it
 
 ONE_STEP = "rollout.async=one_step"
 

@@ -66,6 +66,12 @@ def test_calibration_refuses_what_it_cannot_calibrate():
     token_clip = load_config(CONFIG, ["gspo.variant=grpo"])
     with pytest.raises(ConfigError, match="gspo.variant: grpo clips the per-token ratio"):
         calibration_config(token_clip, "/tmp/x")
+    for variant in ("cispo", "sapo", "gmpo"):  # ranges of their own, not the sequence range
+        own = load_config(CONFIG, [f"gspo.variant={variant}"])
+        with pytest.raises(ConfigError, match=f"gspo.variant: {variant} has a range of its own"):
+            calibration_config(own, "/tmp/x")
+    luspo = calibration_config(load_config(CONFIG, ["gspo.variant=luspo"]), "/tmp/x")
+    assert luspo.gspo.variant == "luspo"  # GSPO's sequence range: calibrated as gspo's
     on_policy = load_config(CONFIG, ["gspo.updates_per_rollout=1"])
     with pytest.raises(ConfigError, match="gspo.updates_per_rollout: 1 .* nothing is ever clipped"):
         calibration_config(on_policy, "/tmp/x")

@@ -16,11 +16,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from pipeline.metrics import read_metrics
 from tests.e2e.conftest import (EP2_REFERENCE, hf_weights, kill_rank_after_checkpoint,
                                 megatron_gspo, train_args)
+
+# the extended tier (.ci/run runs it after the README's suite): one of the two longest e2e checks
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 LAYOUT = ("parallel.context=2", "parallel.expert=2", "run.max_tokens_per_micro_batch=96")
 

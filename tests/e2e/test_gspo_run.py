@@ -5,22 +5,37 @@ run (no step lost or repeated)."""
 
 from __future__ import annotations
 
+import json
+import os
 
 import torch
 
 from pipeline.metrics import read_metrics
 from tests.e2e.conftest import (EP2_REFERENCE, hf_weights, kill_rank_after_checkpoint,
                                 megatron_gspo, train_args)
+from tests.unit.test_trackers import assert_wandb_matches, expected, mlflow_history, wandb_segments
 
 
 
 
 
 def test_gspo_reward_rises_and_metrics_are_written(sft_policy, tmp_path):
+    """Also every experiment tracker, offline (issue 25): the W&B offline run and the MLflow file
+    store hold metrics.jsonl's history step for step (with save_interval 0, sent at the end)."""
     run_dir = tmp_path / "gspo"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "MLFLOW_"))}
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_CONFIG_DIR=str(tmp_path / "wandb_home"),
+               WANDB_CACHE_DIR=str(tmp_path / "wandb_home"), WANDB_DATA_DIR=str(tmp_path / "wandb_home"))
     proc = megatron_gspo(*train_args(run_dir, sft_policy, "run.num_steps=20", "run.eval_interval=20",
-                                "run.save_interval=0"), timeout=900)
+                                     "run.save_interval=0", "run.loggers=[jsonl,tensorboard,wandb,mlflow]"),
+                         timeout=900, env=env)
     records = read_metrics(run_dir)
+    # the trackers: one W&B run and one MLflow run, each equal to metrics.jsonl
+    segments = wandb_segments(run_dir)
+    assert len(segments) == 1
+    assert_wandb_matches(run_dir, segments)
+    ids = json.loads((run_dir / "trackers.json").read_text())
+    assert mlflow_history(run_dir, ids["mlflow"]["run_id"]) == expected(run_dir)
     steps = [r["step"] for r in records]
     assert steps == list(range(0, 21))
     for key in ("train/reward_mean", "train/clip_frac_low", "train/clip_frac_high",

@@ -29,6 +29,15 @@ from launch.rl_session import run_training
 from megatron_gspo.config import load_config
 
 cfg = load_config(sys.argv[1], sys.argv[2:])
+import pipeline.server_pool as server_pool
+built = {}
+real_init = server_pool.ServerPool.__init__
+
+def recording_init(self, *args, **kwargs):  # what the session configured its pool with
+    real_init(self, *args, **kwargs)
+    built["outage_timeout_s"] = self.outage_timeout_s
+
+server_pool.ServerPool.__init__ = recording_init
 try:
     run_training(cfg, resume=False)
     error = None
@@ -44,7 +53,7 @@ for entry in Path("/proc").iterdir():
         if cfg.run.output_dir in cmdline:
             alive.append(f"{entry.name}: {cmdline}")
 print("RESULT " + json.dumps({
-    "error": error, "alive": alive, "distributed": dist.is_initialized(),
+    "error": error, "alive": alive, "distributed": dist.is_initialized(), "pool": built,
     "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL}), flush=True)
 '''
 
@@ -58,7 +67,8 @@ def test_a_failing_step_releases_the_servers_router_groups_and_signals(tmp_path)
     run_dir = tmp_path / "run"
     overrides = [f"run.output_dir={run_dir}", "parallel.expert=1", "rollout.num_servers=1",
                  "run.global_batch_size=16", "run.micro_batch_size=8", "run.eval_interval=0",
-                 "reward.kind=function", f"reward.function={bad}:reward"]
+                 "reward.kind=function", f"reward.function={bad}:reward",
+                 "rollout.outage_timeout_s=42"]
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "RANK": "0", "WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     proc = subprocess.run([sys.executable, str(driver), CONFIG, *overrides], cwd=ROOT, env=env,
@@ -66,9 +76,10 @@ def test_a_failing_step_releases_the_servers_router_groups_and_signals(tmp_path)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(lines[0][len("RESULT "):])
-    assert result["error"].startswith("RuntimeError: step 1: RewardError"), result["error"]
+    assert result["error"].startswith("RelayedError: step 1: RewardError: "), result["error"]
     assert "the reward service is down" in result["error"]
     # the server had started (it loaded run_dir/init_hf and logged) and the router with it
     assert (run_dir / "init_hf").is_dir() and len(list((run_dir / "logs").glob("*.log"))) >= 2
     assert result["alive"] == []
+    assert result["pool"] == {"outage_timeout_s": 42.0}  # rollout.outage_timeout_s reaches the pool
     assert result["distributed"] is False and result["sigterm_default"] is True

@@ -83,6 +83,10 @@ class FakeClient:
             groups.append(group)
         return groups
 
+    async def generate_groups_async(self, prompts, group_size, sampling, **kw):
+        """What ``rollout.async: full``'s stream calls (one prompt at a time)."""
+        return self.generate_groups(prompts, group_size, sampling, **kw)
+
 
 def loop_context(tmp_path, *, steps: int, save_interval: int = 0, tensorboard: bool = False,
                  client=None, pusher=None, **fields) -> loop.LoopContext:

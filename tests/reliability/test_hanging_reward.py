@@ -107,6 +107,7 @@ def reward(prompt, response_ids, response_text):
 '''
 
 
+@pytest.mark.extended
 def test_sigterm_during_the_last_step_finishes_the_run_with_exit_0(tmp_path):
     eval_samples = 2 * 4  # data.num_eval_prompts x rollout.eval_samples_per_prompt
     reward, pid_file = tmp_path / "signals_launcher.py", tmp_path / "launcher.pid"

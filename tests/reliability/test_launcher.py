@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.reliability.conftest import SFT_CONFIG, Run, megatron_gspo, tagged_pids, train_args
@@ -49,6 +51,28 @@ def test_an_input_error_after_the_ranks_start_is_one_message_and_exit_2(tmp_path
     # the details are in the logs
     assert "Root Cause (first observed failure)" in (run_dir / "logs" / "torchrun.log").read_text()
     assert "RewardError" in (run_dir / "logs" / "rank1.log").read_text()
+
+
+def test_a_reward_error_in_the_step_0_evaluation_is_one_message_and_exit_2(tmp_path):
+    """Issue 22 item 4: the error crosses ranks as a type (pipeline/relayed_errors.py); the relayed
+    "step 1: evaluation: RewardError: ..." used to miss the launcher's pattern: exit 1, traceback."""
+    reward = tmp_path / "flaky_service.py"
+    reward.write_text("def always_fails(prompt, response_ids, response_text):\n"
+                      "    raise ValueError('the reward service is down')\n")
+    run_dir = tmp_path / "run"
+    proc = megatron_gspo(*train_args(run_dir, "run.num_steps=2", "run.eval_interval=1",
+                                     "data.num_eval_prompts=4", "reward.kind=function",
+                                     f"reward.function={reward}:always_fails",
+                                     "reward.on_error=zero"))
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 2, console[-5000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, f"{len(lines)} lines on stderr:\n{proc.stderr[-5000:]}"
+    # the launcher names the rank whose report came first (every rank raises the relayed error)
+    assert re.match(r"megatron-gspo train: rank \d: step 1: evaluation: RewardError: ",
+                    lines[0]), lines[0]
+    assert "always_fails" in lines[0] and "Traceback" not in console
+    assert "step 1/2" not in proc.stdout  # it stopped in the evaluation before the first step
 
 
 def test_a_rank_killed_by_a_signal_is_the_root_cause_and_nothing_is_left(tmp_path):

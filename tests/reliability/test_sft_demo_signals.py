@@ -50,6 +50,7 @@ def trained_steps(run_dir: Path) -> list[int]:
     return [r["step"] for r in map(json.loads, lines) if "train/loss" in r]
 
 
+@pytest.mark.extended  # the README suite's time; .ci/run runs it after the suite
 def test_sft_sigterm_checkpoints_exits_75_and_resumes_exactly(tmp_path):
     run_dir = tmp_path / "sft"
     run = Run(sft_args(run_dir), tmp_path / "first.log")

@@ -35,7 +35,7 @@ from tests.reliability.conftest import (Run, descendants, latest_step, megatron_
                                         tagged_pids, train_args)
 from tests.reliability.test_bound_stores import check_no_wildcard_listener
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # ~2 min: run by .ci/run after the suite
 STEPS = 28  # > 5 stops x (2 checkpointed steps + at most 2 in flight): the last start finishes the rest
 SETTINGS = (f"run.num_steps={STEPS}", "run.save_interval=2")
 

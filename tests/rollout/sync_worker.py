@@ -182,14 +182,18 @@ def _expected_checksum(full: dict, server_dtype=torch.float32) -> str:
 
 def run_layout(rank: int, world_size: int, parallel_section: dict, hf_dir: str,
                server_urls: list[str], transports: list[str], shared_dir: str,
-               bucket_bytes: int):
+               bucket_bytes: int, senders: str = "rank"):
     """One training layout: random policy weights -> each transport -> every TP rank of every
-    server holds exactly the trainer's full weights; the pusher verified every bucket."""
+    server holds exactly the trainer's full weights; the pusher verified every bucket.
+    ``senders``: rollout.weight_sync_senders (``hf.gather.sender_ranks``)."""
     par = ParallelConfig(**parallel_section)
     pg = parallel.initialize(par)
     model_cfg = model_config_from_hf(hf_dir)
     gpt = policy.build_model(model_cfg, par, pg)
-    gather = HFGather(model_cfg, bucket_bytes=bucket_bytes)
+    from megatron_gspo.hf.gather import sender_ranks
+
+    gather = HFGather(model_cfg, bucket_bytes=bucket_bytes,
+                      senders=sender_ranks(senders, pg.pp.rank()))
     report = {"sources": None, "pushes": []}
     for k, transport in enumerate(transports):
         policy.init_weights(gpt, model_cfg, pg, seed=300 + k)

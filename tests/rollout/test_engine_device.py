@@ -68,7 +68,7 @@ def test_embedded_servers_get_the_configured_device(monkeypatch, tmp_path):
     session = RLSession.__new__(RLSession)
     session.cfg, session.run_dir = cfg, tmp_path
     from contextlib import ExitStack
-    session._resources = ExitStack()
+    session.resources = ExitStack()
     session._start_local_servers("/some/model")
     args = seen["server_args"]
     assert args[args.index("--device") + 1] == "cuda:0"

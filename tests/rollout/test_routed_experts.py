@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import base64
 import textwrap
+import time
 import zipfile
 from types import SimpleNamespace
 from typing import List, Optional
@@ -30,7 +31,7 @@ import torch
 
 from pipeline import routed_experts as rx
 from pipeline.rollout import (RolloutClient, RolloutError, RolloutResult, SamplingParams,
-                              generate_payload, http_json)
+                              flush_cache, generate_payload, http_json)
 from tests.rollout.conftest import InProcessServer, _wheel
 
 NUM_LAYERS, NUM_EXPERTS, TOP_K = 3, 16, 4
@@ -129,13 +130,12 @@ def routed_server(moe_dir):
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def oracle(moe_dir):
+def _router_oracle(model_dir):
     """sequence -> int64 [len - 1, layers, top_k]: transformers' Qwen3-MoE in float64 on
     ``ids[:-1]`` (its router logits), top-k of their softmax in float64."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float64,
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64,
                                                  attn_implementation="eager",
                                                  experts_implementation="eager").eval()
 
@@ -146,6 +146,11 @@ def oracle(moe_dir):
         return torch.stack([torch.topk(torch.softmax(logits.double(), dim=-1), TOP_K, dim=-1)
                             .indices for logits in out.router_logits], dim=1)
     return route
+
+
+@pytest.fixture(scope="module")
+def oracle(moe_dir):
+    return _router_oracle(moe_dir)
 
 
 def generate(server, body, api_types):
@@ -174,6 +179,56 @@ def test_server_returns_the_experts_its_moe_routed_each_token_to(routed_server, 
         assert torch.equal(got.long(), expected), f"sample {j}: {ids}"
         varied |= {tuple(row) for row in got.reshape(-1, TOP_K).tolist()}
     assert len(varied) > 10  # routing is token-dependent: the comparison discriminates
+
+
+def test_a_retracted_request_returns_the_new_weights_routes_for_its_whole_sequence(
+        moe_dir, oracle, tmp_path):
+    """Issue 23 item 5, what routing replay trains on after a partial rollout: a request paused
+    with ``retract`` after k tokens, the weights updated (another model), generation continued.
+    SGLang returns the routes of the request's last prefill and the decode steps after it, so the
+    routes of the whole sequence come back once, not appended to the old ones, and every row -
+    the prompt's and the first k tokens' too - is the top-k of the NEW weights (transformers in
+    float64); the old weights routed the prefix differently. The trainer replays exactly these
+    rows (``batch_routed_experts``): for the prefix, the routes the new version would take, not
+    the ones that generated it (docs/async.md)."""
+    from tests.hf_tiny import build_hf_model
+    from tests.rollout.test_server_conformance import Stream, post, wait_for
+    from tests.rollout.tiny import CASE, EOS_ID
+
+    new_dir = tmp_path / "new"
+    model = build_hf_model(CASE, seed=4, num_layers=NUM_LAYERS, num_experts=NUM_EXPERTS,
+                           num_experts_per_tok=TOP_K)
+    model.config.eos_token_id = model.generation_config.eos_token_id = EOS_ID
+    model.save_pretrained(new_dir)
+    server = InProcessServer(moe_dir, enable_return_routed_experts=True,
+                             weight_roots=[str(tmp_path)])
+    try:
+        prompt = [5, 6, 7, 8, 9]
+        stream = Stream(server, {"input_ids": prompt, "return_routed_experts": True,
+                                 "sampling_params": {"max_new_tokens": 40, "ignore_eos": True,
+                                                     "temperature": 0.0}})
+        wait_for(lambda: stream.lengths and stream.lengths[-1] >= 3)
+        assert post(server, "/pause_generation", {"mode": "retract"})[0] == 200
+        time.sleep(0.3)
+        k = stream.lengths[-1]
+        status, answer = post(server, "/update_weights_from_disk", {"model_path": str(new_dir)})
+        assert status == 200 and answer["success"], answer
+        assert post(server, "/update_weight_version",
+                    {"new_version": "v2", "abort_all_requests": False})[0] == 200
+        flush_cache(server.url)
+        assert post(server, "/continue_generation", {})[0] == 200
+        final = stream.join()
+    finally:
+        server.close()
+    meta = final["meta_info"]
+    assert meta["num_retractions"] == 1 and 0 < k < 40
+    assert [(s["start"], s["end"]) for s in meta["weight_versions"]] == [(0, k), (k, 40)]
+    ids = prompt + final["output_ids"]
+    got = rx.decode(meta["routed_experts"], len(ids) - 1, NUM_LAYERS, TOP_K).long()
+    assert got.shape == (len(ids) - 1, NUM_LAYERS, TOP_K)  # replaced, not appended
+    assert torch.equal(got, _router_oracle(new_dir)(ids))
+    prefix = len(prompt) + k - 1  # rows of the prompt and the first k tokens' predecessors
+    assert not torch.equal(got[:prefix], oracle(ids)[:prefix])  # the old weights differ there
 
 
 def test_start_len_selects_the_rows_sglang_selects(routed_server, sglang_code, api_types):

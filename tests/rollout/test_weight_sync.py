@@ -110,6 +110,24 @@ def test_every_layout_syncs_checksum_verified(layout, model_dir, servers, shared
         assert push["servers"] == [[push["expected"]], [push["expected"]] * 2], push["transport"]
 
 
+@pytest.mark.parametrize("senders", ["node", "stage"])
+def test_one_sender_per_node_or_stage_syncs_the_same_weights(senders, model_dir, servers,
+                                                             shared_root):
+    """rollout.weight_sync_senders node / stage: EP2 (two sending ranks, two update groups per
+    server GPU with ``rank``) sends everything from rank 0 - one host, one stage - through one
+    update group; every TP rank of both servers holds exactly the trainer's weights."""
+    world, section = LAYOUTS["EP2"]
+    report = run_on_ranks(world, sync_worker.run_layout,
+                          (section, str(model_dir), servers, ["distributed"],
+                           str(shared_root / f"senders_{senders}"), 48 * 1024, senders),
+                          timeout_s=400)[0]
+    assert report["sources"] == [0]
+    (push,) = report["pushes"]
+    stats = push["stats"]
+    assert stats.num_buckets > 1 and stats.verified_buckets == stats.num_buckets, stats
+    assert push["servers"] == [[push["expected"]], [push["expected"]] * 2]
+
+
 def test_disk_pushes_overwrite_the_retired_version_in_place(model_dir, servers, shared_root):
     shared = shared_root / "recycled"
     shared.mkdir()

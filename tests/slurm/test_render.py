@@ -389,7 +389,7 @@ def test_trainer_exit_status_decides_requeue(capsys, tmp_path, status, requeued,
 
 def test_preempted_exit_status_matches_the_trainer():
     from launch.slurm import PREEMPTED_EXIT_STATUS
-    from pipeline.loop import PREEMPTED_EXIT_CODE
+    from pipeline.signals import PREEMPTED_EXIT_CODE
 
     assert PREEMPTED_EXIT_STATUS == PREEMPTED_EXIT_CODE == 75
     assert '[ "$rc" = 75 ]' in (ROOT / "slurm" / "lib.sh").read_text()

@@ -22,7 +22,7 @@ import pytest
 from tests.slurm.local_slurm import launch, raw_steps
 from tests.slurm.test_slurm_jobs import JOB_TIMEOUT_S, Job, progress_steps
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # ~5 min: run by .ci/run after the suite
 STEPS = 16
 
 

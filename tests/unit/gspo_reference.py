@@ -13,6 +13,20 @@ nested lists of Python floats (``tensor.tolist()``); the value of every J_i uses
     the clipped branch clip(r) * A is constant outside [1 - eps_low, 1 + eps_high]; the min takes
     the r * A branch (and its gradient) iff r * A <= clip(r) * A.
 
+    The four later objectives, from their papers (the value convention of docs/gspo_math.md: a
+    detached weight c times exp(lp - sg[lp]) has the value c and the gradient c):
+      cispo (MiniMax-M1 eq. 4-5): token t contributes sg[clip(w_it)] A_it, gradient the same,
+            clip = [1 - eps_low, 1 + eps_high] of the IS weight whatever the sign of A; J_i =
+            (1/n_i) sum_t; token-normalised
+      sapo (eq. 5-6): f(w) = 4/tau sigmoid(tau (w - 1)), tau = tau_pos if A_it > 0 else tau_neg;
+            J_i = (1/n_i) sum_t f(w_it) A_it; d/dlp_it = 4 sig (1 - sig) w_it A_it / n_i
+      luspo: gspo's J_i; token-normalised
+      gmpo (eq. 3 in log space): x~_t = sgn(A) min(sgn(A) x_t, sgn(A) clamp(x_t, -eps_low,
+            eps_high)), x_t = log w_it; J_i = A_i exp(mean_t x~_t); the gradient flows through
+            the tokens where the min takes x_t: A_i exp(mean x~) / n_i
+    Token-normalised: the whole per-sequence term is multiplied by n_i and D defaults to the
+    number of response tokens.
+
     loss = -(1/D) sum_i [ m_i J_i - kl_coef KL_i + entropy_coef H_i ]
     d KL_i / d lp_it = (1 - exp(ref_it - lp_it)) / n_i          (k3 = e^x - x - 1, x = ref - lp)
     d loss / d entropy_it = -entropy_coef / (D n_i)
@@ -53,6 +67,8 @@ def reference_loss(
     entropy_coef=0.0,
     rollout_log_probs=None,
     mismatch_cap=None,
+    sapo_tau_pos=1.0,
+    sapo_tau_neg=1.05,
 ):
     """Returns ``(loss, grad_log_probs, grad_entropy, info)``.
 
@@ -84,7 +100,23 @@ def reference_loss(
         row_info["log_s"] = log_s
         d_objective = {t: 0.0 for t in tokens}
 
-        if variant in ("gspo", "seq_ratio_unnormalized", "token_ratio_seq_clip"):
+        if variant == "gmpo":
+            a_seq = adv[0]
+            row_info["A"] = a_seq
+            sign = (a_seq > 0) - (a_seq < 0)
+            clipped = []
+            for x in log_ratios:
+                bounded = min(max(x, -eps_low), eps_high)
+                unclipped_side, clipped_side = sign * x, sign * bounded
+                takes_x = unclipped_side <= clipped_side
+                clipped.append((x if takes_x else bounded, takes_x))
+                row_info["token_cuts"].append(
+                    "" if takes_x else ("high" if x > eps_high else "low"))
+            geometric = math.exp(sum(v for v, _ in clipped) / n)
+            objective = a_seq * geometric
+            for t, (_, takes_x) in zip(tokens, clipped):
+                d_objective[t] = a_seq * geometric / n if takes_x else 0.0
+        elif variant in ("gspo", "seq_ratio_unnormalized", "token_ratio_seq_clip", "luspo"):
             a_seq = adv[0]
             row_info["A"] = a_seq
             ratio = s if variant != "seq_ratio_unnormalized" else math.exp(sum(log_ratios))
@@ -97,7 +129,7 @@ def reference_loss(
                     d_objective[t] = w * a_seq / n
             elif flows:
                 for t in tokens:
-                    d_objective[t] = ratio * a_seq / (n if variant == "gspo" else 1.0)
+                    d_objective[t] = ratio * a_seq / (n if variant in ("gspo", "luspo") else 1.0)
             objective = value
         else:
             objective = 0.0
@@ -113,6 +145,16 @@ def reference_loss(
                     _, flows, side = ppo_term(w, a_t, eps_low, eps_high)
                     value = s * a_t if flows else clip(w, eps_low, eps_high) * a_t
                     slope = s * a_t
+                elif variant == "cispo":
+                    weight_t = clip(w, eps_low, eps_high)
+                    value, flows, slope = weight_t * a_t, True, weight_t * a_t
+                    side = "low" if w < 1.0 - eps_low else ("high" if w > 1.0 + eps_high else "")
+                elif variant == "sapo":
+                    tau = sapo_tau_pos if a_t > 0 else sapo_tau_neg
+                    sig = 1.0 / (1.0 + math.exp(-tau * (w - 1.0)))
+                    value, flows, side = 4.0 / tau * sig * a_t, True, ""
+                    slope = 4.0 * sig * (1.0 - sig) * w * a_t
+                    row_info.setdefault("gate_weights", []).append(4.0 * sig * (1.0 - sig))
                 else:
                     raise ValueError(variant)
                 row_info["token_cuts"].append(side)
@@ -139,17 +181,22 @@ def reference_loss(
             h = sum(entropy[i][t] for t in tokens) / n
             row_info["entropy"] = h
             contribution += entropy_coef * h
+        scale = n if variant in ("cispo", "luspo") else 1.0  # token-normalised
+        row_info["scale"] = scale
+        contribution *= scale
+        d_contribution = {t: scale * d for t, d in d_contribution.items()}
         total += contribution
         row_info["d_contribution"] = d_contribution
 
-    denominator = loss_denominator if loss_denominator is not None else max(num_sequences, 1)
+    units = (sum(row["n"] for row in info) if variant in ("cispo", "luspo") else num_sequences)
+    denominator = loss_denominator if loss_denominator is not None else max(units, 1)
     for i, row_info in enumerate(info):
         if row_info["n"] == 0:
             continue
         for t, d in row_info["d_contribution"].items():
             grad[i][t] = -d / denominator
             if entropy is not None:
-                grad_entropy[i][t] = -entropy_coef / (denominator * row_info["n"])
+                grad_entropy[i][t] = -entropy_coef * row_info["scale"] / (denominator * row_info["n"])
     return -total / denominator, grad, grad_entropy, info
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_gspo.config import ConfigError, config_from_dict, dump_config, load_config
-from pipeline.loop import staleness_metrics
+from pipeline.phases import staleness_metrics
 from pipeline.producer import BUFFER_KEY, RolloutProducer, decode_batch, encode_batch
 from pipeline.rollout import RolloutResult
 
@@ -36,7 +36,11 @@ def test_the_switch_from_the_command_line_and_in_the_dump(tmp_path):
 
 
 @pytest.mark.parametrize("rollout, message", [
-    ({"async": "full"}, r"rollout\.async: 'full' is not one of \['off', 'one_step'\]"),
+    ({"async": "fully"}, r"rollout\.async: 'fully' is not one of \['off', 'one_step', 'full'\]"),
+    ({"async": "full", "colocated": True}, r"rollout\.async: full needs the rollout servers"),
+    ({"async": "one_step", "max_staleness": 0}, r"rollout\.max_staleness: 0 is below "
+                                                r"rollout\.async one_step's staleness"),
+    ({"async": "full", "max_staleness": -1}, r"rollout\.max_staleness: must be >= 0, got -1"),
     ({"async": True}, r"rollout\.async: True is not one of"),
     ({"async_": "off"}, r"rollout\.async_: unknown key"),
     ({"async": "one_step", "colocated": True}, r"rollout\.async: one_step needs the rollout "

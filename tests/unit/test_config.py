@@ -53,6 +53,10 @@ def test_invalid_values_name_the_field_and_the_fix():
     cases = [
         ({"gspo": {"eps_low": 2.0}}, r"gspo\.eps_low: must be in \(0, 1\)"),
         ({"gspo": {"variant": "ppo"}}, r"gspo\.variant: 'ppo' is not one of"),
+        ({"gspo": {"cispo_eps_low": 1.5}}, r"gspo\.cispo_eps_low: must be in \(0, 1\]"),
+        ({"rollout": {"outage_timeout_s": 0}}, r"rollout\.outage_timeout_s: must be > 0"),
+        ({"gspo": {"sapo_tau_neg": 0}}, r"gspo\.sapo_tau_neg: must be > 0"),
+        ({"gspo": {"gmpo_log_eps_high": -0.1}}, r"gspo\.gmpo_log_eps_high: must be > 0"),
         ({"model": {"hidden_size": "big"}}, r"model\.hidden_size: expected an integer"),
         ({"parallel": {"tensor": 2}}, r"parallel\.sequence_parallel: must be true"),
         ({"parallel": {"tensor": 2, "sequence_parallel": True, "expert_tensor": 1}},
@@ -201,13 +205,21 @@ def test_one_variant_registry_and_one_meaning_of_token_clip():
     assert tuple(a for a in typing.get_args(reward_kind) if a is not type(None)) == (
         typing.Literal[REWARD_KINDS],)
     # "token-clip" = the cut unit is the token; the clip RANGE follows the clipped ratio
-    assert set(variants.TOKEN_CLIP_VARIANTS) == {"gspo_token", "grpo", "seq_ratio_token_clip"}
+    assert set(variants.TOKEN_CLIP_VARIANTS) == {"gspo_token", "grpo", "seq_ratio_token_clip",
+                                                 "cispo", "sapo"}
     assert set(variants.SEQUENCE_CLIP_VARIANTS) | set(variants.TOKEN_CLIP_VARIANTS) == set(variants.VARIANTS)
     assert set(variants.TOKEN_RATIO_CLIP_VARIANTS) == {"grpo", "seq_ratio_token_clip"}
+    assert set(variants.TOKEN_NORMALIZED_VARIANTS) == {"cispo", "luspo"}
     token_range, sequence_range = (0.2, 0.28), (3e-4, 4e-4)
+    own = {"cispo": (1.0, 4.0), "gmpo": (0.4, 0.4)}  # the papers' defaults (gmpo: log space)
     for variant in variants.VARIANTS:
         got = config_from_dict({"gspo": {"variant": variant}}).gspo.clip_range()
-        assert got == (token_range if variant in ("grpo", "seq_ratio_token_clip") else sequence_range), variant
+        assert got == own.get(variant, token_range if variant in ("grpo", "seq_ratio_token_clip")
+                              else sequence_range), variant
+    gspo_cfg = config_from_dict({"gspo": {"variant": "gmpo", "gmpo_log_eps_low": 0.3,
+                                          "cispo_eps_high": 2.0}}).gspo
+    assert gspo_cfg.clip_range() == (0.3, 0.4) and gspo_cfg.cispo_eps_high == 2.0
+    assert (gspo_cfg.sapo_tau_pos, gspo_cfg.sapo_tau_neg) == (1.0, 1.05)
     assert all(spec.meaning for spec in variants.SPECS.values())
 
 

@@ -6,7 +6,11 @@ deliberately simple: a field counts as read when its name appears as an attribut
 (``x.field``, or ``getattr(x, "field")``) in a module of ``megatron_gspo/``, ``pipeline/`` or
 ``launch/`` other than ``config.py``; inside ``config.py`` only reads in the derived-value helpers
 count (``clip_range``, ``padded_vocab_size``, ...: not the validation, not the loader), and only
-when the program itself calls that helper.
+when the program itself calls that helper. A helper that reads a field by a computed name
+(``getattr(self, low)``: ``clip_range`` takes each variant's range fields from the variant
+registry) reads the field names the registry declares: the string constants of its
+``eps_fields=`` entries and of its module-level ``*_RANGE`` tuples (that ``clip_range`` returns
+exactly those fields' values, per variant, is tested in test_config.py).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from megatron_gspo.config import Config
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("megatron_gspo", "pipeline", "launch")
 CONFIG = ROOT / "megatron_gspo" / "config.py"
+REGISTRY = ROOT / "megatron_gspo" / "loss" / "variants.py"
 # config.py functions that only check, load or print values: reads there do not count
 NOT_A_USE = {"__post_init__", "_require", "_to_plain", "_type_name", "_coerce", "_build",
              "apply_override", "config_from_dict", "load_config", "dump_config", "to_dict"}
@@ -46,6 +51,30 @@ def attribute_reads(tree: ast.AST) -> set[str]:
     return names
 
 
+def registry_field_names(tree: ast.AST) -> set[str]:
+    """String constants the variant registry declares as field names: ``eps_fields=(...)``
+    keywords and module-level ``NAME_RANGE = (...)`` tuples."""
+    names = set()
+    for node in ast.walk(tree):
+        value = None
+        if isinstance(node, ast.keyword) and node.arg == "eps_fields":
+            value = node.value
+        elif (isinstance(node, ast.Assign) and len(node.targets) == 1
+              and isinstance(node.targets[0], ast.Name) and node.targets[0].id.endswith("_RANGE")):
+            value = node.value
+        if isinstance(value, ast.Tuple):
+            names.update(e.value for e in value.elts
+                         if isinstance(e, ast.Constant) and isinstance(e.value, str))
+    return names
+
+
+def reads_by_computed_name(tree: ast.AST) -> bool:
+    """Whether ``tree`` calls ``getattr(x, <not a constant>)``."""
+    return any(isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+               and node.func.id == "getattr" and len(node.args) >= 2
+               and not isinstance(node.args[1], ast.Constant) for node in ast.walk(tree))
+
+
 def called_names(tree: ast.AST) -> set[str]:
     """Names of what is called or imported in ``tree`` (``f(...)``, ``x.f(...)``, ``from m import f``)."""
     names = set()
@@ -62,7 +91,7 @@ def called_names(tree: ast.AST) -> set[str]:
 
 
 def unread_fields(program: list[ast.AST], config_tree: ast.AST,
-                  fields: list[tuple[str, str]]) -> list[str]:
+                  fields: list[tuple[str, str]], registry: set[str] = frozenset()) -> list[str]:
     read, called = set(), set()
     for tree in program:
         read |= attribute_reads(tree)
@@ -71,6 +100,8 @@ def unread_fields(program: list[ast.AST], config_tree: ast.AST,
         if (isinstance(node, ast.FunctionDef) and node.name not in NOT_A_USE
                 and not node.name.startswith("validate_") and node.name in called):
             read |= attribute_reads(node)
+            if reads_by_computed_name(node):
+                read |= registry
     return [f"{section}.{name}" for section, name in fields if name not in read]
 
 
@@ -85,7 +116,10 @@ def program_trees() -> list[ast.AST]:
 
 
 def test_every_config_field_is_read_outside_config_py():
-    missing = unread_fields(program_trees(), ast.parse(CONFIG.read_text()), config_fields())
+    registry = registry_field_names(ast.parse(REGISTRY.read_text()))
+    assert {"eps_low", "token_eps_low", "cispo_eps_high", "gmpo_log_eps_low"} <= registry
+    missing = unread_fields(program_trees(), ast.parse(CONFIG.read_text()), config_fields(),
+                            registry)
     assert missing == [], (f"validated but never read (they would do nothing): {missing}; use "
                            "them, or delete them")
 
@@ -108,3 +142,20 @@ def test_the_checker_sees_an_unread_field_and_the_ways_of_reading_one():
     assert unread_fields(program, config_tree, fields) == []
     # a helper nobody calls does not make its fields read
     assert "gspo.token_eps_low" in unread_fields(program[:1], config_tree, fields)
+
+
+def test_a_registry_named_field_counts_only_through_a_called_helper_reading_by_name():
+    fields = [("gspo", "cispo_eps_low"), ("gspo", "eps_low")]
+    registry = registry_field_names(ast.parse(
+        "SEQUENCE_RANGE = ('eps_low', 'eps_high')\n"
+        "SPECS = [Spec('cispo', eps_fields=('cispo_eps_low', 'cispo_eps_high'))]\n"))
+    assert registry == {"eps_low", "eps_high", "cispo_eps_low", "cispo_eps_high"}
+    by_name = ast.parse("class G:\n    def clip_range(self):\n        low = pick()\n"
+                        "        return getattr(self, low)\n")
+    by_constant = ast.parse("class G:\n    def clip_range(self):\n"
+                            "        return getattr(self, 'eps_low')\n")
+    caller = [ast.parse("def g(cfg):\n    return cfg.gspo.clip_range()\n")]
+    assert unread_fields(caller, by_name, fields, registry) == []
+    assert unread_fields(caller, by_constant, fields, registry) == ["gspo.cispo_eps_low"]
+    assert unread_fields([ast.parse("x = 1\n")], by_name, fields, registry) == [
+        "gspo.cispo_eps_low", "gspo.eps_low"]

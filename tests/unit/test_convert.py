@@ -210,3 +210,41 @@ def test_cli_round_trip(hf_models, tmp_path, capsys):
     original, exported = load_safetensors_dir(hf_dir), load_safetensors_dir(tmp_path / "h")
     assert all(torch.equal(exported[n], t) for n, t in original.items())
     assert (tmp_path / "h" / "generation_config.json").is_file()
+
+
+
+def test_writer_threads_default_to_one_per_five_gib():
+    from megatron_gspo.hf.convert import auto_writer_threads
+
+    gib = 2**30
+    assert auto_writer_threads(10 << 20, cpu_count=16) == 1   # a tiny model: one file
+    assert auto_writer_threads(11 * gib, cpu_count=16) == 3
+    assert auto_writer_threads(61 * gib, cpu_count=16) == 8   # 30B in bf16: at most 8 ...
+    assert auto_writer_threads(61 * gib, cpu_count=2) == 2    # ... and at most the CPUs
+    assert auto_writer_threads(470 * gib, cpu_count=64) == 8  # 235B: not one 470 GB file
+
+
+def test_writer_threads_write_that_many_files_and_the_cli_takes_auto(hf_models, tmp_path,
+                                                                    monkeypatch, capsys):
+    from megatron_gspo.hf import convert
+
+    _, hf_dir = hf_models["fp32_untied"]
+    monkeypatch.setattr(convert, "BYTES_PER_WRITER", 20_000)  # the tiny model then wants several
+    monkeypatch.setattr("os.cpu_count", lambda: 3)
+    assert cli.main(["hf-to-mcore", "--hf", str(hf_dir), "--out", str(tmp_path / "auto"),
+                     "--no-progress", "--no-fsync"]) == 0  # the default is auto
+    assert len(list((tmp_path / "auto").glob("*.distcp"))) == 3  # min(8, CPUs, size / 20 kB)
+    assert cli.main(["hf-to-mcore", "--hf", str(hf_dir), "--out", str(tmp_path / "two"),
+                     "--threads", "2", "--no-progress", "--no-fsync"]) == 0
+    assert len(list((tmp_path / "two").glob("*.distcp"))) == 2
+    original = load_safetensors_dir(hf_dir)
+    for directory in ("auto", "two"):  # either converts back to the same tensors
+        mcore_to_hf(tmp_path / directory, tmp_path / f"hf_{directory}", progress=False)
+        exported = load_safetensors_dir(tmp_path / f"hf_{directory}")
+        assert sorted(exported) == sorted(original)
+        assert all(torch.equal(exported[n], t) for n, t in original.items())
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        cli.main(["hf-to-mcore", "--hf", str(hf_dir), "--out", str(tmp_path / "bad"),
+                  "--threads", "0"])
+    assert "--threads: 'auto' or an integer >= 1, got '0'" in capsys.readouterr().err

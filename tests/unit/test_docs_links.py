@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SCANNED_SUFFIXES = {".py", ".md", ".sh", ".toml", ".sbatch", ".yaml", ".yml", ".cfg", ".txt", ".ini"}
 SCANNED_NAMES = {"Dockerfile", "run"}  # slurm/Dockerfile, .ci/run
-SKIPPED_DIRS = {".git", ".venv", "venv", "node_modules", "__pycache__", "runs", "build", "dist",
+SKIPPED_DIRS = {".git", ".venv", ".venv312", "venv", "node_modules", "__pycache__", "runs", "build", "dist",
                 ".pytest_cache", ".mypy_cache"}
 
 _SHARED = "shared"  # spelled apart so that this file does not match its own patterns

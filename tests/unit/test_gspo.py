@@ -111,7 +111,11 @@ def run_reference(batch: Batch, variant: str, dtype=torch.float64, *, optional_t
 
 def assert_clipping_exercised(batch: Batch, variant: str, info: list[dict]) -> None:
     """The random batch must hit every branch of the clip rule, or the comparison proves little."""
-    if variant in SEQUENCE_CLIP_VARIANTS:
+    from megatron_gspo.loss.variants import SPECS
+
+    if SPECS[variant].cut_stats == "none":  # sapo: no clip; its gate is compared as it is
+        return
+    if SPECS[variant].cut_stats == "sequence":
         sides = [row["cut"] for row in info if row["n"] > 0]
         assert "low" in sides and "high" in sides and "" in sides
         # A < 0 with the ratio above the range: the unclipped (pessimistic) branch, full gradient
@@ -177,11 +181,18 @@ def test_metrics_match_reference(variant):
     mask = batch.is_response_token
     expected["mismatch_log_prob_abs_diff_mean"] = (
         (batch.old_log_probs - batch.rollout_log_probs)[mask].abs().sum().item() / sum(lengths))
-    if variant in SEQUENCE_CLIP_VARIANTS:
+    from megatron_gspo.loss.variants import SPECS
+
+    if SPECS[variant].cut_stats == "sequence":
         for side in ("low", "high"):
             expected[f"clip_frac_{side}"] = sum(row["cut"] == side for row in rows) / len(rows)
         expected["clip_frac"] = expected["clip_frac_low"] + expected["clip_frac_high"]
         assert expected["clip_frac_low"] > 0 and expected["clip_frac_high"] > 0
+    elif SPECS[variant].cut_stats == "none":  # sapo: the gate's gradient weights per token
+        weights = [g for row in rows for g in row["gate_weights"]]
+        expected["sapo_gate_weight_mean"] = sum(weights) / len(weights)
+        expected["sapo_gate_weight_low_frac"] = sum(g < 0.5 for g in weights) / len(weights)
+        assert min(weights) < 0.99 < max(weights) <= 1.0  # the gate attenuates some tokens
     else:
         cuts = [side for row in rows for side in row["token_cuts"]]
         for side in ("low", "high"):
@@ -193,7 +204,8 @@ def test_metrics_match_reference(variant):
     for name, value in expected.items():
         assert metrics[name].item() == pytest.approx(value, abs=1e-12), name
     assert all(not value.requires_grad and value.dim() == 0 for value in metrics.values())
-    policy = -sum(row["mismatch_weight"] * row["J"] for row in rows) / OPTIONAL_TERMS["loss_denominator"]
+    policy = -sum(row["mismatch_weight"] * row["J"] * row["scale"]
+                  for row in rows) / OPTIONAL_TERMS["loss_denominator"]
     assert metrics["policy_loss"].item() == pytest.approx(policy, abs=1e-12)
 
 
@@ -395,7 +407,11 @@ def test_half_precision_inputs_compute_in_float32():
 def test_loss_denominator_replaces_local_count(variant):
     batch = make_batch(8)
     loss, grad, _, metrics = run_loss(batch, variant)
-    num_sequences = metrics["num_sequences"].item()
+    from megatron_gspo.loss.variants import TOKEN_NORMALIZED_VARIANTS
+
+    # the default denominator: the sequences, or the tokens of the token-normalised variants
+    num_sequences = metrics["num_tokens" if variant in TOKEN_NORMALIZED_VARIANTS
+                            else "num_sequences"].item()
     loss_global, grad_global, _, _ = run_loss(batch, variant, loss_denominator=100.0)
     assert loss_global.item() == pytest.approx(loss.item() * num_sequences / 100.0, abs=1e-12)
     torch.testing.assert_close(grad_global, grad * num_sequences / 100.0, rtol=1e-12, atol=1e-14)

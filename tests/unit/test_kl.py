@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from megatron_gspo.loss.gspo import VARIANTS, gspo_loss
+from megatron_gspo.loss.variants import TOKEN_NORMALIZED_VARIANTS
 
 KL_COEF = 0.37
 
@@ -44,8 +45,9 @@ def _grad(variant, log_probs, old, ref, advantages, mask, kl_coef, denominator):
     return loss.detach(), grad, metrics
 
 
-def _independent_kl_term(lp, ref, mask, lengths, kl_coef, denominator):
-    """(kl_coef / D) sum_i (1/n_i) sum_t k3_it, element by element in float64 (no masking tricks)."""
+def _independent_kl_term(lp, ref, mask, lengths, kl_coef, denominator, token_sum=False):
+    """(kl_coef / D) sum_i (1/n_i) sum_t k3_it, element by element in float64 (no masking tricks);
+    ``token_sum``: without the 1/n_i (the token-normalised variants)."""
     total = torch.zeros((), dtype=torch.float64)
     for i, n in enumerate(lengths):
         if n == 0:
@@ -55,7 +57,7 @@ def _independent_kl_term(lp, ref, mask, lengths, kl_coef, denominator):
             if mask[i, t]:
                 x = ref[i, t] - lp[i, t]
                 row = row + (torch.exp(x) - x - 1.0)
-        total = total + row / n
+        total = total + (row if token_sum else row / n)
     return kl_coef * total / denominator
 
 
@@ -66,7 +68,11 @@ def test_kl_gradient_matches_the_hand_derivative_and_float64_autograd(variant, d
     with_kl = _grad(variant, log_probs, old, ref, advantages, mask, KL_COEF, denominator)
     without = _grad(variant, log_probs, old, ref, advantages, mask, 0.0, denominator)
     kl_grad = with_kl[1] - without[1]
-    D = float(sum(n > 0 for n in lengths)) if denominator is None else denominator
+    # token-normalised variants (cispo, luspo): each sequence's term counts n_i times and the
+    # default denominator is the number of response tokens
+    token_normalized = variant in TOKEN_NORMALIZED_VARIANTS
+    units = sum(lengths) if token_normalized else sum(n > 0 for n in lengths)
+    D = float(units) if denominator is None else denominator
 
     # by hand
     expected = torch.zeros_like(kl_grad)
@@ -74,12 +80,14 @@ def test_kl_gradient_matches_the_hand_derivative_and_float64_autograd(variant, d
         for t in range(mask.shape[1]):
             if mask[i, t]:
                 x = float(ref[i, t] - log_probs[i, t])
-                expected[i, t] = KL_COEF * (1.0 - torch.exp(torch.tensor(x, dtype=torch.float64))) / (D * n)
+                per_token = KL_COEF * (1.0 - torch.exp(torch.tensor(x, dtype=torch.float64)))
+                expected[i, t] = per_token / D if token_normalized else per_token / (D * n)
     torch.testing.assert_close(kl_grad, expected, rtol=0, atol=1e-12)
 
     # float64 autograd through the independent formula
     lp = torch.where(mask, log_probs, 0.0).clone().requires_grad_()
-    term = _independent_kl_term(lp, torch.where(mask, ref, 0.0), mask, lengths, KL_COEF, D)
+    term = _independent_kl_term(lp, torch.where(mask, ref, 0.0), mask, lengths, KL_COEF, D,
+                                token_sum=token_normalized)
     (autograd_grad,) = torch.autograd.grad(term, lp)
     torch.testing.assert_close(kl_grad, torch.where(mask, autograd_grad, 0.0), rtol=0, atol=1e-12)
 

@@ -56,11 +56,13 @@ def _count_worker(rank, world, cfg_dicts):
         gpt = policy.build_model(cfg.model, cfg.parallel, pg)
         expert = sum(p.numel() for n, p in gpt.named_parameters() if ".experts." in n)
         dense = sum(p.numel() for n, p in gpt.named_parameters() if ".experts." not in n)
-        from megatron_gspo.hf.gather import HFGather
+        from megatron_gspo.hf.gather import HFGather, sender_ranks
 
-        gather = HFGather(cfg.model)
-        gather.local_pieces(gpt, pg)  # the weight sync's plan (collective)
-        sources = sorted({b.source for b in gather.plan.buckets})
+        sources = {}
+        for mode in ("rank", "stage", "node"):  # rollout.weight_sync_senders
+            gather = HFGather(cfg.model, senders=sender_ranks(mode, pg.pp.rank()))
+            gather.local_pieces(gpt, pg)  # the weight sync's plan (collective)
+            sources[mode] = sorted({b.source for b in gather.plan.buckets})
         out[name] = {"pp_rank": pg.pp.rank(), "dense": dense, "expert": expert,
                      "sources": sources}
         parallel.destroy_model_parallel()
@@ -84,8 +86,13 @@ def test_parameter_counts_match_the_real_policy_on_every_rank(world, layouts):
         for rank_result in (r[name] for r in results):
             dense, expert = stage_params(cfg, rank_result["pp_rank"])
             assert (dense, expert) == (rank_result["dense"], rank_result["expert"]), (name, rank_result)
-            # the rollout servers join one update group per source rank of the weight sync
-            assert update_group_count(cfg) == len(rank_result["sources"]), (name, rank_result)
+            # the rollout servers join one update group per sending rank of the weight sync
+            for mode, sources in rank_result["sources"].items():
+                moded = config_from_dict({**cfg_dict, "rollout": {"weight_sync_senders": mode}})
+                assert update_group_count(moded, world) == len(sources), (name, mode, sources)
+            # one host: a sender per pipeline stage, the stage's lowest rank
+            assert rank_result["sources"]["node"] == rank_result["sources"]["stage"]
+            assert len(rank_result["sources"]["stage"]) == cfg.parallel.pipeline
 
 
 # ---- activations: the local spec's per-token bytes against autograd's saved tensors -----------
@@ -341,17 +348,24 @@ def test_plan_on_the_recipes_reports_sync_buffers_update_groups_and_routing_repl
     (line,) = [l for l in out if l.startswith("routing replay")]
     assert (f"int16 [{run['global_batch_size']} x {run['seq_length']} x {m['num_layers']} x "
             f"{m['moe_router_topk']}]") in line
-    assert f"= {replay / 1e9:.2f} GB" in line and "sent whole to every training rank" in line
+    assert f"= {replay / 1e9:.2f} GB" in line
+    dp = int(line.rsplit("data-parallel ", 1)[1].split()[0])  # each rank receives its share only
+    assert f"sends each training rank only its rows: {replay / dp / 1e9:.2f} GB" in line and dp > 1
     assert {"launch/configs/qwen3_30b_a3b.yaml": "2.01 GB",       # the issue: ~2.0 / 3.9 GB
             "launch/configs/qwen3_235b_a22b.yaml": "3.94 GB"}[recipe] in line
 
-    # update groups on every SGLang GPU: one per source rank = pipeline x expert, 128 MiB each
-    groups = stages * par["expert"]
-    assert groups == {"launch/configs/qwen3_30b_a3b.yaml": 16,      # the issue: 16 / 64
-                      "launch/configs/qwen3_235b_a22b.yaml": 64}[recipe]
+    # update groups on every SGLang GPU, 128 MiB each: weight_sync distributed would send from
+    # one rank per node and stage (weight_sync_senders auto): pipeline x nodes per stage (8 GPUs
+    # a node), not one per sending rank (pipeline x expert: the issue's 16 / 64)
+    assert stages * par["expert"] == {"launch/configs/qwen3_30b_a3b.yaml": 16,
+                                      "launch/configs/qwen3_235b_a22b.yaml": 64}[recipe]
+    groups = stages * -(-(world // stages) // 8)
+    assert groups == {"launch/configs/qwen3_30b_a3b.yaml": 2,
+                      "launch/configs/qwen3_235b_a22b.yaml": 8}[recipe]
     (line,) = [l for l in out if l.startswith("rollout-server GPU")]
     assert rollout["weight_sync"] == "disk" and "would add" in line
-    assert f"{groups} update group(s)" in line and f"= {groups * 128 * MIB / GIB:.2f} GiB" in line
+    assert f"{groups} update group(s) (one per node and pipeline stage" in line
+    assert f"= {groups * 128 * MIB / GIB:.2f} GiB" in line
 
     # host memory: only the 235B recipe offloads its optimizer; 16 bytes per offloaded parameter
     # with Adam: fp32 parameter copy 4 + m, v 8 (one item), fp32 gradient copy 4 (another)
@@ -384,9 +398,14 @@ def test_plan_reports_distributed_sync_groups_and_replay_on_in_host_memory(capsy
                                      "--gpu-memory-gib", "141"])
     assert code == 0, "\n".join(out)
     (line,) = [l for l in out if l.startswith("rollout-server GPU")]
+    # 16 ranks, one stage, 8 GPUs a node: one sender per node (weight_sync_senders auto)
     assert line.startswith("rollout-server GPU (weight_sync distributed, 2 GPU(s) per server): "
-                           "16 update group(s)")
-    assert "= 2.00 GiB per GPU" in line and "0.20 x 141 GiB = 28.2 GiB" in line
+                           "2 update group(s) (one per node and pipeline stage")
+    assert "= 0.25 GiB per GPU" in line and "0.20 x 141 GiB = 28.2 GiB" in line
+    per_rank = plan_memory(config_from_dict(
+        {**cfg, "rollout": {**cfg["rollout"], "weight_sync_senders": "rank"}}), 16, 141)
+    (line,) = [l for l in per_rank.notes if l.startswith("rollout-server GPU")]
+    assert "16 update group(s) (one per sending rank" in line and "= 2.00 GiB per GPU" in line
     replay = 2 * 256 * 10240 * 48 * 8
     (host,) = [i for i, l in enumerate(out) if l.startswith("host memory per rank")]
     assert _gib(out[host + 1], "routing-replay tensor") == pytest.approx(replay / GIB, abs=0.006)

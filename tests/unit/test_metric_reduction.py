@@ -102,7 +102,8 @@ def test_combined_microbatches_equal_the_whole_batch(variant):
     combined = combine_metrics([metrics(slice(0, 1)), metrics(slice(1, 8)), metrics(slice(8, 12))])
     assert set(combined) == set(whole)
     assert set(whole) <= set(REDUCTIONS)
-    clip = "clip_frac" if "clip_frac" in whole else "token_clip_frac"
+    clip = ("clip_frac" if "clip_frac" in whole else "token_clip_frac" if "token_clip_frac" in whole
+            else "sapo_gate_weight_mean")  # sapo: no clip, its gate's weights
     assert 0 < whole[clip] < 1 and 0 < whole["mismatch_capped_frac"] < 1  # not trivially 0 or 1
     for key, value in whole.items():
         expected = value / whole["num_sequences"] if key in ("loss", "policy_loss") else value

@@ -40,6 +40,9 @@ def _write_run(run_dir, steps: int = 12, *, eval_every: int = 4):
                 "train/trainer_idle_frac": 0.1, "train/rollout_idle_frac": 0.2,
                 "train/mismatch_weight_mean": 1.0, "train/mismatch_weight_max": 1.2,
                 "train/mismatch_weight_ess": 0.99,
+                "sync/paused_s": 0.1, "sync/seconds": 0.12,
+                "train/requeued": float(step % 3 == 0), "train/resumed": 2.0,
+                "train/in_flight_groups": 4.0, "train/buffered_groups": 1.0,
             }
             if step == 3:
                 record["train/entropy_mean"] = "nan"  # MetricsLogger writes non-finite as strings

@@ -192,7 +192,7 @@ def test_routed_experts_follow_the_tokens_in_context_parallel_rows():
 
 
 def test_validate_routed_experts_names_the_problem():
-    from megatron_gspo.model.routing_replay import validate_routed_experts
+    from megatron_gspo.train.batching import validate_routed_experts
 
     batch = {"tokens": torch.zeros(2, 3, dtype=torch.long)}
     with pytest.raises(ValueError, match="is missing"):

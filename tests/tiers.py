@@ -1,0 +1,116 @@
+"""The test tiers, in one place: what ``pytest -m "not slow"`` (the fast tier, under 5 minutes on
+the 2-core machine) leaves out besides the modules marked ``slow`` themselves.
+
+:data:`SLOW` was measured (``MGSPO_TEST_TIMES=FILE pytest -q``: tests/conftest.py logs every test's
+time): every test above 3 s on the 2-core machine under load, and every end-to-end test (they
+share a session SFT policy of ~90 s), except one representative of each area that keeps every
+module in the fast tier: one training layout (TP2xEP2), one GSPO gradient layout (EP2), exact
+checkpoint resume, vocab-parallel log-probs, routing replay (EP2), packed context parallelism
+(CP2), the RL trainer (TP2), SGLang's own weight-update code, the real router, the RL session and
+the memory planner's parameter count. The README's test command runs everything.
+
+Entries are node-id prefixes: a file, a test function (all its parameters) or one parametrised
+case. tests/conftest.py marks them ``slow`` at collection.
+
+:data:`EXTENDED` (marked ``extended`` at collection, like the tests marked so in their modules):
+the longest end-to-end checks, out of the README's suite (which must stay under 25 minutes on
+the 2-core machine) and run by ``.ci/run`` after it, ``pytest -m extended``. Measured with
+``MGSPO_TEST_TIMES`` on 2026-12-04: each above ~25 s.
+"""
+
+SLOW = (
+    "tests/distributed/test_attention_cp.py",
+    "tests/distributed/test_context_parallel.py::test_sequence_all_reduce_forward_sum_backward_identity",
+    "tests/distributed/test_convert.py",
+    "tests/distributed/test_gspo_layouts.py::test_gspo_gradients_match_single_process[DP2]",
+    "tests/distributed/test_gspo_layouts.py::test_gspo_gradients_match_single_process[DP2xPP2]",
+    "tests/distributed/test_gspo_layouts.py::test_gspo_gradients_match_single_process[PP2]",
+    "tests/distributed/test_gspo_layouts.py::test_gspo_gradients_match_single_process[TP2]",
+    "tests/distributed/test_gspo_layouts.py::test_gspo_gradients_match_single_process[TP2xEP2]",
+    "tests/distributed/test_gspo_layouts.py::test_reference_exercises_clipping_and_padding",
+    "tests/distributed/test_hf_export.py",
+    "tests/distributed/test_init_from.py",
+    "tests/distributed/test_kl_reference.py",
+    "tests/distributed/test_layouts.py::test_one_step_matches_single_process[DP2]",
+    "tests/distributed/test_layouts.py::test_one_step_matches_single_process[EP2]",
+    "tests/distributed/test_layouts.py::test_one_step_matches_single_process[PP2]",
+    "tests/distributed/test_layouts.py::test_one_step_matches_single_process[PP2xTP2]",
+    "tests/distributed/test_layouts.py::test_one_step_matches_single_process[TP2]",
+    "tests/distributed/test_layouts.py::test_one_step_matches_single_process[TP2xEP2xETP2]",
+    "tests/distributed/test_layouts.py::test_tied_embeddings_under_pipeline_parallelism",
+    "tests/distributed/test_lr_schedule.py::test_lr_follows_warmup_and_decay_and_resumes_exactly",
+    "tests/distributed/test_memory_layouts.py::test_recompute_single_process_matches_no_recompute[full_uniform_1]",
+    "tests/distributed/test_memory_layouts.py::test_recompute_under_pipeline_and_data_parallel_layouts",
+    "tests/distributed/test_memory_layouts.py::test_tensor_and_expert_parallel_with_recompute",
+    "tests/distributed/test_memory_layouts.py::test_uneven_pipeline_stages_match_single_process",
+    "tests/distributed/test_nccl_semantics.py",
+    "tests/distributed/test_packed_gspo_step.py::test_packed_step_matches_single_process_padded[CP2rows]",
+    "tests/distributed/test_packed_gspo_step.py::test_packed_step_matches_single_process_padded[CP2xEP2]",
+    "tests/distributed/test_packed_gspo_step.py::test_packed_step_matches_single_process_padded[CP2xPP2]",
+    "tests/distributed/test_packed_gspo_step.py::test_packed_step_matches_single_process_padded[CP2xTP2]",
+    "tests/distributed/test_packed_gspo_step.py::test_packed_step_matches_single_process_padded[DP2]",
+    "tests/distributed/test_packed_gspo_step.py::test_packed_step_matches_single_process_padded[packed1]",
+    "tests/distributed/test_packed_gspo_step.py::test_reference_clips_on_both_sides",
+    "tests/distributed/test_rl_trainer_layouts.py::test_later_objectives_train_under_data_parallelism_as_in_one_process",
+    "tests/distributed/test_rl_trainer_layouts.py::test_reference_batch_exercises_the_weighting",
+    "tests/distributed/test_rl_trainer_layouts.py::test_train_rollout_matches_single_process[DP2]",
+    "tests/distributed/test_rl_trainer_layouts.py::test_train_rollout_matches_single_process[PP2]",
+    "tests/distributed/test_rl_trainer_packed.py",
+    "tests/distributed/test_routing_replay.py::test_each_rank_receives_only_the_routed_experts_of_its_own_rows",
+    "tests/distributed/test_routing_replay.py::test_replay_changes_the_update",
+    "tests/distributed/test_routing_replay.py::test_replay_of_unchanged_routing_is_bit_equal",
+    "tests/distributed/test_routing_replay.py::test_replay_under_expert_and_tensor_parallelism[TP2xEP2]",
+    "tests/distributed/test_routing_replay.py::test_rollout_replay_under_pipeline_and_packed_context_parallelism",
+    "tests/distributed/test_scoring_layouts.py",
+    "tests/distributed/test_sft_checkpoint.py",
+    "tests/distributed/test_uneven_pipeline.py",
+    "tests/e2e/test_calibrate_eps.py",
+    "tests/e2e/test_gspo_context_parallel.py",
+    "tests/e2e/test_gspo_run.py",
+    "tests/e2e/test_parity_watchdog.py",
+    "tests/e2e/test_routing_replay_run.py",
+    "tests/e2e/test_sft_demo.py",
+    "tests/reliability/test_checkpoint_integrity.py::test_full_disk_is_enospc_with_path_and_space_needed",
+    "tests/reliability/test_checkpoint_integrity.py::test_truncated_model_shard_falls_back_to_the_previous_checkpoint",
+    "tests/reliability/test_checkpoint_tampering.py::test_a_metadata_pickle_that_runs_a_command_is_refused",
+    "tests/reliability/test_dead_server.py::test_a_killed_server_is_restarted_out_of_the_router_until_admitted",
+    "tests/reliability/test_dead_server.py::test_a_rollout_waits_for_its_only_server_to_come_back_synced",
+    "tests/reliability/test_dead_server.py::test_a_rollout_whose_server_cannot_come_back_names_it_and_the_wait",
+    "tests/reliability/test_dead_server.py::test_below_min_servers_the_error_names_the_server",
+    "tests/reliability/test_dead_server.py::test_distributed_sync_reaches_a_restarted_server_through_new_groups",
+    "tests/reliability/test_dead_server.py::test_external_mode_waits_for_the_router_to_have_a_server_again",
+    "tests/reliability/test_dead_server.py::test_full_mode_the_trainers_sync_reaches_a_server_the_stream_waits_for",
+    "tests/reliability/test_helpers_survive.py",
+    "tests/reliability/test_run_lock.py::test_another_hosts_lock_is_stale_once_its_heartbeat_stops",
+    "tests/rollout/test_cluster.py::test_killed_server_loses_nothing_and_the_restarted_one_rejoins",
+    "tests/rollout/test_weight_sync.py::test_bf16_delta_syncs_are_bit_exact",
+    "tests/rollout/test_weight_sync.py::test_disk_pushes_overwrite_the_retired_version_in_place",
+    "tests/rollout/test_weight_sync.py::test_every_layout_syncs_checksum_verified",
+    "tests/rollout/test_weight_sync.py::test_group_keys_meet_sglangs",
+    "tests/rollout/test_weight_sync.py::test_one_sender_per_node_or_stage_syncs_the_same_weights",
+    "tests/rollout/test_weight_sync.py::test_server_logprobs_match_megatron_recomputation",
+    "tests/slurm/test_render.py::test_unhealthy_server_fails_the_job_naming_it",
+    "tests/unit/test_benign_warnings.py::test_megatrons_import_time_notices_are_silenced_without_cuda",
+    "tests/unit/test_benign_warnings.py::test_on_a_gpu_machine_a_missing_transformer_engine_stays_loud",
+    "tests/unit/test_cpu_compat.py::test_each_accommodation_is_still_needed[maybe_move]",
+    "tests/unit/test_cpu_compat.py::test_each_accommodation_is_still_needed[recompute_rng]",
+    "tests/unit/test_cpu_compat.py::test_each_accommodation_is_still_needed[te_general_gemm]",
+    "tests/unit/test_cpu_compat.py::test_uneven_gather_and_reduce_scatter_over_gloo",
+    "tests/unit/test_gpu_path.py::test_forward_only_passes_build_no_autograd_graph",
+    "tests/unit/test_gpu_path.py::test_rank_zero_broadcasts_travel_on_the_gloo_control_group_with_its_own_timeout",
+    "tests/unit/test_memory_plan.py::test_local_spec_activation_bytes_equal_the_tensors_autograd_saves",
+    "tests/unit/test_memory_plan.py::test_parameter_counts_match_the_real_policy_on_every_rank[4-layouts0]",
+    "tests/unit/test_reward_deadline.py::test_a_timeout_kills_what_the_function_started",
+)
+
+
+EXTENDED = (
+    "tests/e2e/test_calibrate_eps.py::test_calibrate_eps_prints_and_writes_the_range",          # 114 s
+    "tests/slurm/test_slurm_jobs.py::test_requeued_job_resumes_without_losing_or_repeating_a_step",  # 110 s
+    "tests/e2e/test_gspo_run.py::test_kill9_of_a_training_rank_then_resume_is_exact",           # 67 s
+    "tests/gpu/test_gpu_smoke.py::test_every_check_passes_on_cpu",                              # 40 s
+    "tests/e2e/test_parity_watchdog.py::test_watchdog_passes_a_faithful_server_and_stops_a_perturbed_one",  # 34 s
+    "tests/e2e/test_sft_demo.py::test_sft_checkpoints_and_resume_from_the_command_line",        # 28 s
+    "tests/e2e/test_recipes_train.py::test_recipe_trains_two_steps_against_sglang_conformant_servers",  # 27 s (30B; 235B already)
+    "tests/distributed/test_scoring_layouts.py",                                               # 28 s
+)
