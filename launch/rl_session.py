@@ -165,7 +165,14 @@ class RLSession(Session):
         logger = MetricsLogger.from_config(cfg, run_dir)
         self.resources.callback(logger.close)
         encoder = train_set.encoder
+        tools = None
+        if cfg.tools.enabled():  # multi-turn trajectories: the sandbox's workers live for the run
+            from pipeline.multiturn import ToolRollouts
+
+            tools = ToolRollouts(cfg, encoder.encode_text)
+            self.resources.callback(tools.close)
         return loop.LoopContext(
+            tools=tools,
             **common, logger=logger, sampler=sampler,
             eval_prompts=eval_prompts if cfg.run.eval_interval else [],
             # a stop signal abandons a user reward's call at once: the rank saves and stops

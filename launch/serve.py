@@ -12,11 +12,13 @@ The flags are SGLang's launch-flag names where one exists (``--model-path``, ``-
 ``--port``, ``--random-seed``, ``--skip-tokenizer-init``, ``--weight-version``,
 ``--context-length``, ``--max-running-requests``, ``--max-prefill-tokens``, ``--dtype``,
 ``--log-level``, ``--tp-size``, ``--max-queued-requests``, ``--enable-return-routed-experts``,
-``--dp-size``, ``--attn-dp-size``, ``--enable-dp-attention``, ``--enable-metrics``; the layout
+``--dp-size``, ``--attn-dp-size``, ``--enable-dp-attention``, ``--enable-metrics``,
+``--disable-radix-cache``; the layout
 flags are reported in ``/server_info`` and enforced as SGLang enforces them, while the server
 computes as one replica); ``--no-extensions`` turns this server's protocol extensions off;
 ``--cpu-threads``, ``--weight-update-timeout``, ``--allow-pickled-tensors``, ``--max-n``,
-``--weight-roots``, ``--max-request-mb``, ``--max-weight-update-mb`` and ``--max-json-depth`` are
+``--weight-roots``, ``--max-request-mb``, ``--max-weight-update-mb``, ``--max-json-depth`` and
+``--radix-cache-max-tokens`` are
 this server's own, and so is ``--fault-perturb-weights`` (fault injection for the parity
 watchdog's tests only: docs/parity.md).
 A bad argument is one line naming the flag, exit status 2, before the model is loaded.
@@ -91,6 +93,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="record the experts every MoE layer routed each token to, returned to "
                         "requests with return_routed_experts (SGLang's flag; without it such "
                         "requests get no routed_experts, as in SGLang)")
+    p.add_argument("--disable-radix-cache", action="store_true",
+                   help="no prefix cache (SGLang's flag): every request is prefilled from scratch "
+                        "and meta_info.cached_tokens is always 0. Without it the KV (and routed "
+                        "experts) of finished requests stay in a radix cache that serves the "
+                        "longest cached prefix of later prompts, as SGLang's does")
+    p.add_argument("--radix-cache-max-tokens", type=int, default=None, metavar="N",
+                   help="tokens the prefix cache holds at most, least recently used evicted "
+                        "first (this server's own flag; SGLang's cache lives in its KV pool). "
+                        "Default: as many as 1 GiB of KV holds, at least --context-length, at "
+                        "most --context-length x --max-running-requests")
     p.add_argument("--weight-roots", nargs="+", default=[], metavar="DIR",
                    help="directories update_weights_from_disk may load from, besides the "
                         "--model-path directory (default: none)")
@@ -151,6 +163,7 @@ def validate(args: argparse.Namespace) -> None:
         _at_least(args, flag, 1)
     _at_least(args, "--context-length", 2, allow_none=True)
     _at_least(args, "--max-queued-requests", 1, allow_none=True)
+    _at_least(args, "--radix-cache-max-tokens", 1, allow_none=True)
     _at_least(args, "--fault-perturb-weights", 0.0)
     for flag in ("--weight-update-timeout", "--max-request-mb", "--max-weight-update-mb"):
         value = getattr(args, flag[2:].replace("-", "_"))

@@ -818,6 +818,59 @@ class RewardConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ToolsConfig:
+    """Multi-turn, tool-using rollouts (docs/tools.md): each training and evaluation sample is a
+    trajectory of model turns and tool responses (``pipeline.multiturn``), token-in / token-out,
+    the loss over the model's tokens only. Empty ``functions`` and no ``environment``: one
+    prompt, one response."""
+
+    functions: list[str] = field(default_factory=list)
+    """The tools, as "package.module:function" (the tool's name is the function's); each call
+    runs fn(**arguments) out of process in the sandbox (``pipeline.sandbox``)."""
+    environment: Optional[str] = None
+    """"package.module:Class" of a custom environment (``pipeline.environment.Environment``),
+    constructed as Class(executor=..., tool_format=...); null: ``ToolEnvironment`` (tool calls
+    in, tool responses out, the first turn without a call ends the trajectory)."""
+    format: Literal["qwen3", "plain"] = "qwen3"
+    """How tool responses are appended (``pipeline.tool_calls.FORMATS``): qwen3: Qwen3's chat
+    template glue (<|im_start|>user <tool_response>... <|im_end|> and the generation prompt);
+    plain: <tool_response>...</tool_response> only (a vocabulary without special tokens)."""
+    max_turns: int = 4
+    """Model turns per trajectory (end reason max_turns)."""
+    max_tokens: Optional[int] = None
+    """Output tokens per trajectory, the model's and the appended ones together (end reason
+    max_tokens); null: run.seq_length + 1 - the prompt's length, so every trajectory fits."""
+    max_tool_time_s: float = 30.0
+    """Tool wall time per trajectory, all calls together; a call may not run past what is left,
+    and when it is spent the trajectory ends (end reason tool_error)."""
+    timeout_s: float = 5.0
+    """Wall-clock limit of one tool call (the call fails with error timeout; the turn goes on)."""
+    memory_mb: int = 512
+    """Address-space limit of the process that runs one call (error memory)."""
+    output_bytes: int = 4096
+    """The most bytes a call may return or print (error output_limit past it)."""
+    workers: int = 4
+    """Sandbox worker processes on rank 0: tool calls that run at once."""
+
+    def enabled(self) -> bool:
+        return bool(self.functions) or self.environment is not None
+
+    def __post_init__(self) -> None:
+        for i, spec in enumerate(self.functions):
+            _require(":" in spec and all(spec.split(":", 1)),
+                     f"tools.functions[{i}]: expected \"package.module:function\", got {spec!r}")
+        _require(self.environment is None or ":" in self.environment,
+                 f"tools.environment: expected \"package.module:Class\", got {self.environment!r}")
+        _require(self.max_turns >= 1, f"tools.max_turns: must be >= 1, got {self.max_turns}")
+        _require(self.max_tokens is None or self.max_tokens >= 1,
+                 f"tools.max_tokens: must be >= 1, got {self.max_tokens}")
+        for name in ("max_tool_time_s", "timeout_s"):
+            _require(getattr(self, name) > 0, f"tools.{name}: must be > 0, got {getattr(self, name)}")
+        for name in ("memory_mb", "output_bytes", "workers"):
+            _require(getattr(self, name) >= 1, f"tools.{name}: must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(kw_only=True, slots=True)
 class ParityConfig:
     """The parity watchdog (docs/parity.md): after every weight sync, fixed probe sequences are
     scored by every rollout server and by the trainer, and the per-token log-prob gap is logged
@@ -857,6 +910,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     parity: ParityConfig = field(default_factory=ParityConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
 
     def __post_init__(self) -> None:
         validate_model_parallel(self.model, self.parallel)

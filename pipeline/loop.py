@@ -115,6 +115,9 @@ class LoopContext:
     rollout_stream: Optional[dict] = None
     """Rank 0, ``rollout.async: full`` resumed: the stream's complete groups and pending prompts,
     from the checkpoint (``pipeline.streaming``)."""
+    tools: Optional[Any] = None
+    """Rank 0, ``tools`` configured: ``pipeline.multiturn.ToolRollouts`` (every training and
+    evaluation sample a multi-turn trajectory); None: one prompt, one response."""
     resync: Optional[Callable[[str], Any]] = None
     """Every rank, set by :func:`run`: ``resync(version)`` syncs the trainer's weights
     (:func:`sync_weights`) - what rank 0's rollout has every rank do mid-phase when servers it

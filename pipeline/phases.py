@@ -65,7 +65,12 @@ def build_batch(ctx: LoopContext, step: int, prompts: list[Prompt],
                                   leave_one_out=cfg.gspo.leave_one_out)
     from pipeline.tasks import PAD_ID
 
-    batch = rl_batch(prompt_ids, outputs, logprobs, advantages, cfg.run.seq_length, PAD_ID)
+    results = [r for group in groups for r in group]
+    masks = [r.output_mask for r in results]
+    prompt_ids = [list(r.prompt_ids) if r.output_mask is not None else p
+                  for r, p in zip(results, prompt_ids)]  # an environment's reset() may differ
+    batch = rl_batch(prompt_ids, outputs, logprobs, advantages, cfg.run.seq_length, PAD_ID,
+                     output_masks=masks if any(m is not None for m in masks) else None)
     shape = _routed_experts_shape(cfg)
     if shape is not None:  # routing replay "rollout": the experts the servers routed each token to
         from pipeline.routed_experts import batch_routed_experts
@@ -82,6 +87,9 @@ def build_batch(ctx: LoopContext, step: int, prompts: list[Prompt],
         "response_tokens": float(lengths.sum()),
         "truncated_frac": sum(f == "length" for f in finish) / len(finish),
     })
+    from pipeline.multiturn import trajectory_metrics
+
+    metrics.update(trajectory_metrics(results))
     return batch, metrics
 
 
@@ -129,9 +137,15 @@ def make_stream(ctx: LoopContext, start_step: int) -> Any:
     extra = {"routed_experts": shape} if shape is not None else {}
     sampling = sampling_params(cfg.rollout, ctx.stop_token_ids)
 
-    async def generate(prompt_ids: list, seed: int, rid_prefix: str) -> list:
-        groups = await ctx.client.generate_groups_async([prompt_ids], G, sampling, seed=seed,
-                                                        rid_prefix=rid_prefix, **extra)
+    async def generate(prompt: Prompt, seed: int, rid_prefix: str) -> list:
+        if ctx.tools is not None:
+            groups = await ctx.tools.generate_async(ctx.client, [prompt], G, sampling,
+                                                    decode=ctx.decode, seed=seed,
+                                                    rid_prefix=rid_prefix, **extra)
+        else:
+            groups = await ctx.client.generate_groups_async([prompt.prompt_ids], G, sampling,
+                                                            seed=seed, rid_prefix=rid_prefix,
+                                                            **extra)
         return groups[0]
 
     def score(prompt: Prompt, results: list) -> tuple[list[float], int]:
@@ -186,21 +200,32 @@ def _generate_groups(ctx: LoopContext, prompts: list[Prompt], step: int,
     cfg = ctx.cfg
     shape = _routed_experts_shape(cfg)
     extra = {"routed_experts": shape} if shape is not None else {}
+    sampling = sampling_params(cfg.rollout, ctx.stop_token_ids)
+    seed = rollout_seed(cfg.run.seed, step, round_)
+    if ctx.tools is not None:
+        return ctx.tools.generate(ctx.client, prompts, cfg.gspo.group_size, sampling,
+                                  decode=ctx.decode, seed=seed, rid_prefix=f"s{step}r{round_}",
+                                  **extra)
     return ctx.client.generate_groups([p.prompt_ids for p in prompts], cfg.gspo.group_size,
-                                      sampling_params(cfg.rollout, ctx.stop_token_ids),
-                                      seed=rollout_seed(cfg.run.seed, step, round_), **extra)
+                                      sampling, seed=seed, **extra)
 
 
 def _score(ctx: LoopContext, prompts: list[Prompt],
            groups: list[list[RolloutResult]]) -> tuple[list[float], int]:
     """Rewards of every sample, prompt-major; returns (rewards, number of failures counted as 0)."""
+    from pipeline.multiturn import final_turn_ids, trajectory_reward
     from pipeline.rewards import RewardSample, compute_rewards
 
-    samples = [RewardSample(prompt=prompt, sample_index=s_i, response_ids=list(result.output_ids),
-                            response_text=ctx.decode(result.output_ids))
-               for prompt, group in zip(prompts, groups) for s_i, result in enumerate(group)]
+    # a multi-turn trajectory is scored on its last model turn (the answer after the tools),
+    # unless its environment gave the reward itself
+    flat = [r for group in groups for r in group]
+    samples = [RewardSample(prompt=prompt, sample_index=s_i, response_ids=final_turn_ids(r),
+                            response_text=ctx.decode(final_turn_ids(r)))
+               for prompt, group in zip(prompts, groups) for s_i, r in enumerate(group)]
     result = compute_rewards(ctx.reward_fn, samples, on_error=ctx.cfg.reward.on_error)
-    return list(result.rewards), result.num_failures
+    rewards = [r if (env := trajectory_reward(x)) is None else env
+               for r, x in zip(result.rewards, flat)]
+    return rewards, result.num_failures
 
 
 def _fill_with_informative_groups(ctx: LoopContext, step: int, prompts: list[Prompt],
@@ -245,17 +270,30 @@ def evaluate(ctx: LoopContext, step: int) -> dict:
     from pipeline.rollout import eval_seed, sampling_params
 
     cfg = ctx.cfg
-    groups = ctx.client.generate_groups([p.prompt_ids for p in ctx.eval_prompts],
-                                        cfg.rollout.eval_samples_per_prompt,
-                                        sampling_params(cfg.rollout, ctx.stop_token_ids),
-                                        seed=eval_seed(cfg.run.seed))
+    sampling = sampling_params(cfg.rollout, ctx.stop_token_ids)
+    if ctx.tools is not None:
+        groups = ctx.tools.generate(ctx.client, ctx.eval_prompts,
+                                    cfg.rollout.eval_samples_per_prompt, sampling,
+                                    decode=ctx.decode, seed=eval_seed(cfg.run.seed),
+                                    rid_prefix=f"eval{step}")
+    else:
+        groups = ctx.client.generate_groups([p.prompt_ids for p in ctx.eval_prompts],
+                                            cfg.rollout.eval_samples_per_prompt, sampling,
+                                            seed=eval_seed(cfg.run.seed))
     rewards, _ = _score(ctx, ctx.eval_prompts, groups)
     r = torch.tensor(rewards, dtype=torch.float64)
     per_prompt = r.view(len(ctx.eval_prompts), -1).mean(1)
     se = float(per_prompt.std() / len(per_prompt) ** 0.5) if len(per_prompt) > 1 else 0.0
     # reward_se: the standard error of reward_mean over the prompts (each prompt's mean)
-    return {"eval/reward_mean": float(r.mean()), "eval/reward_se": se,
-            "eval/pass_at_1": float((r >= 1.0).double().mean())}
+    out = {"eval/reward_mean": float(r.mean()), "eval/reward_se": se,
+           "eval/pass_at_1": float((r >= 1.0).double().mean())}
+    if ctx.tools is not None:
+        from pipeline.multiturn import trajectory_metrics
+
+        more = trajectory_metrics([x for group in groups for x in group])
+        out.update({f"eval/{k}": more[k] for k in ("tool_calls/mean", "num_turns/mean",
+                                                   "tool_errors/mean")})
+    return out
 
 
 def _release_servers(ctx: LoopContext) -> None:

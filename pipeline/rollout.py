@@ -46,6 +46,7 @@ sglang-router 0.3.2 drops ``return_routed_experts`` from the bodies it forwards.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import random
@@ -118,6 +119,22 @@ class RolloutResult:
     len(output_ids) - 1, L, K]``, row t = the experts every layer routed token t of
     ``prompt_ids + output_ids`` to on the server; None when not asked for (or an aborted sample
     without them)."""
+    cached_tokens: int = 0
+    """``meta_info.cached_tokens``: prompt tokens the server's prefix cache served (summed over
+    the turns of a multi-turn trajectory)."""
+    output_mask: Optional[list[int]] = None
+    """A multi-turn trajectory (``pipeline.multiturn``): one 0/1 per output id, 1 where the model
+    generated the token (trained), 0 for tool outputs and template glue (masked; their
+    ``output_logprobs`` are 0.0); None: every output id is the model's (one turn)."""
+    turns: Optional[list[dict]] = None
+    """A multi-turn trajectory: one record per model turn (``pipeline.multiturn.Turn`` as a
+    dict: where its tokens lie in ``output_ids``, finish reason, cached tokens, tool calls)."""
+    end_reason: Optional[str] = None
+    """A multi-turn trajectory: why it ended (done, max_turns, max_tokens, tool_error, abort)."""
+
+    def trained_mask(self) -> list[int]:
+        """One 0/1 per output id: 1 where the loss covers the token."""
+        return list(self.output_mask) if self.output_mask is not None else [1] * len(self.output_ids)
 
 
 def result_to_json(r: RolloutResult) -> dict:
@@ -140,7 +157,10 @@ def result_from_json(d: dict) -> RolloutResult:
         prompt_tokens=int(d["prompt_tokens"]), completion_tokens=int(d["completion_tokens"]),
         weight_version=d["weight_version"], server_url=d["server_url"],
         weight_versions=[(str(v), int(a), int(b)) for v, a, b in d["weight_versions"]],
-        routed_experts=None if routed is None else torch.tensor(routed, dtype=torch.int32))
+        routed_experts=None if routed is None else torch.tensor(routed, dtype=torch.int32),
+        cached_tokens=int(d.get("cached_tokens", 0)),
+        output_mask=None if d.get("output_mask") is None else [int(x) for x in d["output_mask"]],
+        turns=d.get("turns"), end_reason=d.get("end_reason"))
 
 
 class RolloutError(RuntimeError):
@@ -219,7 +239,7 @@ def parse_generate_response(body: Any, rid: str, prompt_ids: Sequence[int], url:
         prompt_tokens=int(meta.get("prompt_tokens", len(prompt_ids))),
         completion_tokens=int(meta.get("completion_tokens", len(output_ids))),
         weight_version=str(meta.get("weight_version", "")), server_url=url, routed_experts=routed,
-        weight_versions=spans)
+        weight_versions=spans, cached_tokens=int(meta.get("cached_tokens") or 0))
 
 
 def weight_version_spans(meta: dict, num_output: int) -> list[tuple[str, int, int]]:
@@ -445,10 +465,12 @@ class RolloutClient:
         """``/generate`` requests sent again after a failure (so far)."""
 
     # --- targets
-    def _pick(self, avoid: str | None) -> str:
+    def _pick(self, avoid: str | None, pin: str | None = None) -> str:
         if self.router_url:
             return self.router_url
         now = time.monotonic()
+        if pin is not None and pin != avoid and self._down_until.get(pin, 0.0) <= now:
+            return pin  # a sticky trajectory's server, while it answers
         up = [u for u in self.server_urls if self._down_until.get(u, 0.0) <= now]
         if len(up) > 1 and avoid in up:
             up.remove(avoid)
@@ -463,6 +485,40 @@ class RolloutClient:
         if self.server_urls:
             return list(self.server_urls)
         return [w["url"].rstrip("/") for w in router_workers(self.router_url)]
+
+    async def direct_client(self) -> "RolloutClient":
+        """This client in direct mode; in router mode a direct client of the router's workers
+        (same settings): requests that must reach a chosen server (routed experts, a sticky
+        multi-turn trajectory) go there without the router."""
+        return await self._routed_experts_client()
+
+    def pick_server(self) -> str:
+        """Direct mode: the server a new sticky trajectory starts on (the least loaded, in
+        turn): its turns are sent there (``pin``) while it answers."""
+        if self.router_url:
+            raise RuntimeError("pick_server: a direct client only (use direct_client())")
+        return self._pick(avoid=None)
+
+    @contextlib.asynccontextmanager
+    async def session(self):
+        """Requests that share one HTTP session, concurrency bound and outage handling, as the
+        requests of one ``generate_groups`` call do: ``async with client.session() as send:
+        await send(rid, prompt, sampling, routed_experts=None, pin=None)``."""
+        import aiohttp
+
+        sem, batch = asyncio.Semaphore(self.max_concurrency), _Batch()
+        async with aiohttp.ClientSession() as http:
+            async def send(rid: str, prompt: Sequence[int], sampling: SamplingParams, *,
+                           routed_experts: Optional[tuple[int, int]] = None,
+                           pin: Optional[str] = None) -> RolloutResult:
+                return await self._one(http, sem, batch, rid, prompt, sampling, routed_experts,
+                                       pin)
+            try:
+                yield send
+            except BaseException:
+                batch.stopping = True
+                await self._abort_on(http, self.server_urls or [self.router_url])
+                raise
 
     async def _routed_experts_client(self) -> "RolloutClient":
         """The client for requests that ask for routed experts: this one in direct mode; in
@@ -486,7 +542,10 @@ class RolloutClient:
     # --- one sample
     async def _one(self, session, sem: asyncio.Semaphore, batch: _Batch, rid: str,
                    prompt: Sequence[int], sampling: SamplingParams,
-                   routed_experts: Optional[tuple[int, int]] = None) -> RolloutResult:
+                   routed_experts: Optional[tuple[int, int]] = None,
+                   pin: Optional[str] = None) -> RolloutResult:
+        """One request; ``pin``: the server to send it to while that server answers (a sticky
+        multi-turn trajectory; a retry after a failure there goes elsewhere)."""
         import aiohttp
 
         async with sem:
@@ -501,7 +560,7 @@ class RolloutClient:
                 if failures:
                     await asyncio.sleep(min(8.0, self.retry_backoff_s * 2 ** (failures - 1))
                                         * (0.5 + random.random()))
-                url = self._pick(avoid=url)
+                url = self._pick(avoid=url, pin=pin)
                 send_rid = rid if sends == 0 else f"{rid}:retry{sends}"
                 if sends:
                     self._count_retry()

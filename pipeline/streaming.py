@@ -127,8 +127,8 @@ class StreamCounts:
 class RolloutStream:
     """The ``full`` mode producer; see the module docstring.
 
-    ``generate(prompt_ids, seed, rid_prefix)``: an awaitable of the G results of one prompt (the
-    rollout client's ``generate_groups_async`` for one prompt). ``score(prompt, results)`` ->
+    ``generate(prompt, seed, rid_prefix)``: an awaitable of the G results of one ``Prompt`` (the
+    rollout client's ``generate_groups_async`` for its ids, or G multi-turn trajectories). ``score(prompt, results)`` ->
     (rewards, failures), run on a worker thread. ``draw()`` -> the next training prompt (the
     sampler; only this stream draws in ``full`` mode). ``seed_of(index, attempt)``: a group's
     sampling seed. ``keep(group)``: False leaves a complete group out (dynamic sampling).
@@ -349,7 +349,7 @@ class RolloutStream:
     async def _one(self, g: StreamGroup) -> None:
         self._busy(+1)
         try:
-            results = await self._generate(list(g.prompt.prompt_ids),
+            results = await self._generate(g.prompt,
                                            self._seed_of(g.index, g.attempt),
                                            f"s{g.index}a{g.attempt}")
         finally:

@@ -16,6 +16,7 @@ The loss sees one row per sequence either way (``loss_rows``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 
@@ -52,7 +53,8 @@ def right_pad(rows: list[list[int]], length: int, pad_id: int) -> torch.Tensor:
 
 
 def rl_batch(prompts: list[list[int]], outputs: list[list[int]], rollout_log_probs: list[list[float]],
-             advantages: torch.Tensor, seq_length: int, pad_id: int) -> dict[str, torch.Tensor]:
+             advantages: torch.Tensor, seq_length: int, pad_id: int,
+             output_masks: Optional[list[Optional[list[int]]]] = None) -> dict[str, torch.Tensor]:
     """Training rows for sampled responses (one row per sample).
 
     ``tokens = prompt + output`` (right-padded), ``labels`` the next tokens, ``response_mask`` True
@@ -60,19 +62,33 @@ def rl_batch(prompts: list[list[int]], outputs: list[list[int]], rollout_log_pro
     log-probs at those positions (0 elsewhere), ``lengths`` the label positions of each sample
     (``len(prompt) + len(output) - 1``, what a packed micro-batch keeps of the row). Raises
     ValueError if a sample does not fit.
+
+    ``output_masks[i]`` (a multi-turn trajectory, ``pipeline.multiturn``): one 0/1 per output
+    token, 0 for tokens the model did not generate (tool outputs, template glue): they are
+    context, not response, so ``response_mask`` is False there and every per-sequence quantity
+    (the token count n_i, the sequence ratio s_i) covers the model's tokens only. None: every
+    output token is the model's.
     """
     rows, masks, rollout = [], [], []
-    for i, (prompt, output, lps) in enumerate(zip(prompts, outputs, rollout_log_probs)):
+    if output_masks is None:
+        output_masks = [None] * len(outputs)
+    for i, (prompt, output, lps, omask) in enumerate(zip(prompts, outputs, rollout_log_probs,
+                                                         output_masks)):
         ids = list(prompt) + list(output)
         if len(ids) - 1 > seq_length:
             raise ValueError(f"sample {i}: prompt {len(prompt)} + response {len(output)} tokens "
                              f"exceed run.seq_length + 1 = {seq_length + 1}")
         if len(lps) != len(output):
             raise ValueError(f"sample {i}: {len(lps)} log-probs for {len(output)} output tokens")
+        if omask is not None and (len(omask) != len(output) or not set(omask) <= {0, 1}
+                                  or not any(omask)):
+            raise ValueError(f"sample {i}: output mask must be {len(output)} values of 0/1 with "
+                             f"at least one 1, got {len(omask)} values")
         start = len(prompt) - 1  # label position of the first output token
         rows.append(ids)
-        masks.append([0] * start + [1] * len(output))
-        rollout.append([0.0] * start + list(lps))
+        masks.append([0] * start + (list(omask) if omask is not None else [1] * len(output)))
+        rollout.append([0.0] * start + [lp if m else 0.0 for lp, m in
+                                        zip(lps, omask if omask is not None else [1] * len(lps))])
     tokens = right_pad(rows, seq_length + 1, pad_id)
     num = len(rows)
     rollout_t = torch.zeros(num, seq_length)

@@ -28,6 +28,31 @@ hook on every MoE layer's router records its top-k indices (the experts the laye
 each input token of the prefill and of every decode step; a request gets those of positions
 ``[routed_experts_start_len, seqlen - 1)`` (``docs/sglang_protocol.md``).
 
+Prefix cache (SGLang's radix cache, ``srt/mem_cache/radix_cache.py``; on unless
+``--disable-radix-cache``): :class:`PrefixCache`, a radix tree of token ids holding the KV (and,
+with ``--enable-return-routed-experts``, the captured routes) of finished requests, bounded in
+tokens (``--radix-cache-max-tokens``), least recently used leaves evicted first. The rules, as
+0.5.23 applies them:
+
+* a request that finishes by stop or length leaves ``prompt + output`` minus the last token (its
+  KV was never computed: ``Req.owned_kv_len``) in the tree (``release_kv_cache(checkpoint=True)``);
+  a request with ``max_new_tokens`` 0 leaves its whole prompt; an aborted one leaves nothing
+  (where SGLang differs: see :meth:`LocalEngine._store`);
+* a new request reuses the longest cached prefix of its ``input_ids``, at most
+  ``len(input_ids) - 1`` tokens and, when it asks for input log-probs (``logprob_start_len >=
+  0``), at most ``logprob_start_len`` (``Req._compute_max_prefix_len``): the positions whose
+  log-probs it wants are computed, never read from the cache. ``meta_info.cached_tokens`` is the
+  number reused (``pre_len - already_computed``, counted once: a retracted request keeps it);
+* the routes of cached positions are the ones recorded when their KV was computed (SGLang keeps
+  the captured top-k per KV slot, ``state_capturer/base.py`` ``get_topk``);
+* ``flush_cache`` (accepted only when idle) empties it, so does every weight update that flushes
+  (``flush_cache: true``, the default; ``flush_cache: false`` keeps the KV of the old weights, as in
+  SGLang); a retracted request (pause mode ``retract``) is recomputed without a lookup.
+
+Cache hits are prefilled in the same batch as cold requests: the cached KV is the past of the
+forward (each row's prefix left-padded to the longest), the uncached rest its input (left-padded
+to the longest), the attention mask marking both paddings, positions explicit.
+
 Shape legend: B running rows, T cached positions, V vocabulary, H_kv KV heads, d head dim.
 """
 
@@ -35,6 +60,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import heapq
 import inspect
 import json
 import logging
@@ -113,7 +139,9 @@ class EngineRequest:
         self.routed_experts_start_len = routed_experts_start_len
         self.routed: list[torch.Tensor] = []
         """Engine thread: int32 [positions, num_layers, top_k] chunks, in position order, of the
-        experts each input token was routed to (only with ``return_routed_experts``)."""
+        experts each input token was routed to (with ``--enable-return-routed-experts``: for a
+        request with ``return_routed_experts``, and for every request while the prefix cache is
+        on; a cached prefix's chunk is the routes recorded when its KV was computed)."""
         self.on_event = on_event  # called from the engine thread: "token" or "finish"
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
@@ -130,6 +158,9 @@ class EngineRequest:
         """At finish: SGLang's ``compute_weight_version_spans`` of the events (dicts
         ``version`` / ``start`` / ``end``, half-open over the output tokens)."""
         self.num_retractions = 0  # SGLang's req.retraction_count (pause mode "retract")
+        self.cached_tokens = 0
+        """``meta_info.cached_tokens``: prompt tokens whose KV came from the prefix cache at the
+        request's first prefill (SGLang counts them once; a retracted request keeps the count)."""
         self.max_new_tokens = sampling.max_new_tokens
         self.created = time.time()
         self.e2e_latency = 0.0
@@ -242,6 +273,162 @@ class WeightTable:
             param.data[index].copy_(t.t() if transposed else t)
 
 
+class _Node:
+    """A radix-tree node: ``tokens`` (one edge of the tree) and, per layer, the KV they computed
+    (``[H_kv, len(tokens), d]`` on the model's device) and their routes (int32 ``[len(tokens),
+    num_layers, top_k]`` on the host, or None)."""
+
+    __slots__ = ("tokens", "kv", "routes", "children", "parent", "last_access")
+
+    def __init__(self, tokens: tuple, kv: list, routes: Optional[torch.Tensor], parent):
+        self.tokens = tokens
+        self.kv = kv
+        self.routes = routes
+        self.children: dict[int, "_Node"] = {}  # first token of the child's edge -> child
+        self.parent = parent
+        self.last_access = 0
+
+
+class PrefixCache:
+    """SGLang 0.5.23's ``RadixCache`` (srt/mem_cache/radix_cache.py) with page size 1 and its
+    default ``lru`` eviction, holding copies of KV and routes instead of KV-pool indices.
+
+    ``match`` finds the longest cached prefix (splitting the node where it ends, as
+    ``_match_prefix_helper`` does) and touches every node on the way; ``insert`` adds what is not
+    cached yet (the cached part keeps the values it has, as ``_insert_helper`` does) and then
+    evicts least recently used leaves until at most ``max_tokens`` tokens are held (SGLang's pool
+    evicts when it needs room; here the bound is the tree's own). Thread-safe."""
+
+    def __init__(self, max_tokens: int):
+        if max_tokens < 1:
+            raise ValueError(f"--radix-cache-max-tokens {max_tokens}: must be >= 1")
+        self.max_tokens = int(max_tokens)
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty the tree (SGLang's ``tree_cache.reset()`` in ``Scheduler.flush_cache``)."""
+        with self._lock:
+            self._root = _Node((), [], None, None)
+            self._size = 0
+            self._clock = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens held (SGLang's ``total_size``)."""
+        return self._size
+
+    # --- lock held
+    def _split(self, node: _Node, at: int) -> _Node:
+        """Cut ``node``'s edge after ``at`` tokens: a new parent holds the head (copies, so an
+        evicted half frees its memory)."""
+        head = _Node(node.tokens[:at], [(k[:, :at].clone(), v[:, :at].clone()) for k, v in node.kv],
+                     None if node.routes is None else node.routes[:at].clone(), node.parent)
+        head.last_access = node.last_access
+        node.parent.children[node.tokens[0]] = head
+        node.tokens = node.tokens[at:]
+        node.kv = [(k[:, at:].clone(), v[:, at:].clone()) for k, v in node.kv]
+        node.routes = None if node.routes is None else node.routes[at:].clone()
+        node.parent = head
+        head.children[node.tokens[0]] = node
+        return head
+
+    def _walk(self, key: tuple) -> tuple[list[_Node], int]:
+        """The nodes of the longest cached prefix of ``key`` (the last one ending exactly where
+        the match does) and its length; every node on the path is touched."""
+        self._clock += 1
+        node, matched, path = self._root, 0, []
+        while matched < len(key):
+            child = node.children.get(key[matched])
+            if child is None:
+                break
+            edge = child.tokens
+            n = 1
+            limit = min(len(edge), len(key) - matched)
+            while n < limit and edge[n] == key[matched + n]:
+                n += 1
+            if n < len(edge):
+                child = self._split(child, n)
+            child.last_access = self._clock
+            path.append(child)
+            matched += n
+            node = child
+            if n < len(edge):
+                break
+        return path, matched
+
+    def _evict(self) -> None:
+        if self._size <= self.max_tokens:
+            return
+        heap, stack = [], [self._root]
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            elif node is not self._root:
+                heap.append((node.last_access, id(node), node))
+        heapq.heapify(heap)
+        while self._size > self.max_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            del parent.children[node.tokens[0]]
+            self._size -= len(node.tokens)
+            if parent is not self._root and not parent.children:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+
+    # --- public
+    def match(self, tokens: list[int], limit: int):
+        """(matched length m <= limit, per-layer KV ``[(K, V)]`` of ``[H_kv, m, d]``, routes
+        ``[m, num_layers, top_k]`` or None); (0, None, None) without a match."""
+        if limit <= 0:
+            return 0, None, None
+        with self._lock:
+            path, m = self._walk(tuple(tokens[:limit]))
+            if m == 0:
+                return 0, None, None
+            kv = [(torch.cat([n.kv[layer][0] for n in path], dim=1),
+                   torch.cat([n.kv[layer][1] for n in path], dim=1))
+                  for layer in range(len(path[0].kv))]
+            routes = (None if any(n.routes is None for n in path)
+                      else torch.cat([n.routes for n in path]))
+            return m, kv, routes
+
+    def insert(self, tokens: list[int], take: Callable[[int, int], list],
+               routes: Optional[torch.Tensor]) -> int:
+        """Cache ``tokens`` (their first ``max_tokens``): ``take(start, end)`` gives the per-layer
+        KV ``[(K, V)]`` of ``[H_kv, end - start, d]`` of positions ``start .. end - 1`` (only the
+        part not cached yet is taken), ``routes`` those of every position (or None). Returns how
+        many tokens were added."""
+        key = tuple(tokens[:self.max_tokens])
+        if not key:
+            return 0
+        with self._lock:
+            path, m = self._walk(key)
+            added = len(key) - m
+            if added:
+                parent = path[-1] if path else self._root
+                leaf = _Node(key[m:], take(m, len(key)),
+                             None if routes is None else routes[m:len(key)].clone(), parent)
+                leaf.last_access = self._clock
+                parent.children[key[m]] = leaf
+                self._size += added
+            self._evict()
+            return added
+
+
+def default_radix_cache_tokens(config, dtype: torch.dtype, context_length: int,
+                               max_running_requests: int) -> int:
+    """``--radix-cache-max-tokens`` when not given: as many tokens as 1 GiB of KV holds (every
+    layer's keys and values, ``num_key_value_heads x head_dim`` each, in ``--dtype``), at least
+    one full context and at most ``context_length x max_running_requests``."""
+    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None)
+                   or config.hidden_size // config.num_attention_heads)
+    per_token = 2 * int(config.num_hidden_layers) * heads * head_dim * dtype.itemsize
+    return int(min(context_length * max_running_requests,
+                   max(context_length, (1 << 30) // max(per_token, 1))))
+
+
 class LocalEngine:
     """Owns the model and its thread; thread-safe ``submit`` / ``abort`` / ``call``."""
 
@@ -250,7 +437,8 @@ class LocalEngine:
                  context_length: Optional[int] = None, weight_version: str = "default",
                  skip_tokenizer_init: bool = False, dtype: str = "float32",
                  max_queued_requests: Optional[int] = None,
-                 capture_routed_experts: bool = False, device: str = "cpu"):
+                 capture_routed_experts: bool = False, device: str = "cpu",
+                 radix_cache: bool = True, radix_cache_max_tokens: Optional[int] = None):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.device = torch.device(device)
@@ -305,6 +493,13 @@ class LocalEngine:
         self._routing: Optional[dict[int, torch.Tensor]] = None  # layer -> [B*S, top_k] int32
         if capture_routed_experts:
             self._install_routing_hooks()
+        self.prefix_cache: Optional[PrefixCache] = None
+        """The radix cache of finished requests' KV (None: ``--disable-radix-cache``)."""
+        if radix_cache:
+            self.prefix_cache = PrefixCache(
+                radix_cache_max_tokens if radix_cache_max_tokens is not None
+                else default_radix_cache_tokens(self.config, self.dtype, self.context_length,
+                                                max_running_requests))
 
         self._cv = threading.Condition()
         self._waiting: deque[EngineRequest] = deque()
@@ -434,9 +629,14 @@ class LocalEngine:
 
     def flush_cache(self) -> bool:
         """SGLang's ``Scheduler.flush_cache``: refused (False) unless
-        ``is_fully_idle(ignore_waiting=paused)``; this engine keeps no cache between requests,
-        so an accepted flush has nothing else to do."""
-        return self.is_fully_idle(ignore_waiting=self.paused)
+        ``is_fully_idle(ignore_waiting=paused)``; accepted, it empties the prefix cache
+        (``tree_cache.reset()``). Any thread: a request is in flight (so a flush is refused)
+        from admission until after its KV is stored."""
+        if not self.is_fully_idle(ignore_waiting=self.paused):
+            return False
+        if self.prefix_cache is not None:
+            self.prefix_cache.reset()
+        return True
 
     def set_weight_version(self, new_version: Optional[str]) -> int:
         """SGLang's ``record_weight_version_change`` (engine thread, through :meth:`call`): a
@@ -633,6 +833,59 @@ class LocalEngine:
                 layer.__class__ = _growing_layer_class()
         return cache
 
+    def _records_routes(self, r: EngineRequest) -> bool:
+        """Whether the routes of ``r``'s tokens are kept: for the request itself, and with the
+        prefix cache for every request (SGLang's capturer records every token it computes, so a
+        cached prefix always has its routes)."""
+        return self.capture_routed_experts and (r.return_routed_experts
+                                                or self.prefix_cache is not None)
+
+    def _lookup(self, r: EngineRequest):
+        """(m, per-layer KV of the m cached positions, their routes): the longest prefix of a new
+        request's ``input_ids`` in the prefix cache, at most ``len - 1`` and, with input
+        log-probs, ``logprob_start_len`` tokens (SGLang's ``_compute_max_prefix_len``). A
+        retracted request (it has output) is recomputed without a lookup."""
+        if self.prefix_cache is None or r.output_ids:
+            return 0, None, None
+        limit = len(r.input_ids) - 1
+        if r.return_logprob and r.logprob_start_len >= 0:
+            limit = min(limit, r.logprob_start_len)
+        m, kv, routes = self.prefix_cache.match(r.input_ids, limit)
+        if m and self._records_routes(r) and routes is None:
+            return 0, None, None  # (cannot happen: routes are recorded whenever they are kept)
+        return m, kv, routes
+
+    def _store(self, r: EngineRequest, cache, mask_row: torch.Tensor, row: int) -> None:
+        """Engine thread, just before ``r`` finishes by stop or length (still in flight, so no
+        flush runs meanwhile): put the KV ``r`` computed - row ``row`` of ``cache``, the columns
+        ``mask_row`` marks, ``prompt + output`` minus its last token - and its routes in the
+        prefix cache.
+
+        Aborted requests are never stored (this server's rule). SGLang 0.5.23 differs there: a
+        running request it aborts gets ``to_finish = FINISH_ABORT()``, runs one more decode step
+        and is released with ``release_kv_cache(req, tree_cache, checkpoint=True)``
+        (managers/scheduler.py ``abort_request``, "Abort method 3"; scheduler_components/
+        batch_result_processor.py), so its KV does enter the tree there."""
+        if self.prefix_cache is None:
+            return
+        cols = mask_row.nonzero()[:, 0]
+        seq = r.input_ids + r.output_ids
+        n = int(cols.numel())
+        if not 0 < n <= len(seq):
+            return
+        layers = self._kv(cache)
+        cols_dev = cols.to(self.device)
+
+        def take(begin: int, end: int) -> list:
+            idx = cols_dev[begin:end]
+            return [(k[row].index_select(1, idx), v[row].index_select(1, idx)) for k, v in layers]
+        routes = None
+        if self._records_routes(r) and r.routed:
+            routes = torch.cat(r.routed)
+            if routes.shape[0] < n:
+                routes = None
+        self.prefix_cache.insert(seq[:n], take, routes)
+
     def _prefill(self, reqs: list[EngineRequest]) -> None:
         for r in reqs:
             r.was_running = True
@@ -640,42 +893,73 @@ class LocalEngine:
         # on the current weights; the next token is sampled from the last position's logits.
         seqs = [r.input_ids + r.output_ids for r in reqs]
         lengths = [len(x) for x in seqs]
-        width = max(lengths)
+        hits = [self._lookup(r) for r in reqs]
+        for r, (m, _, _) in zip(reqs, hits):
+            if not r.output_ids:  # counted at the first prefill only (SGLang's retracted_stain)
+                r.cached_tokens = m
+        cached = [m for m, _, _ in hits]
+        todo = [n - m for n, m in zip(lengths, cached)]  # positions computed now, per row
+        past, width = max(cached), max(todo)
+        # Row i: [pad | cached_i (past) | pad | todo_i (input)], each part left-padded; without
+        # any hit (past == 0) exactly the left-padded prefill of every sequence.
         ids = torch.zeros(len(reqs), width, dtype=torch.long)
-        mask = torch.zeros(len(reqs), width, dtype=torch.long)
+        mask = torch.zeros(len(reqs), past + width, dtype=torch.long)
+        pos = torch.zeros(len(reqs), width, dtype=torch.long)
         for i, x in enumerate(seqs):
-            ids[i, width - lengths[i]:] = torch.tensor(x)
-            mask[i, width - lengths[i]:] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            m, t = cached[i], todo[i]
+            ids[i, width - t:] = torch.tensor(x[m:])
+            mask[i, past - m:past] = 1
+            mask[i, past + width - t:] = 1
+            pos[i, width - t:] = torch.arange(m, lengths[i])
+        cache = None
+        if past:
+            some = next(kv for m, kv, _ in hits if m)  # per layer ([H_kv, m, d], [H_kv, m, d])
+            layers = []
+            for layer in range(len(some)):
+                ref = some[layer][0]
+                k = ref.new_zeros(len(reqs), ref.shape[0], past, ref.shape[2])
+                v = torch.zeros_like(k)
+                for i, (m, kv, _) in enumerate(hits):
+                    if m:
+                        k[i, :, past - m:] = kv[layer][0]
+                        v[i, :, past - m:] = kv[layer][1]
+                layers.append((k, v))
+            cache = self._cache_from(layers)
         want_input = any(r.return_logprob and r.logprob_start_len >= 0 and not r.output_ids
                          for r in reqs)
-        capture = self.capture_routed_experts and any(r.return_routed_experts for r in reqs)
+        capture = any(self._records_routes(r) for r in reqs)
         self._routing = {} if capture else None
         try:
-            logits, cache = self._forward(ids, mask, pos, None, all_logits=want_input)
-            if capture:  # positions 0 .. len - 1 of each prompt (the left padding cut off)
+            logits, cache = self._forward(ids, mask, pos, cache, all_logits=want_input)
+            if capture:  # the computed positions of each row (its padding cut off)
                 routes = self._routes(len(reqs), width)
                 for i, r in enumerate(reqs):
-                    if r.return_routed_experts:  # a recomputed request: recorded anew
-                        if r.output_ids:
-                            r.routed.clear()
-                        r.routed.append(routes[i, width - lengths[i]:].clone())
+                    if self._records_routes(r):  # a recomputed request: recorded anew
+                        r.routed.clear()
+                        if cached[i]:  # the cached positions: the routes recorded with their KV
+                            r.routed.append(hits[i][2].clone())
+                        r.routed.append(routes[i, width - todo[i]:].clone())
         finally:
             self._routing = None
-        if want_input:
-            self._input_logprobs(reqs, logits, lengths, width)
+        hits = None  # the cached KV now lives in ``cache``
+        if want_input:  # logits column of position q in row i: q + (width - todo_i) - cached_i
+            self._input_logprobs(reqs, logits, lengths,
+                                 [width - t - m for t, m in zip(todo, cached)])
         last = logits[:, -1]
         keep = []
         for i, r in enumerate(reqs):
             if r._abort:
                 self._finish(r, finish_abort_running())
             elif r.max_new_tokens <= 0:
+                self._store(r, cache, mask[i], i)  # the whole prompt's KV was computed
                 self._finish(r, finish_length(0))
             else:
                 keep.append(i)
         if not keep:
             return
-        tokens = self._sample_and_record([reqs[i] for i in keep], last[keep])
+        tokens = self._sample_and_record(
+            [reqs[i] for i in keep], last[keep],
+            store=lambda j: self._store(reqs[keep[j]], cache, mask[keep[j]], keep[j]))
         still = [(i, t) for i, t in zip(keep, tokens) if not reqs[i].finished]
         if not still:
             return
@@ -686,12 +970,14 @@ class LocalEngine:
                     torch.tensor([lengths[i] for i, _ in still]),
                     torch.tensor([t for _, t in still]))
 
-    def _input_logprobs(self, reqs, logits, lengths, width) -> None:
+    def _input_logprobs(self, reqs, logits, lengths, shifts) -> None:
+        """``shifts[i]``: the logits column of row i's position q is ``q + shifts[i]`` (every
+        position from ``logprob_start_len`` on was computed: the cache stops before it)."""
         logprobs = torch.log_softmax(logits, dim=-1)  # raw, T = 1 (SGLang's input logprobs)
         for i, r in enumerate(reqs):
             if not (r.return_logprob and r.logprob_start_len >= 0) or r.output_ids:
                 continue  # (a recomputed request has its input logprobs already)
-            off = width - lengths[i]
+            off = shifts[i]
             start = min(r.logprob_start_len, lengths[i] - 1)
             vals: list[Optional[float]] = []
             tops: list[Optional[list[tuple[float, int]]]] = []
@@ -753,8 +1039,7 @@ class LocalEngine:
     def _decode_step(self) -> None:
         batch = len(self._running)
         mask = torch.cat([self._mask, torch.ones(batch, 1, dtype=self._mask.dtype)], dim=1)
-        capture = self.capture_routed_experts and any(r.return_routed_experts
-                                                      for r in self._running)
+        capture = any(self._records_routes(r) for r in self._running)
         self._routing = {} if capture else None
         try:
             logits, self._cache = self._forward(self._last[:, None], mask, self._next_pos[:, None],
@@ -762,21 +1047,25 @@ class LocalEngine:
             if capture:  # the position of each row's fed token (its last sampled one)
                 routes = self._routes(batch, 1)
                 for i, r in enumerate(self._running):
-                    if r.return_routed_experts:
+                    if self._records_routes(r):
                         r.routed.append(routes[i].clone())
         finally:
             self._routing = None
         self._mask = mask
         self._next_pos = self._next_pos + 1
-        tokens = self._sample_and_record(self._running, logits[:, -1])
+        tokens = self._sample_and_record(
+            self._running, logits[:, -1],
+            store=lambda i: self._store(self._running[i], self._cache, self._mask[i], i))
         self._last = torch.tensor(tokens)
         done = {i for i, r in enumerate(self._running) if r.finished}
         if done:
             self._drop_rows(done)
 
     # --- sampling
-    def _sample_and_record(self, reqs: list[EngineRequest], logits: torch.Tensor) -> list[int]:
-        """Sample one token per row of ``logits`` [B, V], append it, apply stop rules."""
+    def _sample_and_record(self, reqs: list[EngineRequest], logits: torch.Tensor, *,
+                           store: Optional[Callable[[int], None]] = None) -> list[int]:
+        """Sample one token per row of ``logits`` [B, V], append it, apply stop rules;
+        ``store(i)`` runs just before row i finishes (its KV into the prefix cache)."""
         logits = logits[:, : self.vocab_size]
         temps = torch.tensor([[r.sampling.temperature] for r in reqs], dtype=logits.dtype)
         logprobs = torch.log_softmax(logits / temps, dim=-1)  # [B, V], what SGLang returns
@@ -809,6 +1098,8 @@ class LocalEngine:
                     r.output_top.append(list(zip(top.values.tolist(), top.indices.tolist())))
             reason = self._stop_reason(r, tok)
             if reason is not None:
+                if store is not None:
+                    store(i)
                 self._finish(r, reason)
             elif r.on_event is not None:
                 r.on_event("token")

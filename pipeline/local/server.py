@@ -18,6 +18,12 @@ enforces (each rule checked against the wheel by ``tests/rollout/test_server_con
   flushed ..." (the weights and the engine's version did change; ``/model_info``'s version not);
 * an update to an unpaused server takes SGLang's model-update writer lock: it waits for every
   in-flight generate (each holds the reader lock) and holds new ones back; paused, it runs at once;
+* a prefix cache as SGLang's radix cache (``engine.PrefixCache``; ``--disable-radix-cache`` turns
+  it off, ``--radix-cache-max-tokens`` bounds it): ``meta_info.cached_tokens`` is the number of
+  prompt tokens it served, ``cached_tokens_details`` ``{"device": n, "host": 0}`` (None without a
+  hit); a request with ``n > 1`` first sends its prompt alone with ``max_new_tokens`` 0, as
+  SGLang's TokenizerManager does, so its samples find it cached; an accepted flush (and so every
+  weight update with ``flush_cache: true``) and ``release_memory_occupation`` empty it;
 * pause modes: ``abort`` aborts until no generate is left, ``in_place`` holds requests with their
   KV, ``retract`` sends running requests back to the waiting queue, recomputed (prompt + output so
   far re-prefilled) on the weights of the time after ``continue_generation``;
@@ -84,6 +90,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import dataclasses
 import ipaddress
 import json
 import logging
@@ -142,6 +149,14 @@ EXTENSIONS = ("checksums", "delta", "timings")
 EXTENSIONS_HEADER = "X-Megatron-Gspo-Extensions"
 """A request's negotiated extensions (comma-separated); without it a request is plain SGLang."""
 IMPLEMENTATION = "megatron-gspo local rollout server"
+
+
+def cached_tokens_details(cached_tokens: int) -> Optional[dict]:
+    """``meta_info.cached_tokens_details`` as 0.5.23 fills it without a hierarchical cache
+    (``SchedulerOutputStreamer.get_cached_tokens_details``, put in meta_info by the
+    TokenizerManager whenever the batch carries the list): None without a cache hit, else the
+    hit, all of it from the device tier."""
+    return {"device": cached_tokens, "host": 0} if cached_tokens > 0 else None
 
 
 def resolve_dp_layout(dp_size: int, attn_dp_size: int, enable_dp_attention: bool,
@@ -396,7 +411,9 @@ class LocalRolloutServer:
             weight_version=args.weight_version, skip_tokenizer_init=args.skip_tokenizer_init,
             dtype=args.dtype, max_queued_requests=max_queued,
             capture_routed_experts=bool(getattr(args, "enable_return_routed_experts", False)),
-            device=getattr(args, "device", "cpu"))
+            device=getattr(args, "device", "cpu"),
+            radix_cache=not getattr(args, "disable_radix_cache", False),
+            radix_cache_max_tokens=getattr(args, "radix_cache_max_tokens", None))
         self.weight_roots = [self.engine.model_path] + [
             Path(r).resolve() for r in (getattr(args, "weight_roots", None) or [])]
         """Directories update_weights_from_disk may read (resolved): the model's and
@@ -508,12 +525,14 @@ class LocalRolloutServer:
         meta["completion_tokens"] = len(r.output_ids)
         if not queued_abort:
             meta["reasoning_tokens"] = 0
-            meta["cached_tokens"] = 0
+            meta["cached_tokens"] = r.cached_tokens
         # SGLang 0.5.23: the scheduler's compute_weight_version_spans at finish, turned into
         # "weight_versions" (and the last visible "weight_version") by the TokenizerManager
         from pipeline.local.engine import add_weight_versions_to_meta_info
 
         add_weight_versions_to_meta_info(meta, r.weight_version_spans, len(r.output_ids))
+        if not queued_abort:
+            meta["cached_tokens_details"] = cached_tokens_details(r.cached_tokens)
         if not queued_abort:
             meta["dp_rank"] = 0
         meta["e2e_latency"] = r.e2e_latency
@@ -610,6 +629,44 @@ class LocalRolloutServer:
                 if not isinstance(response, StreamingResponse):  # a stream releases at its end
                     await release()
 
+        async def warm_prefixes(request, expanded):
+            """SGLang's parallel sampling (``n > 1``, TokenizerManager ``_handle_batch_request``):
+            each prompt first goes alone with ``max_new_tokens`` 0 ("Cache the common prefix for
+            parallel sampling"), answered before its samples are sent, so each sample finds
+            ``len(input_ids) - 1`` of its tokens in the prefix cache. The warm-up has a fresh rid
+            and a fixed seed (it samples nothing, so it draws nothing from ``--random-seed``'s
+            stream). Returns a response only when the client went away (499)."""
+            if eng.prefix_cache is None:
+                return None  # nothing to warm (SGLang still sends it; the tree drops it)
+            prompts = {}
+            for r, item, _ in expanded:
+                if item.sampling.n > 1 and id(item) not in prompts:
+                    prompts[id(item)] = (r.input_ids, item.sampling)
+            if not prompts:
+                return None
+            loop = asyncio.get_running_loop()
+            done: asyncio.Queue = asyncio.Queue()
+
+            def on_event(kind: str) -> None:
+                if kind == "finish":
+                    loop.call_soon_threadsafe(done.put_nowait, kind)
+            warm = [EngineRequest(uuid.uuid4().hex, ids,
+                                  dataclasses.replace(sampling, max_new_tokens=0, n=1,
+                                                      sampling_seed=0), on_event=on_event)
+                    for ids, sampling in prompts.values()]
+            eng.submit(warm)
+            remaining = len(warm)
+            while remaining:
+                try:
+                    await asyncio.wait_for(done.get(), timeout=1.0)
+                    remaining -= 1
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        for r in warm:
+                            eng.abort(r.rid)
+                        return Response(status_code=499)
+            return None
+
         async def submit_and_answer(request, call, release):
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue = asyncio.Queue()
@@ -622,6 +679,9 @@ class LocalRolloutServer:
 
             try:
                 expanded = self._expand(call, notify)
+                warmed = await warm_prefixes(request, expanded)
+                if warmed is not None:
+                    return warmed
                 eng.submit([r for r, _, _ in expanded])
             except ValueError as err:
                 return error_response(err)
@@ -703,6 +763,9 @@ class LocalRolloutServer:
                 "max_running_requests": eng.max_running_requests,
                 "max_prefill_tokens": eng.max_prefill_tokens,
                 "enable_memory_saver": False, "weight_version": str(a.weight_version),
+                "disable_radix_cache": eng.prefix_cache is None,
+                "radix_cache_max_tokens": (eng.prefix_cache.max_tokens
+                                           if eng.prefix_cache is not None else None),
                 "enable_metrics": self.enable_metrics,
                 "max_total_num_tokens": eng.context_length * eng.max_running_requests,
                 "max_req_input_len": eng.context_length - 1,
@@ -827,9 +890,21 @@ class LocalRolloutServer:
             return {"message": "Generation continued successfully.", "status": "ok"}
 
         @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+        async def release_memory_occupation(request: Request):
+            # nothing to release on the CPU (SGLang without memory saver); releasing the KV cache
+            # (tags null, [] or with "kv_cache") flushes it there (weight_updater.py
+            # release_memory_occupation: flush_cache()), so the prefix cache empties here too
+            try:
+                tags = (await _body(request)).get("tags")
+            except ValueError:
+                tags = None
+            if not tags or (isinstance(tags, list) and "kv_cache" in tags):
+                eng.flush_cache()
+            return _json(None)
+
         @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
-        async def memory_occupation():
-            return _json(None)  # nothing to release on the CPU (SGLang without memory saver)
+        async def resume_memory_occupation():
+            return _json(None)
 
         def failed(message: str, **extra):
             return _json({"success": False, "message": message, **extra}, 400)
@@ -1264,7 +1339,8 @@ class LocalRolloutServer:
         chunk["output_ids"] = list(r.output_ids[:n])
         meta: dict[str, Any] = {"id": r.rid, "finish_reason": None, "prompt_tokens": plen,
                                 "weight_version": self.reported_weight_version,
-                                "completion_tokens": n, "cached_tokens": 0}
+                                "completion_tokens": n, "cached_tokens": r.cached_tokens,
+                                "cached_tokens_details": cached_tokens_details(r.cached_tokens)}
         if item.return_logprob:
             meta["input_token_logprobs"] = []
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in

@@ -257,8 +257,8 @@ def test_full_mode_the_trainers_sync_reaches_a_server_the_stream_waits_for(clust
         pool, client, ctx, trainer = only_server_rollout(cluster, url, weights, pusher, tmp_path)
         sampling = SamplingParams(max_new_tokens=48)
 
-        async def generate(ids, seed, rid):
-            return (await client.generate_groups_async([ids], 4, sampling, seed=seed,
+        async def generate(prompt, seed, rid):
+            return (await client.generate_groups_async([prompt.prompt_ids], 4, sampling, seed=seed,
                                                        rid_prefix=rid))[0]
 
         drawn = iter(range(100))

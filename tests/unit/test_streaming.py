@@ -38,8 +38,8 @@ class Server:
     def length(self, prompt_index: int) -> int:
         return 40 if prompt_index % 5 == 0 else 6  # every fifth prompt is long ("hard")
 
-    async def generate(self, prompt_ids: list, seed: int, rid: str) -> list[RolloutResult]:
-        index, attempt = prompt_ids[0], int(rid.split("a")[-1])
+    async def generate(self, prompt, seed: int, rid: str) -> list[RolloutResult]:
+        index, attempt = prompt.prompt_ids[0], int(rid.split("a")[-1])
         out = []
         for s in range(G):
             self.requests += 1
@@ -54,9 +54,9 @@ class Server:
                     start = t
             aborted = index in self.abort_first_try and attempt == 0 and s == 0
             out.append(RolloutResult(
-                rid=f"{rid}-{s}", prompt_ids=list(prompt_ids), output_ids=[7] * len(labels),
+                rid=f"{rid}-{s}", prompt_ids=list(prompt.prompt_ids), output_ids=[7] * len(labels),
                 output_logprobs=[-0.5] * len(labels), finish_reason="abort" if aborted else "stop",
-                matched_stop=None, prompt_tokens=len(prompt_ids), completion_tokens=len(labels),
+                matched_stop=None, prompt_tokens=len(prompt.prompt_ids), completion_tokens=len(labels),
                 weight_version=labels[-1], server_url="sim", weight_versions=spans))
         return out
 
@@ -180,7 +180,7 @@ def test_a_restored_stream_trains_the_saved_groups_bit_for_bit():
 
 def test_a_stream_that_makes_no_progress_names_what_it_waited_for():
     class Stuck(Server):
-        async def generate(self, prompt_ids, seed, rid):
+        async def generate(self, prompt, seed, rid):
             await asyncio.sleep(60)
 
     stream = make_stream(Stuck(), 1, [], timeout_s=0.3)
@@ -194,7 +194,7 @@ def test_a_stream_that_makes_no_progress_names_what_it_waited_for():
 
 def test_a_rollout_error_reaches_the_trainer():
     class Broken(Server):
-        async def generate(self, prompt_ids, seed, rid):
+        async def generate(self, prompt, seed, rid):
             raise RuntimeError("server gone")
 
     stream = make_stream(Broken(), 1, [])

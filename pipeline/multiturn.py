@@ -1,0 +1,301 @@
+"""Multi-turn, tool-using rollouts: token-in / token-out trajectories with a loss mask.
+
+A trajectory alternates model turns and environment answers (``pipeline.environment``). Turn k's
+request is ``prompt + everything so far`` as token ids: the ids the server generated in earlier
+turns, exactly, and the ids of the environment's answers as tokenized once when they were
+appended. Nothing is ever re-rendered from messages (a chat template re-render does not give
+back the generated tokens: Qwen3's drops earlier ``<think>`` blocks and re-serialises tool-call
+JSON; ``docs/tools.md``).
+
+The result is one :class:`~pipeline.rollout.RolloutResult` whose ``output_ids`` are every turn's
+tokens and every answer's tokens in order, with ``output_mask`` 1 on the model's tokens and 0 on
+the appended ones; ``output_logprobs`` are the server's on the model's tokens and 0.0 on the
+others. The training batch's ``response_mask`` is that mask, so GSPO's length normalisation and
+sequence ratio ``s_i`` are taken over the model's tokens only.
+
+All turns of a trajectory go to the same server (``pin``), so its prefix cache serves the earlier
+turns (``cached_tokens`` per turn is recorded). With routing replay ``rollout`` each turn asks
+for routed experts, and the trajectory's rows are composed so that row t comes from the first
+turn that computed token t (the turn that generated it, or for an appended token and a turn's
+last token the next turn's prefill), i.e. the routes the server used when it first ran the token.
+
+Budgets end a trajectory: ``max_turns`` model turns, ``max_tokens`` output tokens (model and
+appended), ``max_tool_time_s`` of tool wall time; ``end_reason`` records which (done,
+max_turns, max_tokens, tool_error, abort).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional, Sequence
+
+if TYPE_CHECKING:
+    from pipeline.data import Prompt
+    from pipeline.environment import Environment
+    from pipeline.rollout import RolloutClient, RolloutResult, SamplingParams
+
+END_REASONS = ("done", "max_turns", "max_tokens", "tool_error", "abort")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Budgets:
+    max_turns: int
+    max_tokens: Optional[int]
+    """Output tokens per trajectory (model and appended); None: only ``fit_length`` bounds it."""
+    max_tool_time_s: float
+    fit_length: Optional[int] = None
+    """The longest prompt + output a training row holds (run.seq_length + 1): the output budget
+    is at most this minus the prompt's length."""
+
+    def output_limit(self, prompt_len: int) -> int:
+        limits = [x for x in (self.max_tokens,
+                              None if self.fit_length is None else self.fit_length - prompt_len)
+                  if x is not None]
+        if not limits:
+            raise ValueError("Budgets: give max_tokens or fit_length")
+        return min(limits)
+
+
+@dataclass
+class Turn:
+    """One model turn of a trajectory (offsets into the trajectory's ``output_ids``)."""
+
+    start: int
+    length: int
+    observation_length: int
+    finish_reason: str
+    cached_tokens: int
+    prompt_tokens: int
+    server_url: str
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_seconds: float = 0.0
+    errors: tuple[str, ...] = ()
+
+
+def turn_seed(sample_seed: Optional[int], turn: int) -> Optional[int]:
+    """Turn ``turn``'s sampling_seed: the sample's own for turn 0 (a one-turn trajectory samples
+    what a plain request does), a seed derived from it for the others."""
+    if sample_seed is None or turn == 0:
+        return sample_seed
+    from pipeline.rollout import _stream_seed
+
+    return _stream_seed("turn", sample_seed, turn)
+
+
+def compose_routes(parts: Sequence[Any]) -> Any:
+    """The trajectory's routed experts from its turns' (each ``[rows_k, L, K]``, rows_k growing):
+    row t from the first turn whose rows reach t. None if a turn has none."""
+    import torch
+
+    if any(p is None for p in parts):
+        return None
+    rows = [parts[0]]
+    have = parts[0].shape[0]
+    for p in parts[1:]:
+        if p.shape[0] > have:
+            rows.append(p[have:])
+            have = p.shape[0]
+    return torch.cat(rows).contiguous()
+
+
+async def run_trajectory(send: Callable[..., Awaitable["RolloutResult"]], env: "Environment",
+                         prompt: "Prompt", sampling: "SamplingParams", budgets: Budgets, *,
+                         rid: str, encode_text: Callable[[str], list[int]],
+                         decode: Callable[[Sequence[int]], str],
+                         routed_experts: Optional[tuple[int, int]] = None,
+                         pin: Optional[str] = None) -> "RolloutResult":
+    """One trajectory; ``send(rid, input_ids, sampling, routed_experts=, pin=)`` is a request
+    (``RolloutClient.session``)."""
+    from pipeline.rollout import RolloutResult
+
+    prompt_ids = list(await asyncio.to_thread(env.reset, prompt))
+    limit = budgets.output_limit(len(prompt_ids))
+    out: list[int] = []
+    logprobs: list[float] = []
+    mask: list[int] = []
+    spans: list[tuple[str, int, int]] = []
+    turns: list[Turn] = []
+    routes = []
+    tool_left = budgets.max_tool_time_s
+    end, last, reward = "max_turns", None, None
+    for k in range(budgets.max_turns):
+        room = limit - len(out)
+        if room <= 0:
+            end = "max_tokens"
+            break
+        sp = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, room),
+                     sampling_seed=turn_seed(sampling.sampling_seed, k))
+        r = await send(f"{rid}-t{k}", prompt_ids + out, sp, routed_experts=routed_experts,
+                       pin=pin)
+        last = r
+        pin = r.server_url or pin  # stay where the trajectory went
+        start = len(out)
+        out += r.output_ids
+        logprobs += r.output_logprobs
+        mask += [1] * len(r.output_ids)
+        spans += [(v, a + start, b + start) for v, a, b in r.weight_versions]
+        routes.append(r.routed_experts)
+        turn = Turn(start=start, length=len(r.output_ids), observation_length=0,
+                    finish_reason=r.finish_reason, cached_tokens=r.cached_tokens,
+                    prompt_tokens=len(prompt_ids) + start, server_url=r.server_url)
+        turns.append(turn)
+        if r.finish_reason == "abort":
+            end = "abort"
+            break
+        if r.finish_reason == "length" and len(out) >= limit:
+            end = "max_tokens"
+            break
+        step = await asyncio.to_thread(env.step, decode(r.output_ids), tool_time_left_s=tool_left)
+        tool_left -= step.tool_seconds
+        turn.tool_calls, turn.tool_errors = step.tool_calls, step.tool_errors
+        turn.tool_seconds, turn.errors = step.tool_seconds, tuple(step.errors)
+        if step.done:
+            end, reward = step.end_reason or "done", step.reward
+            break
+        if k == budgets.max_turns - 1:
+            break  # no turn follows: the answer is not appended
+        observation = encode_text(step.observation)
+        if len(out) + len(observation) >= limit:
+            end = "max_tokens"  # no room for the answer and a turn after it
+            break
+        out += observation
+        logprobs += [0.0] * len(observation)
+        mask += [0] * len(observation)
+        turn.observation_length = len(observation)
+    assert last is not None, "budgets.max_turns and max_tokens allow at least one turn"
+    routed = compose_routes(routes) if routed_experts is not None else None
+    records = [asdict(t) for t in turns]
+    if reward is not None:
+        records[-1]["reward"] = float(reward)
+    return RolloutResult(
+        rid=rid, prompt_ids=prompt_ids, output_ids=out, output_logprobs=logprobs,
+        finish_reason=last.finish_reason, matched_stop=last.matched_stop,
+        prompt_tokens=len(prompt_ids), completion_tokens=sum(mask),
+        weight_version=last.weight_version, server_url=last.server_url,
+        weight_versions=spans, routed_experts=routed,
+        cached_tokens=sum(t.cached_tokens for t in turns), output_mask=mask, turns=records,
+        end_reason=end)
+
+
+def final_turn_ids(result: "RolloutResult") -> list[int]:
+    """The tokens of a trajectory's last model turn (what the reward function scores); the
+    whole output for a one-turn sample."""
+    if not result.turns:
+        return list(result.output_ids)
+    t = result.turns[-1]
+    return list(result.output_ids[t["start"]:t["start"] + t["length"]])
+
+
+def trajectory_reward(result: "RolloutResult") -> Optional[float]:
+    """The reward the environment gave when the trajectory ended (None: not given)."""
+    if result.turns and "reward" in result.turns[-1]:
+        return float(result.turns[-1]["reward"])
+    return None
+
+
+async def generate_trajectory_groups(client: "RolloutClient", prompts: Sequence["Prompt"],
+                                     group_size: int, sampling: "SamplingParams", *,
+                                     make_env: Callable[[], "Environment"], budgets: Budgets,
+                                     encode_text: Callable[[str], list[int]],
+                                     decode: Callable[[Sequence[int]], str],
+                                     seed: Optional[int] = None, rid_prefix: str = "mt",
+                                     routed_experts: Optional[tuple[int, int]] = None
+                                     ) -> list[list["RolloutResult"]]:
+    """G trajectories per prompt (prompt-major), each on one server (a direct client of the
+    router's workers in router mode: the pick is ours, the router's policy does not see turns)."""
+    import random
+
+    from pipeline.rollout import sample_seed
+
+    direct = await client.direct_client()
+    base = seed if seed is not None else random.getrandbits(62)
+    async with direct.session() as send:
+        tasks = []
+        for p, prompt in enumerate(prompts):
+            for s in range(group_size):
+                sp = replace(sampling, n=1, sampling_seed=sample_seed(base, p, s))
+                tasks.append(run_trajectory(send, make_env(), prompt, sp, budgets,
+                                            rid=f"{rid_prefix}-p{p}-s{s}", encode_text=encode_text,
+                                            decode=decode, routed_experts=routed_experts,
+                                            pin=direct.pick_server()))
+        results = list(await asyncio.gather(*tasks))
+    return [results[p * group_size:(p + 1) * group_size] for p in range(len(prompts))]
+
+
+def trajectory_metrics(results: Sequence["RolloutResult"]) -> dict[str, float]:
+    """Per-batch means over trajectories (verl's names where it has them: ``num_turns``,
+    ``tool_calls``) and the share of each end reason; masked vs trained tokens."""
+    with_turns = [r for r in results if r.turns is not None]
+    if not with_turns:
+        return {}
+    n = len(with_turns)
+    out = {
+        "num_turns/mean": sum(len(r.turns) for r in with_turns) / n,
+        "num_turns/max": float(max(len(r.turns) for r in with_turns)),
+        "tool_calls/mean": sum(t["tool_calls"] for r in with_turns for t in r.turns) / n,
+        "tool_errors/mean": sum(t["tool_errors"] for r in with_turns for t in r.turns) / n,
+        "tool_time_s/mean": sum(t["tool_seconds"] for r in with_turns for t in r.turns) / n,
+        "trained_tokens": float(sum(sum(r.output_mask) for r in with_turns)),
+        "masked_tokens": float(sum(len(r.output_mask) - sum(r.output_mask) for r in with_turns)),
+    }
+    later = [t for r in with_turns for t in r.turns[1:]]
+    if later:  # the prefix cache on the turns after the first (sticky sessions)
+        out["cached_tokens_per_turn"] = sum(t["cached_tokens"] for t in later) / len(later)
+        out["cached_frac_per_turn"] = (sum(t["cached_tokens"] for t in later)
+                                       / max(1, sum(t["prompt_tokens"] for t in later)))
+    for reason in END_REASONS:
+        out[f"end_reason/{reason}"] = sum(r.end_reason == reason for r in with_turns) / n
+    return out
+
+
+class ToolRollouts:
+    """Rank 0, ``tools`` configured: the run's sandbox, environment and budgets; ``generate``
+    stands in for ``RolloutClient.generate_groups`` (prompts are ``Prompt`` objects)."""
+
+    def __init__(self, cfg: Any, encode_text: Callable[[str], list[int]]):
+        from pipeline.environment import ToolEnvironment
+        from pipeline.sandbox import ToolExecutor, ToolLimits, load_tools
+        from pipeline.tool_calls import FORMATS
+
+        tools = cfg.tools
+        self.executor = ToolExecutor(load_tools(tools.functions),
+                                     ToolLimits(timeout_s=tools.timeout_s, memory_mb=tools.memory_mb,
+                                                output_bytes=tools.output_bytes),
+                                     workers=tools.workers)
+        fmt = FORMATS[tools.format]
+        if tools.environment is not None:
+            from pipeline.rewards import load_function
+
+            try:
+                cls = load_function(tools.environment)
+            except Exception as err:
+                self.executor.close()
+                raise ValueError(f"tools.environment: {err}") from err
+            self.make_env = lambda: cls(executor=self.executor, tool_format=fmt)
+        else:
+            shared = ToolEnvironment(executor=self.executor, tool_format=fmt)
+            self.make_env = lambda: shared
+        self.budgets = Budgets(max_turns=tools.max_turns, max_tokens=tools.max_tokens,
+                               max_tool_time_s=tools.max_tool_time_s,
+                               fit_length=cfg.run.seq_length + 1)
+        self.encode_text = encode_text
+
+    def generate(self, client: "RolloutClient", prompts: Sequence["Prompt"], group_size: int,
+                 sampling: "SamplingParams", *, decode: Callable[[Sequence[int]], str],
+                 seed: Optional[int] = None, rid_prefix: str = "mt",
+                 routed_experts: Optional[tuple[int, int]] = None) -> list[list["RolloutResult"]]:
+        return asyncio.run(self.generate_async(client, prompts, group_size, sampling,
+                                               decode=decode, seed=seed, rid_prefix=rid_prefix,
+                                               routed_experts=routed_experts))
+
+    async def generate_async(self, client, prompts, group_size, sampling, *, decode, seed=None,
+                             rid_prefix: str = "mt", routed_experts=None):
+        return await generate_trajectory_groups(
+            client, prompts, group_size, sampling, make_env=self.make_env, budgets=self.budgets,
+            encode_text=self.encode_text, decode=decode, seed=seed, rid_prefix=rid_prefix,
+            routed_experts=routed_experts)
+
+    def close(self) -> None:
+        self.executor.close()

@@ -1,0 +1,210 @@
+"""The process tool calls run in (``pipeline.sandbox.ToolExecutor``).
+
+    python -m pipeline.tool_worker FD_IN FD_OUT OWNER_PID MEMORY_MB OUTPUT_BYTES SPEC [SPEC ...]
+
+It imports every SPEC ("package.module:function", through ``pipeline.rewards.load_function``),
+closes itself off and answers ``{"ready": {...}}`` (or ``{"fail": "error", ...}`` when an import
+fails). Then, for every request ``{"name": ..., "arguments": {...}}`` read from FD_IN, it runs
+``function(**arguments)`` and writes one answer to FD_OUT: ``{"ok": text}`` or ``{"fail": kind,
+"message": ...}`` with kind ``error`` (an exception, an unknown tool, bad arguments), ``memory``
+(MemoryError under the address-space limit), ``output_limit`` (more than OUTPUT_BYTES printed or
+returned) or ``network`` (a network call was attempted). Messages are JSON in
+``multiprocessing.connection`` frames (``send_bytes``): the owner never unpickles what a tool could
+have written.
+
+Closed off, before the first call:
+
+* network: the process moves to a fresh, empty network namespace (``unshare(CLONE_NEWUSER |
+  CLONE_NEWNET)``: no interface is up, so every connection fails, from Python, from C and from a
+  subprocess) where the kernel allows unprivileged user namespaces; in any case the ``socket``
+  module's connecting functions are replaced by one that records the attempt and raises, so an
+  attempt is reported as ``network`` even when the tool catches the exception;
+* memory: ``RLIMIT_AS`` (soft and hard) is what the process maps after the imports plus
+  MEMORY_MB, so a call can allocate at most about MEMORY_MB;
+* output: stdout and stderr (file descriptors 1 and 2, and ``sys.stdout`` / ``sys.stderr``) go to
+  a bounded buffer per call (Python's ``print``) and to /dev/null (file descriptors), stdin reads
+  /dev/null.
+
+What the owner does itself: the wall-clock timeout (it kills this process's group and starts a
+fresh worker), a crash (this process gone: ``os._exit``, a segfault, the OOM killer). This
+process dies by SIGKILL with its owner (PR_SET_PDEATHSIG) and blocks the stop signals (the owner
+decides when it ends), as the reward worker does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import json
+import os
+import resource
+import sys
+from multiprocessing.connection import Connection
+from typing import Any
+
+CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+
+
+class NetworkDenied(PermissionError):
+    """Raised by every connecting function of the ``socket`` module in a tool worker."""
+
+
+class OutputLimit(BaseException):
+    """The call printed more than the output limit (a BaseException: a tool's ``except
+    Exception`` does not swallow it)."""
+
+
+class _State:
+    network_attempts = 0
+
+
+def _deny(*args: Any, **kwargs: Any) -> Any:
+    _State.network_attempts += 1
+    raise NetworkDenied("network access is disabled in the tool sandbox")
+
+
+def isolate_network() -> str:
+    """Cut this process off the network; returns how ("namespace" or "python")."""
+    import socket
+
+    for name in ("connect", "connect_ex", "bind", "sendto", "sendmsg", "listen"):
+        setattr(socket.socket, name, _deny)
+    for name in ("create_connection", "create_server", "getaddrinfo", "gethostbyname",
+                 "gethostbyname_ex", "gethostbyaddr", "socketpair", "fromfd"):
+        setattr(socket, name, _deny)
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0:
+            return "namespace"
+    except OSError:
+        pass
+    return "python"
+
+
+def limit_memory(memory_mb: int) -> int:
+    """RLIMIT_AS = the address space mapped now + ``memory_mb``; returns the limit in bytes."""
+    with open("/proc/self/status") as f:
+        vm_kb = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
+    limit = vm_kb * 1024 + memory_mb * (1 << 20)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    return limit
+
+
+class _BoundedText(io.TextIOBase):
+    """``sys.stdout`` / ``sys.stderr`` during a call: keeps at most ``limit`` bytes, raises
+    :class:`OutputLimit` past them."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.parts: list[str] = []
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        n = len(s.encode("utf-8", errors="replace"))
+        if self.size + n > self.limit:
+            raise OutputLimit(f"printed more than {self.limit} bytes")
+        self.parts.append(s)
+        self.size += n
+        return len(s)
+
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def _as_text(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def run_call(functions: dict, name: str, arguments: Any, output_bytes: int) -> dict:
+    """One call: ``{"ok": text}`` (what it printed, then its return value as text) or
+    ``{"fail": kind, "message": ...}``."""
+    fn = functions.get(name)
+    if fn is None:
+        return {"fail": "error", "message": f"unknown tool {name!r}; the tools are: "
+                                            f"{', '.join(sorted(functions))}"}
+    if not isinstance(arguments, dict):
+        return {"fail": "error", "message": "the arguments must be a JSON object"}
+    attempts = _State.network_attempts
+    buffer = _BoundedText(output_bytes)
+    saved = sys.stdout, sys.stderr
+    sys.stdout = sys.stderr = buffer
+    try:
+        value = fn(**arguments)
+        text = buffer.text() + _as_text(value)
+    except OutputLimit as err:
+        return {"fail": "output_limit", "message": str(err)}
+    except MemoryError:
+        return {"fail": "memory", "message": "the call ran out of its memory limit"}
+    except NetworkDenied as err:
+        return {"fail": "network", "message": str(err)}
+    except TypeError as err:
+        return {"fail": "error", "message": f"TypeError: {err}"}
+    except Exception as err:  # noqa: BLE001 - the model sees the error, the run goes on
+        if _State.network_attempts > attempts:
+            return {"fail": "network", "message": "network access is disabled in the tool sandbox"}
+        return {"fail": "error", "message": f"{type(err).__name__}: {err}"}
+    finally:
+        sys.stdout, sys.stderr = saved
+    if _State.network_attempts > attempts:  # caught by the tool: still reported
+        return {"fail": "network", "message": "network access is disabled in the tool sandbox"}
+    if len(text.encode("utf-8", errors="replace")) > output_bytes:
+        return {"fail": "output_limit", "message": f"the output exceeds {output_bytes} bytes"}
+    return {"ok": text}
+
+
+def main(argv: list[str]) -> int:
+    fd_in, fd_out, owner = int(argv[0]), int(argv[1]), int(argv[2])
+    memory_mb, output_bytes, specs = int(argv[3]), int(argv[4]), argv[5:]
+    from megatron_gspo.lifetime import die_with_parent, shield_from_stop_signals
+
+    die_with_parent()
+    shield_from_stop_signals()
+    if os.getppid() != owner:  # the owner died before the parent-death signal was armed
+        return 1
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):  # nothing a tool writes reaches the owner's console, nothing is read
+        os.dup2(devnull, fd)
+    inbox, outbox = Connection(fd_in, writable=False), Connection(fd_out, readable=False)
+
+    def send(message: dict) -> None:
+        outbox.send_bytes(json.dumps(message).encode())
+
+    from pipeline.rewards import RewardError, load_function
+
+    functions = {}
+    for spec in specs:
+        try:
+            functions[spec.rpartition(":")[2]] = load_function(spec)
+        except RewardError as err:
+            send({"fail": "error", "message": str(err).replace("reward.function", "tool")})
+            return 1
+    network = isolate_network()
+    limit = limit_memory(memory_mb)
+    send({"ready": {"network": network, "address_space_limit": limit}})
+    while True:
+        try:
+            request = json.loads(inbox.recv_bytes())
+        except (EOFError, OSError):  # the owner closed the pipe: done
+            return 0
+        try:
+            answer = run_call(functions, request["name"], request["arguments"], output_bytes)
+        except MemoryError:
+            answer = {"fail": "memory", "message": "the call ran out of its memory limit"}
+        try:
+            send(answer)
+        except MemoryError:
+            return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

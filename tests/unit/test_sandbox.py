@@ -1,0 +1,167 @@
+"""The tool sandbox (``pipeline.sandbox``): each way a tool can misbehave is one failed call with
+its reason, and the next call on the same executor works.
+
+Run: ``.venv/bin/python -m pytest -q tests/unit/test_sandbox.py``
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from pipeline.sandbox import ToolExecutor, ToolLimits, load_tools
+
+M = "tests.unit.sandbox_tools"
+NAMES = ("add", "shout", "hang", "spin", "allocate", "flood_print", "flood_return", "exit_hard",
+         "segfault", "fetch", "fetch_quietly", "raw_connect", "fail")
+
+
+@pytest.fixture(scope="module")
+def executor():
+    tools = load_tools([f"{M}:{n}" for n in NAMES])
+    with ToolExecutor(tools, ToolLimits(timeout_s=2.0, memory_mb=64, output_bytes=2048),
+                      workers=2) as ex:
+        yield ex
+
+
+def assert_works(ex: ToolExecutor) -> None:
+    out = ex.call("add", {"a": 123456789, "b": 987654321})
+    assert out.ok and out.output == "1111111110" and out.error is None
+
+
+def test_a_call_returns_what_it_printed_then_its_value(executor):
+    out = executor.call("shout", {"text": "hi"})
+    assert out.ok and out.output == "printed: hi\nHI" and out.seconds > 0
+
+
+@pytest.mark.parametrize("tool", ["hang", "spin"])
+def test_a_call_past_its_timeout_is_killed_and_the_next_call_works(executor, tool):
+    starts = executor.stats["worker_starts"]
+    t0 = time.monotonic()
+    out = executor.call(tool, {})
+    assert not out.ok and out.error == "timeout" and "2 s" in out.output
+    assert 1.9 < out.seconds < 5 and time.monotonic() - t0 < 6
+    assert_works(executor)
+    assert executor.stats["worker_starts"] > starts  # the killed worker was replaced
+
+
+def test_the_trajectorys_tool_time_left_shortens_the_timeout(executor):
+    out = executor.call("hang", {}, timeout_s=0.3)
+    assert out.error == "timeout" and out.seconds < 1.5
+    assert_works(executor)
+
+
+def test_memory_past_the_limit_is_a_memory_error(executor):
+    assert executor.call("allocate", {"mb": 8}).output == str(8 << 20)  # within the limit
+    out = executor.call("allocate", {"mb": 512})
+    assert not out.ok and out.error == "memory" and out.output.startswith("error: memory:")
+    assert_works(executor)
+
+
+@pytest.mark.parametrize("tool,args", [("flood_print", {}), ("flood_return", {"nbytes": 10**6})])
+def test_an_output_flood_is_cut_at_the_limit(executor, tool, args):
+    t0 = time.monotonic()
+    out = executor.call(tool, args)
+    assert not out.ok and out.error == "output_limit" and len(out.output) < 200
+    assert time.monotonic() - t0 < 2.0  # stopped at the limit, not by the timeout
+    assert executor.call("flood_return", {"nbytes": 2048}).ok  # exactly the limit is fine
+    assert executor.call("flood_return", {"nbytes": 2049}).error == "output_limit"
+    assert_works(executor)
+
+
+@pytest.mark.parametrize("tool,how", [("exit_hard", "exited with status 3"),
+                                      ("segfault", "killed by SIGSEGV")])
+def test_a_crash_is_recorded_and_the_next_call_works(executor, tool, how):
+    out = executor.call(tool, {})
+    assert not out.ok and out.error == "crash" and how in out.output
+    assert_works(executor)
+
+
+@pytest.fixture
+def listener():
+    """A server on this machine's loopback that a tool could otherwise reach."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    srv.settimeout(0.2)
+    accepted = []
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                continue
+            accepted.append(1)
+            conn.sendall(b"secret")
+            conn.close()
+    stop = threading.Event()
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    yield srv.getsockname()[1], accepted
+    stop.set()
+    th.join()
+    srv.close()
+
+
+def test_network_attempts_fail_and_are_recorded(executor, listener):
+    port, accepted = listener
+    with socket.create_connection(("127.0.0.1", port)) as s:  # reachable from this process
+        assert s.recv(6) == b"secret"
+    accepted.clear()
+    out = executor.call("fetch", {"port": port})
+    assert not out.ok and out.error == "network"
+    out = executor.call("fetch_quietly", {"port": port})  # caught by the tool: still reported
+    assert not out.ok and out.error == "network"
+    if executor.network_isolation == "namespace":  # below Python: no interface at all
+        out = executor.call("raw_connect", {"port": port})
+        assert not out.ok and out.error == "error" and "unreachable" in out.output
+    else:
+        pytest.fail("expected unprivileged network namespaces on the test machine "
+                    f"(got {executor.network_isolation!r})")
+    time.sleep(0.3)
+    assert accepted == []  # nothing ever reached the server
+    assert_works(executor)
+
+
+def test_exceptions_unknown_tools_and_bad_arguments_are_errors(executor):
+    out = executor.call("fail", {"message": "boom"})
+    assert out.error == "error" and out.output == "error: error: ValueError: boom"
+    out = executor.call("nope", {})
+    assert out.error == "error" and "unknown tool 'nope'" in out.output and "add" in out.output
+    out = executor.call("add", {"a": 1})
+    assert out.error == "error" and "TypeError" in out.output
+    assert_works(executor)
+
+
+def test_calls_run_concurrently_on_the_workers(executor):
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(executor.call("hang", {"seconds": 1})))
+               for _ in range(2)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.output for r in results] == ["woke up"] * 2
+    assert time.monotonic() - t0 < 1.9  # both at once on the 2 workers
+
+
+def test_failures_are_counted_by_kind(executor):
+    s = executor.stats
+    assert s["calls"] > 10 and s["error/timeout"] >= 2 and s["error/crash"] >= 2
+    assert s["error/memory"] >= 1 and s["error/output_limit"] >= 2 and s["error/network"] >= 2
+
+
+def test_bad_tool_specs_name_the_field():
+    with pytest.raises(ValueError, match=r"tools.functions\[1\]: .*no attribute 'missing'"):
+        load_tools([f"{M}:add", f"{M}:missing"])
+    with pytest.raises(ValueError, match=r"tools.functions\[1\]: a second tool named 'add'"):
+        load_tools([f"{M}:add", f"{M}:add"])
+    with pytest.raises(ValueError, match=r"tools.functions\[0\]: 'nowhere.at_all:add': no module named 'nowhere'"):
+        load_tools(["nowhere.at_all:add"])
+    with pytest.raises(ValueError, match="tools.timeout_s"):
+        ToolLimits(timeout_s=0)
