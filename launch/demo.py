@@ -8,6 +8,12 @@
 It ends with ``held-out reward: SFT <x> -> GSPO <y>``: the mean held-out reward of the SFT policy
 (GSPO step 0) and of the final policy. Outputs go to ``--out`` (default runs/demo).
 
+``--task tools`` runs the multi-turn demo instead (docs/tools.md): sums of two 5-digit numbers,
+which the tiny model cannot add token by token, with a calculator tool (``pipeline.tasks:add``)
+run in the sandbox; SFT on reference trajectories that call it (the call format), then GSPO on
+multi-turn trajectories (launch/configs/tiny_cpu_tools*.yaml, out: runs/demo_tools). It ends with
+the same line and then ``tool calls per trajectory: <z>`` (held-out, final policy).
+
 Each stage is a ``megatron-gspo`` command of its own (in a session of its own; it gets SIGTERM if
 this process dies). SIGTERM, SIGINT (Ctrl-C), SIGUSR1 and SIGHUP (as SIGTERM) are passed on to the
 stage that runs, which checkpoints and exits 75; the demo then stops with that stage's status
@@ -31,15 +37,25 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("demo", help="SFT then GSPO on a tiny MoE on this machine, with plots",
                               description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(CONFIGS / "tiny_cpu.yaml"),
-                   help="GSPO run configuration (default: launch/configs/tiny_cpu.yaml)")
-    p.add_argument("--sft-config", default=str(CONFIGS / "tiny_cpu_sft.yaml"),
-                   help="SFT configuration (default: launch/configs/tiny_cpu_sft.yaml)")
-    p.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
+    p.add_argument("--task", choices=sorted(TASK_CONFIGS), default="addition",
+                   help="addition: one prompt, one response (default); tools: multi-turn "
+                        "trajectories with a calculator tool (docs/tools.md)")
+    p.add_argument("--config", default=None,
+                   help="GSPO run configuration (default: launch/configs/tiny_cpu.yaml, "
+                        "--task tools: tiny_cpu_tools.yaml)")
+    p.add_argument("--sft-config", default=None,
+                   help="SFT configuration (default: launch/configs/tiny_cpu_sft.yaml, "
+                        "--task tools: tiny_cpu_tools_sft.yaml)")
+    p.add_argument("--out", default=None,
+                   help="output directory (default: runs/demo, --task tools: runs/demo_tools)")
     p.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="SECTION.KEY=VALUE", help="override a GSPO setting (repeatable)")
     p.set_defaults(func=main)
 
+
+TASK_CONFIGS = {"addition": ("tiny_cpu.yaml", "tiny_cpu_sft.yaml", "runs/demo"),
+                "tools": ("tiny_cpu_tools.yaml", "tiny_cpu_tools_sft.yaml", "runs/demo_tools")}
+"""``--task`` -> (GSPO config, SFT config, output directory) by default."""
 
 FORWARDED = {signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGINT,
              signal.SIGUSR1: signal.SIGUSR1, signal.SIGHUP: signal.SIGTERM}
@@ -107,11 +123,14 @@ class Stages:
 def main(args: argparse.Namespace, argv: list[str]) -> int:
     from pipeline.metrics import read_metrics
 
-    out = Path(args.out)
+    config, sft_config, default_out = TASK_CONFIGS[args.task]
+    config = args.config or str(CONFIGS / config)
+    sft_config = args.sft_config or str(CONFIGS / sft_config)
+    out = Path(args.out or default_out)
     if (out / "gspo" / "checkpoints").exists() or (out / "sft").exists():
         raise SystemExit(f"{out} already holds a demo run: choose another --out or remove it")
-    sft = ["sft", "--config", args.sft_config, "--set", f"run.output_dir={out / 'sft'}"]
-    gspo = ["train", "--config", args.config, "--set", f"run.output_dir={out / 'gspo'}",
+    sft = ["sft", "--config", sft_config, "--set", f"run.output_dir={out / 'sft'}"]
+    gspo = ["train", "--config", config, "--set", f"run.output_dir={out / 'gspo'}",
             "--set", f"run.init_from={out / 'sft' / 'hf'}"]
     for override in args.overrides:
         gspo += ["--set", override]
@@ -122,9 +141,11 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
             stages.run(["plot", str(out / "gspo")])
     except Stopped as stopped:
         return int(stopped.code)
-    evals = [(r["step"], r["eval/reward_mean"]) for r in read_metrics(out / "gspo")
-             if "eval/reward_mean" in r]
-    if len(evals) < 2 or evals[0][0] != 0:
+    evals = [r for r in read_metrics(out / "gspo") if "eval/reward_mean" in r]
+    if len(evals) < 2 or evals[0]["step"] != 0:
         raise SystemExit("the GSPO run logged no held-out evaluation at step 0 and at the end")
-    print(f"held-out reward: SFT {evals[0][1]:.3f} -> GSPO {evals[-1][1]:.3f}", flush=True)
+    print(f"held-out reward: SFT {evals[0]['eval/reward_mean']:.3f} -> "
+          f"GSPO {evals[-1]['eval/reward_mean']:.3f}", flush=True)
+    if "eval/tool_calls/mean" in evals[-1]:  # multi-turn: the final policy's held-out trajectories
+        print(f"tool calls per trajectory: {evals[-1]['eval/tool_calls/mean']:.2f}", flush=True)
     return 0

@@ -710,14 +710,17 @@ class DataConfig:
     datasets are built by ``pipeline.data.build_datasets``.
     """
 
-    task: Optional[Literal["addition", "carry_addition"]] = "addition"
+    task: Optional[Literal["addition", "carry_addition", "tool_addition"]] = "addition"
     """Synthetic task (byte-level tokens): "addition" = exact sums "a+b=" -> "c";
     "carry_addition" = the same sums with a digit-by-digit carry trace before the answer (long
-    responses, ~10 tokens per column; the reward checks the final answer only); null with
-    data.train_path."""
+    responses, ~10 tokens per column; the reward checks the final answer only);
+    "tool_addition" = sums of two digits-digit numbers, the reference response a call of the
+    calculator tool pipeline.tasks:add, its response and the answer (with tools.functions, the
+    multi-turn demo: docs/tools.md); null with data.train_path."""
     digits: int = 2
     """addition: operands have up to this many digits; carry_addition: the number of columns is
-    drawn from [ceil(digits / 4), digits] (digits 24: responses of 62-243 tokens)."""
+    drawn from [ceil(digits / 4), digits] (digits 24: responses of 62-243 tokens);
+    tool_addition: operands have exactly this many digits."""
     num_eval_prompts: Optional[int] = 64
     """Held-out prompts evaluated every run.eval_interval steps (and at the start and the end):
     the task's "eval" split, or the first this many rows of data.eval_path (null: all rows)."""
@@ -767,7 +770,8 @@ class DataConfig:
                  f"data.label_key: must name a field or be null, got {self.label_key!r}")
 
 
-RewardKind = Literal["exact_match", "math", "addition", "carry_addition", "function", "http"]
+RewardKind = Literal["exact_match", "math", "addition", "carry_addition", "tool_addition",
+                     "function", "http"]
 REWARD_KINDS: tuple[str, ...] = typing.get_args(RewardKind)
 
 
@@ -778,7 +782,8 @@ class RewardConfig:
     kind: Optional[RewardKind] = None
     """exact_match: stripped response == label; math: equivalence through math-verify;
     addition: the synthetic task's exact match (up to the end token); carry_addition: exact
-    match of the final segment (the answer after the carry trace); function: reward.function;
+    match of the final segment (the answer after the carry trace); tool_addition: exact match
+    of a trajectory's last model turn with the sum; function: reward.function;
     http: a reward service at reward.url. null: the reward of data.task (required with files)."""
     function: Optional[str] = None
     """kind function: "package.module:function" or "path/to/file.py:function", called as
@@ -1057,10 +1062,12 @@ def validate_data_reward(data: DataConfig, reward: RewardConfig) -> None:
     """The reward must fit the prompts: files need an explicit kind, labels where it reads them."""
     _require(not (reward.kind is None and data.train_path is not None),
              f"reward.kind: required with data.train_path (one of {', '.join(REWARD_KINDS)})")
-    _require(not (reward.kind in ("exact_match", "math", "addition", "carry_addition")
+    _require(not (reward.kind in ("exact_match", "math", "addition", "carry_addition",
+                                  "tool_addition")
                   and data.task is None and data.label_key is None),
              f"data.label_key: reward.kind {reward.kind!r} compares with a label; set the label field")
-    _require(not (reward.kind in ("addition", "carry_addition") and data.tokenizer_dir is not None),
+    _require(not (reward.kind in ("addition", "carry_addition", "tool_addition")
+                  and data.tokenizer_dir is not None),
              f"reward.kind: {reward.kind!r} reads byte-level responses; with data.tokenizer_dir "
              "use exact_match")
 

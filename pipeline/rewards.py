@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Protocol, Sequence
 
 from pipeline.data import Prompt
-from pipeline.tasks import AdditionTask, CarryAdditionTask, Problem
+from pipeline.tasks import AdditionTask, CarryAdditionTask, Problem, ToolAdditionTask
 
 if TYPE_CHECKING:
     from megatron_gspo.config import DataConfig, RewardConfig
@@ -218,6 +218,13 @@ def carry_addition(prompt: Prompt, response_ids: list[int], response_text: str) 
     return CarryAdditionTask.reward(problem, list(response_ids))
 
 
+def tool_addition(prompt: Prompt, response_ids: list[int], response_text: str) -> float:
+    """The tool task's reward: the response (a trajectory's last model turn, up to the end token)
+    is the sum, the label's final answer."""
+    problem = Problem(prompt=prompt.text, answer=_label(prompt, "tool_addition"))
+    return ToolAdditionTask.reward(problem, list(response_ids))
+
+
 @lru_cache(maxsize=65536)
 def _parse_gold(label: str, timeout: Optional[int]):
     from math_verify import parse
@@ -255,6 +262,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "math": math_equal,
     "addition": addition,
     "carry_addition": carry_addition,
+    "tool_addition": tool_addition,
 }
 
 

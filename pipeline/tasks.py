@@ -7,6 +7,11 @@ the same problem on every rank and after a resume. The reward is exact match of 
 ``CarryAdditionTask``: the same sums written out column by column before the answer, a long
 response (64-256 tokens at ``digits`` 6-22) whose only checked part is its final segment, so
 that sequence length, packing and context parallelism matter (``data.task: carry_addition``).
+
+``ToolAdditionTask``: sums of two ``digits``-digit numbers (too long for the tiny model to add
+token by token) that a calculator tool solves (``data.task: tool_addition``, the multi-turn demo,
+``megatron-gspo demo --task tools``): the reference response calls :func:`add` in Qwen3's
+``<tool_call>`` format, reads the ``<tool_response>`` and answers with it.
 """
 
 from __future__ import annotations
@@ -149,7 +154,82 @@ class CarryAdditionTask:
         return (2 * self.digits + 2) + (10 * self.digits + 3)
 
 
-TASKS = {"addition": AdditionTask, "carry_addition": CarryAdditionTask}
+def add(a: int, b: int) -> int:
+    """The calculator of ``ToolAdditionTask`` (``tools.functions: ["pipeline.tasks:add"]``)."""
+    return int(a) + int(b)
+
+
+TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+
+
+@dataclass(frozen=True)
+class ToolAdditionTask:
+    """Sums of two numbers of exactly ``digits`` digits, solved with the ``add`` tool.
+
+    Prompt ``"48213+90517="``; the reference response (the SFT label) is a trajectory in the
+    ``plain`` tool format (``pipeline.tool_calls.FORMATS``): a turn that calls the tool and ends
+    with the end token, the tool's response as the environment appends it, the answer::
+
+        <tool_call>{"name":"add","arguments":{"a":48213,"b":90517}}</tool_call>\n
+        <tool_response>138730</tool_response>138730
+
+    (one line in the data; the end token follows). The reward is exact match of the last model
+    turn (up to the end token) with the sum, whatever came before it: an answer without a call
+    counts as much as one after a call (it is just rarely right at this length).
+    """
+
+    digits: int = 5
+    seed: int = 0
+
+    name = "tool_addition"
+
+    def is_held_out(self, a: int, b: int) -> bool:
+        return random.Random(f"{self.seed}:tool-pair:{a}:{b}").random() < 0.125
+
+    def problem(self, index: int, *, split: str = "train") -> Problem:
+        if split not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        rng = random.Random(f"{self.seed}:tool:{split}:{index}")
+        low, high = 10 ** (self.digits - 1) if self.digits > 1 else 0, 10 ** self.digits - 1
+        while True:
+            a, b = rng.randint(low, high), rng.randint(low, high)
+            if self.is_held_out(a, b) == (split == "eval"):
+                return Problem(prompt=f"{a}+{b}=", answer=self.response(a, b))
+
+    def problems(self, start: int, count: int, *, split: str = "train") -> list[Problem]:
+        return [self.problem(i, split=split) for i in range(start, start + count)]
+
+    @staticmethod
+    def call(a: int, b: int) -> str:
+        """The model's tool-calling turn (without its end token)."""
+        return f'<tool_call>{{"name":"add","arguments":{{"a":{a},"b":{b}}}}}</tool_call>'
+
+    @classmethod
+    def response(cls, a: int, b: int) -> str:
+        """The reference trajectory (without the final end token)."""
+        return (cls.call(a, b) + chr(EOS_ID) + TOOL_RESPONSE_OPEN + str(a + b)
+                + TOOL_RESPONSE_CLOSE + str(a + b))
+
+    @staticmethod
+    def final_answer(text: str) -> str:
+        """The answer of a response or label: what follows its last tool response."""
+        return text.rsplit(TOOL_RESPONSE_CLOSE, 1)[-1].strip()
+
+    @classmethod
+    def reward(cls, problem: Problem, response_ids: list[int]) -> float:
+        """1.0 if the response (a trajectory's last model turn), up to the end token, is the sum."""
+        text = decode(response_ids[:response_ids.index(EOS_ID)] if EOS_ID in response_ids
+                      else response_ids)
+        return 1.0 if text.strip() == cls.final_answer(problem.answer) else 0.0
+
+    def max_length(self) -> int:
+        """Prompt + reference trajectory + end token of the longest problem."""
+        n = self.digits
+        return (2 * n + 2) + len(self.response(10 ** n - 1, 10 ** n - 1)) + 1
+
+
+TASKS = {"addition": AdditionTask, "carry_addition": CarryAdditionTask,
+         "tool_addition": ToolAdditionTask}
 """``data.task`` name -> task class (constructed with ``digits`` and ``seed``)."""
 
 
