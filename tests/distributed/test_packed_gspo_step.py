@@ -8,6 +8,12 @@ CP2, CP2xTP2 (+SP), CP2xEP2, CP2xPP2 and DP2 (world <= 4). Loss, every gradient 
 updated weight (one Adam step with clipping) must match to 1e-5 relative. The batch makes GSPO
 clip some sequences on each side, and two sequences' responses lie entirely on one CP rank
 (lengths 1 and 3, padded to 4: rank 0 holds positions {0, 3}, rank 1 {1, 2}).
+
+Multi-turn batches (``pipeline.multiturn``, docs/tools.md): 8 trajectories of 1 to 5 model turns
+with tool outputs between them, whose ``response_mask`` has holes (the tool outputs are context,
+not response), take the same step under DP2, TP2 (+SP), PP2, EP2 and the context-parallel
+layouts, packed, as in one process; the holes matter (the same batch without them takes another
+step), and the single-process run clips on both sides.
 """
 
 from __future__ import annotations
@@ -54,11 +60,39 @@ def mixed_length_batch(seed: int = 11, vocab: int = 250) -> dict:
     return batch
 
 
-def _run(name, weights, batch, reference=False):
+# Multi-turn trajectories: (prompt tokens, [model, tool, model, tool, ..., model] segment lengths)
+MT_SHAPES = [(3, [5, 4, 6]), (10, [20, 30, 15, 8, 40]), (2, [1, 3, 2]), (25, [60]),
+             (5, [30, 70, 50]), (4, [2, 2, 2, 2, 2, 2, 2, 2, 2]), (12, [100, 20, 60]),
+             (6, [9, 9, 9])]
+# name -> as RUNS; also the layouts without context parallelism
+MT_RUNS = {**{k: RUNS[k] for k in ("CP2", "CP2xTP2", "CP2xEP2", "CP2xPP2", "DP2")},
+           "TP2": (2, {"tensor": 2, "sequence_parallel": True}, 270, True),
+           "PP2": (2, {"pipeline": 2}, 270, True),
+           "EP2": (2, {"expert": 2}, 270, True)}
+
+
+def multiturn_batch(seed: int = 13, vocab: int = 250, holes: bool = True) -> dict:
+    """``rl_batch`` of MT_SHAPES with output masks: 1 on model segments, 0 on tool segments
+    (all 1 with ``holes`` False)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts, outputs, masks = [], [], []
+    for p, segments in MT_SHAPES:
+        prompts.append(torch.randint(1, vocab, (p,), generator=gen).tolist())
+        outputs.append(torch.randint(1, vocab, (sum(segments),), generator=gen).tolist())
+        masks.append([int(k % 2 == 0 or not holes) for k, n in enumerate(segments)
+                      for _ in range(n)])
+    lps = [[0.0] * len(o) for o in outputs]
+    batch = rl_batch(prompts, outputs, lps, torch.tensor(ADVANTAGES), SEQ, 0, output_masks=masks)
+    noise = 0.01 * torch.randn(batch["tokens"].shape, generator=gen)
+    batch["old_log_prob_offset"] = torch.tensor(SHIFT)[:, None] + noise
+    return batch
+
+
+def _run(name, weights, batch, reference=False, runs=RUNS):
     if reference:
         world, section, budget, response_only = 1, {}, None, False
     else:
-        world, section, budget, response_only = RUNS[name]
+        world, section, budget, response_only = runs[name]
     cfg = tiny_config(section, gspo=GSPO)
     results = run_on_ranks(world, packed_worker.run_gspo_step,
                            (cfg, weights, batch, budget, 2, response_only), timeout_s=600)
@@ -120,3 +154,35 @@ def test_packed_step_matches_single_process_padded(name, reference):
     assert not bad, f"{name}: updated weights differ from the single-process padded run: {bad}"
     moved = max(max_rel_diff(ref["weights"][n], weights[n].double()) for n in ref["weights"])
     assert moved > 1e-4
+
+
+@pytest.fixture(scope="module")
+def multiturn_reference():
+    weights = random_hf_weights(tiny_config({})["model"], seed=23)
+    batch = multiturn_batch()
+    return weights, batch, _run(None, weights, batch, reference=True)
+
+
+def test_multiturn_batch_has_holes_that_change_the_step(multiturn_reference):
+    weights, batch, ref = multiturn_reference
+    mask = batch["response_mask"]
+    # row 1: prompt 10, then model 20 / tool 30 / model 15 / tool 8 / model 40
+    assert mask[1].nonzero()[:, 0].tolist() == (list(range(9, 29)) + list(range(59, 74))
+                                                + list(range(82, 122)))
+    assert 2 <= ref["clipped"] <= len(MT_SHAPES) - 2
+    flat = _run(None, weights, multiturn_batch(holes=False), reference=True)
+    assert abs(flat["loss"] - ref["loss"]) > 1e-3 * abs(ref["loss"])
+
+
+@pytest.mark.parametrize("name", list(MT_RUNS))
+def test_multiturn_step_matches_single_process(name, multiturn_reference):
+    weights, batch, ref = multiturn_reference
+    run = _run(name, weights, batch, runs=MT_RUNS)
+    assert run["num_units"] == ref["num_units"] == len(MT_SHAPES)
+    assert abs(run["clipped"] - ref["clipped"]) < 1e-6
+    assert abs(run["loss"] - ref["loss"]) <= TOLERANCE * abs(ref["loss"])
+    assert abs(run["grad_norm"] - ref["grad_norm"]) <= TOLERANCE * ref["grad_norm"]
+    for key in ("grads", "weights"):
+        bad = {n: max_rel_diff(run[key][n], ref[key][n]) for n in ref[key]
+               if max_rel_diff(run[key][n], ref[key][n]) > TOLERANCE}
+        assert not bad, f"{name}: {key} differ from the single-process run: {bad}"

@@ -19,12 +19,17 @@ environment answers every turn with text of its own for three turns. Checked:
   previous request + its output - 1);
 * routing replay ``rollout``: the trajectory's routes, composed from its turns, equal the routes
   of the single-turn equivalent (the whole trajectory prefilled at once on the cold server), and
-  so do the replay rows of the training batch.
+  so do the replay rows of the training batch;
+* a weight update while a tool call is in flight (the asynchronous modes push weights whenever a
+  step ends): the next turn runs on the new weights from a flushed cache, the trajectory's
+  ``weight_versions`` spans name each turn's version at its offsets (the tool's tokens in no
+  span), and each turn's log-probs are those of its own weights.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -52,6 +57,11 @@ def moe_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("multiturn") / "moe16"
     model.save_pretrained(directory)
     save_tokenizer(directory, model.config.vocab_size)
+    other = build_hf_model(CASE, seed=8, num_layers=NUM_LAYERS, num_experts=NUM_EXPERTS,
+                           num_experts_per_tok=TOP_K)  # the weights of version "1"
+    other.config.eos_token_id = other.generation_config.eos_token_id = EOS_ID
+    other.save_pretrained(directory.parent / "moe16_v1")
+    save_tokenizer(directory.parent / "moe16_v1", other.config.vocab_size)
     return directory
 
 
@@ -67,8 +77,11 @@ def servers(moe_dir):
     """(two servers with prefix caches, a cold reference), routed experts on every one."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    hot = [InProcessServer(moe_dir, enable_return_routed_experts=True) for _ in range(2)]
-    cold = InProcessServer(moe_dir, enable_return_routed_experts=True, disable_radix_cache=True)
+    roots = [str(moe_dir.parent)]  # the second weights (moe16_v1) may be loaded
+    hot = [InProcessServer(moe_dir, enable_return_routed_experts=True, weight_roots=roots)
+           for _ in range(2)]
+    cold = InProcessServer(moe_dir, enable_return_routed_experts=True, disable_radix_cache=True,
+                           weight_roots=roots)
     yield hot, cold
     for s in (*hot, cold):
         s.close()
@@ -227,3 +240,88 @@ def test_per_turn_routes_equal_the_single_turn_equivalents(servers, tokenizer):
     flat = rx.batch_routed_experts([ids[:-1]], [ids[-1:]], [single], seq, NUM_LAYERS, TOP_K)
     assert torch.equal(multi, flat)
     assert (multi[0, :len(ids) - 1] >= 0).all() and (multi[0, len(ids) - 1:] == rx.UNKNOWN).all()
+
+
+class ToolInFlight(Answering):
+    """Turn 0's "tool call" waits until ``release`` is set (``busy`` says it started)."""
+
+    def __init__(self):
+        super().__init__()
+        self.busy, self.release = threading.Event(), threading.Event()
+
+    def step(self, text, *, tool_time_left_s):
+        if self.turn == 0:
+            self.busy.set()
+            assert self.release.wait(60)
+        return super().step(text, tool_time_left_s=tool_time_left_s)
+
+
+def load_weights(server, path, version: str) -> None:
+    status, answer = http_json("POST", server.url + "/update_weights_from_disk",
+                               {"model_path": str(path), "weight_version": version})
+    assert status == 200 and answer["success"], answer
+
+
+def score(server, ids):
+    status, answer = http_json("POST", server.url + "/generate", {
+        "input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
+        "sampling_params": {"max_new_tokens": 0}})
+    assert status == 200, answer
+    return [lp for lp, _, _ in answer["meta_info"]["input_token_logprobs"]]
+
+
+def test_a_weight_update_during_a_tool_call_keeps_the_trajectory_right(servers, tokenizer,
+                                                                        moe_dir):
+    hot, cold = servers
+    client = RolloutClient(server_urls=[s.url for s in hot])
+    env = ToolInFlight()
+    wire, out = [], {}
+
+    async def go():
+        async with client.session() as send:
+            async def recording(rid, ids, sampling, **kw):
+                r = await send(rid, ids, sampling, **kw)
+                wire.append((list(ids), r))
+                return r
+            return await run_trajectory(
+                recording, env, prompt_of(tokenizer, "7+8="),
+                SamplingParams(max_new_tokens=10, sampling_seed=21),
+                Budgets(max_turns=TURNS, max_tokens=None, max_tool_time_s=60.0, fit_length=200),
+                rid="inflight", encode_text=encode_text(tokenizer), decode=tokenizer.decode,
+                pin=client.pick_server())
+    worker = threading.Thread(target=lambda: out.setdefault("r", asyncio.run(go())))
+    worker.start()
+    old_version = None
+    try:
+        assert env.busy.wait(60)
+        old_version = wire[0][1].weight_version
+        for server in hot:  # the trainer's push, while the tool runs
+            load_weights(server, moe_dir.parent / "moe16_v1", "1")
+        env.release.set()
+        worker.join(60)
+        r = out["r"]
+        assert r.end_reason == "done" and len(r.turns) == TURNS
+        t = r.turns
+        assert r.weight_versions == [(old_version, 0, t[0]["length"])] + [
+            ("1", t[k]["start"], t[k]["start"] + t[k]["length"]) for k in range(1, TURNS)]
+        assert old_version != "1"
+        assert t[1]["cached_tokens"] == 0 and t[2]["cached_tokens"] > 0  # flushed by the push
+        # each turn's log-probs are those of the weights it ran on
+        ids, p = r.prompt_ids + r.output_ids, len(r.prompt_ids)
+        load_weights(cold, moe_dir.parent / "moe16_v1", "1")
+        new = score(cold, ids)
+        load_weights(cold, moe_dir, "0")
+        old = score(cold, ids)
+        for k, turn in enumerate(t):
+            ref = old if k == 0 else new
+            other = new if k == 0 else old
+            got = r.output_logprobs[turn["start"]:turn["start"] + turn["length"]]
+            want = ref[p + turn["start"]:p + turn["start"] + turn["length"]]
+            assert got == pytest.approx(want, abs=1e-4), k
+            assert got != pytest.approx(other[p + turn["start"]:p + turn["start"]
+                                              + turn["length"]], abs=1e-3)
+    finally:
+        env.release.set()
+        worker.join(60)
+        for server in hot:
+            load_weights(server, moe_dir, "0")
