@@ -15,6 +15,9 @@ Charts (each skipped, with a note, when its metrics are absent from the file):
                        expert set changed over the step's updates, and per layer (docs/routing.md)
   log_ratio_var.png    variance of log w_it over tokens and of log s_i over sequences, per step
   grad_norm.png, throughput.png (rollout / training tokens per second), loss.png (SFT runs)
+  tool_calls.png       multi-turn runs (docs/tools.md): tool calls, tool errors and model turns per
+                       trajectory, training and held-out
+  end_reasons.png      multi-turn runs: the share of trajectories ended by each reason
 """
 
 from __future__ import annotations
@@ -307,6 +310,15 @@ CHARTS: dict[str, Callable] = {
                           [("train/requeued", "re-queued"), ("train/resumed", "samples resumed"),
                            ("train/in_flight_groups", "in flight"),
                            ("train/buffered_groups", "buffered")]),
+    # multi-turn, tool-using rollouts (docs/tools.md)
+    "tool_calls.png": _simple("Tool calls per trajectory", "per trajectory",
+                              [("train/tool_calls/mean", "tool calls"),
+                               ("eval/tool_calls/mean", "tool calls (held-out)"),
+                               ("train/tool_errors/mean", "tool errors"),
+                               ("train/num_turns/mean", "model turns")]),
+    "end_reasons.png": _simple("Why trajectories ended", "share of trajectories",
+                               [(f"train/end_reason/{r}", r) for r in
+                                ("done", "max_turns", "max_tokens", "tool_error", "abort")]),
     "behaviour_weight.png": _simple("Behaviour weight m_i (decoupled objective)", "value",
                                     [("train/mismatch_weight_mean", "mean"),
                                      ("train/mismatch_weight_max", "max"),

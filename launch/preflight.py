@@ -17,6 +17,8 @@ longest prompt + rollout.max_new_tokens   yes     yes     -       yes
 the same within a packed micro-batch      yes     yes     -       yes
 longest prompt + label (SFT rows)         -       -       yes     -
 reward function / service configured      yes     yes     -       yes
+``tools``: each tool and the environment   yes     yes     -       yes
+import
 external router reachable (5 s)           note    yes     -       - (the job starts its own)
 run directory writable (probed)           -       yes     yes     yes
 run directory not locked by a live run    -       yes     yes     yes
@@ -105,6 +107,13 @@ def check(cfg: Config, *, program: Program, world_size: Optional[int],
     from pipeline.rewards import build_reward
 
     build_reward(cfg.reward, cfg.data)  # imports a reward function; RewardError names it
+    if cfg.tools.enabled():
+        from pipeline.multiturn import check_tools
+
+        try:
+            check_tools(cfg.tools)  # imports every tool and the environment class
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
     if program == "train" and cfg.rollout.mode == "external":
         check_router(cfg.rollout.router_url)
 

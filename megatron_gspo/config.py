@@ -849,11 +849,13 @@ class ToolsConfig:
     """Tool wall time per trajectory, all calls together; a call may not run past what is left,
     and when it is spent the trajectory ends (end reason tool_error)."""
     timeout_s: float = 5.0
-    """Wall-clock limit of one tool call (the call fails with error timeout; the turn goes on)."""
+    """Wall-clock limit of one tool call (the call fails with error timeout, its worker process
+    is killed and replaced; the trajectory goes on)."""
     memory_mb: int = 512
-    """Address-space limit of the process that runs one call (error memory)."""
+    """Memory one call may allocate: its worker's address-space limit (RLIMIT_AS) is what the
+    worker maps after importing the tools plus this many MiB (error memory past it)."""
     output_bytes: int = 4096
-    """The most bytes a call may return or print (error output_limit past it)."""
+    """The most bytes a call may print and return together (error output_limit past it)."""
     workers: int = 4
     """Sandbox worker processes on rank 0: tool calls that run at once."""
 

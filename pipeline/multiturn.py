@@ -250,6 +250,33 @@ def trajectory_metrics(results: Sequence["RolloutResult"]) -> dict[str, float]:
     return out
 
 
+def load_environment(spec: Optional[str]) -> Optional[type]:
+    """The class named by ``tools.environment`` (None for none); ValueError naming the field."""
+    if spec is None:
+        return None
+    from pipeline.rewards import RewardError, load_function
+
+    try:
+        cls = load_function(spec)
+    except RewardError as err:
+        raise ValueError(f"tools.environment: {str(err).replace('reward.function ', '')}") from err
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if not isinstance(cls, type) or missing:
+        raise ValueError(f"tools.environment {spec!r}: not an environment class (it needs "
+                         f"reset(prompt) and step(text, *, tool_time_left_s); "
+                         f"{'missing ' + ', '.join(missing) if missing else 'not a class'})")
+    return cls
+
+
+def check_tools(tools: Any) -> None:
+    """Preflight of the ``tools`` section: every tool and the environment import (ValueError
+    naming ``tools.functions[i]`` or ``tools.environment``)."""
+    from pipeline.sandbox import load_tools
+
+    load_tools(tools.functions)
+    load_environment(tools.environment)
+
+
 class ToolRollouts:
     """Rank 0, ``tools`` configured: the run's sandbox, environment and budgets; ``generate``
     stands in for ``RolloutClient.generate_groups`` (prompts are ``Prompt`` objects)."""
@@ -260,22 +287,16 @@ class ToolRollouts:
         from pipeline.tool_calls import FORMATS
 
         tools = cfg.tools
+        env_class = load_environment(tools.environment)
         self.executor = ToolExecutor(load_tools(tools.functions),
                                      ToolLimits(timeout_s=tools.timeout_s, memory_mb=tools.memory_mb,
                                                 output_bytes=tools.output_bytes),
                                      workers=tools.workers)
         fmt = FORMATS[tools.format]
-        if tools.environment is not None:
-            from pipeline.rewards import load_function
-
-            try:
-                cls = load_function(tools.environment)
-            except Exception as err:
-                self.executor.close()
-                raise ValueError(f"tools.environment: {err}") from err
-            self.make_env = lambda: cls(executor=self.executor, tool_format=fmt)
+        if env_class is not None:  # one environment per trajectory (it may keep state)
+            self.make_env = lambda: env_class(executor=self.executor, tool_format=fmt)
         else:
-            shared = ToolEnvironment(executor=self.executor, tool_format=fmt)
+            shared = ToolEnvironment(executor=self.executor, tool_format=fmt)  # stateless
             self.make_env = lambda: shared
         self.budgets = Budgets(max_turns=tools.max_turns, max_tokens=tools.max_tokens,
                                max_tool_time_s=tools.max_tool_time_s,

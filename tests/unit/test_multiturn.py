@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -280,7 +281,7 @@ def test_s_i_and_the_loss_cover_the_model_tokens_only(variant):
             total += min(s * a, clipped * a)
             for p in pos:
                 grad[i, p] = -(s * a / n if unclipped else 0.0) / len(trajs)
-    assert float(loss) == pytest.approx(-total / len(trajs), rel=1e-12, abs=1e-12)
+    assert float(loss.detach()) == pytest.approx(-total / len(trajs), rel=1e-12, abs=1e-12)
     assert torch.allclose(lp.grad, grad, rtol=1e-10, atol=1e-13)
     assert metrics["log_ratio_seq_mean"] == pytest.approx(sum(log_s) / len(log_s), rel=1e-9)
     assert metrics["log_ratio_seq_max"] == pytest.approx(max(log_s), rel=1e-9)
@@ -293,3 +294,84 @@ def test_the_batch_refuses_a_mask_of_the_wrong_length_or_without_model_tokens():
         rl_batch([[1, 2]], [[3, 4, 5]], [[0.0] * 3], adv, 8, 0, output_masks=[[1, 0]])
     with pytest.raises(ValueError, match="at least one 1"):
         rl_batch([[1, 2]], [[3, 4, 5]], [[0.0] * 3], adv, 8, 0, output_masks=[[0, 0, 0]])
+
+
+# ------------------------------------------------------------------------------------------------
+# Configuration
+
+
+class NotAnEnvironment:
+    def reset(self, prompt):
+        return []
+
+
+@pytest.mark.parametrize("section,said", [
+    ({"functions": ["pipeline.tasks"]}, "tools.functions[0]: expected"),
+    ({"functions": ["pipeline.tasks:add"], "max_turns": 0}, "tools.max_turns: must be >= 1"),
+    ({"functions": ["pipeline.tasks:add"], "timeout_s": 0}, "tools.timeout_s: must be > 0"),
+    ({"functions": ["pipeline.tasks:add"], "workers": 0}, "tools.workers: must be >= 1"),
+    ({"functions": ["pipeline.tasks:add"], "format": "xml"}, "tools.format"),
+    ({"environment": "NoColon"}, "tools.environment: expected"),
+])
+def test_bad_tools_settings_name_the_field(section, said):
+    from megatron_gspo.config import ConfigError, config_from_dict
+
+    with pytest.raises((ConfigError, ValueError), match=re.escape(said)):
+        config_from_dict({"tools": section})
+
+
+@pytest.mark.parametrize("section,said", [
+    ({"functions": ["pipeline.tasks:add", "pipeline.tasks:nope"]},
+     "tools.functions[1]: 'pipeline.tasks:nope': module pipeline.tasks has no attribute 'nope'"),
+    ({"environment": "tests.unit.test_multiturn:NotAnEnvironment"},
+     "tools.environment 'tests.unit.test_multiturn:NotAnEnvironment': not an environment class"),
+    ({"environment": "nowhere.env:Env"}, "tools.environment: 'nowhere.env:Env': no module"),
+])
+def test_preflight_imports_the_tools_and_the_environment(section, said):
+    from launch.preflight import check
+    from megatron_gspo.config import ConfigError, config_from_dict
+
+    cfg = config_from_dict({"tools": section})
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        check(cfg, program="config", world_size=None, notes=[])
+
+
+def test_the_demo_config_passes_preflight():
+    from launch.preflight import check
+    from megatron_gspo.config import load_config
+
+    cfg = load_config("launch/configs/tiny_cpu_tools.yaml")
+    assert cfg.tools.enabled() and cfg.data.task == "tool_addition"
+    check(cfg, program="config", world_size=2, notes=[])
+
+
+# ------------------------------------------------------------------------------------------------
+# The demo's task
+
+
+def test_tool_addition_task_references_call_the_tool_and_the_reward_reads_the_last_turn():
+    from megatron_gspo.config import DataConfig
+    from pipeline.data import build_datasets
+    from pipeline.rewards import tool_addition
+    from pipeline.tasks import ToolAdditionTask, add
+
+    task = ToolAdditionTask(digits=5, seed=3)
+    train = {task.problem(i).prompt for i in range(300)}
+    held = {task.problem(i, split="eval").prompt for i in range(100)}
+    assert not train & held
+    p = task.problem(7)
+    a, b = map(int, p.prompt[:-1].split("+"))
+    assert 10**4 <= a < 10**5 and 10**4 <= b < 10**5
+    call, _, rest = p.answer.partition("\n")
+    parsed = parse_tool_calls(call).calls[0]
+    assert (parsed.name, parsed.arguments) == ("add", {"a": a, "b": b})
+    assert add(**parsed.arguments) == a + b
+    assert rest == FORMATS["plain"].render([str(a + b)]) + str(a + b)
+    assert len(p.prompt) + len(p.answer) + 1 <= task.max_length() == 128
+    prompt = Prompt(index=7, prompt_ids=encode(p.prompt), label=p.answer, text=p.prompt, origin="t")
+    assert tool_addition(prompt, encode(f"{a + b}\n"), "") == 1.0
+    assert tool_addition(prompt, encode(f"{a + b + 1}\n"), "") == 0.0
+    assert tool_addition(prompt, encode(call + "\n"), "") == 0.0  # a call is not an answer
+    train_set, eval_set = build_datasets(DataConfig(task="tool_addition", digits=5,
+                                                    num_eval_prompts=4), seed=3)
+    assert train_set[7].label == p.answer and len(eval_set) == 4

@@ -43,13 +43,18 @@ def _write_run(run_dir, steps: int = 12, *, eval_every: int = 4):
                 "sync/paused_s": 0.1, "sync/seconds": 0.12,
                 "train/requeued": float(step % 3 == 0), "train/resumed": 2.0,
                 "train/in_flight_groups": 4.0, "train/buffered_groups": 1.0,
+                "train/tool_calls/mean": 1.0 + 0.02 * step, "train/tool_errors/mean": 0.1,
+                "train/num_turns/mean": 2.0, "train/end_reason/done": 0.9,
+                "train/end_reason/max_tokens": 0.1, "train/end_reason/max_turns": 0.0,
+                "train/end_reason/tool_error": 0.0, "train/end_reason/abort": 0.0,
             }
             if step == 3:
                 record["train/entropy_mean"] = "nan"  # MetricsLogger writes non-finite as strings
             f.write(json.dumps(record) + "\n")
             if step % eval_every == 0:  # held-out metrics in their own record of the same step
                 f.write(json.dumps({"step": step, "eval/reward_mean": 0.1 * step / 4,
-                                    "eval/pass_at_1": 0.08 * step / 4}) + "\n")
+                                    "eval/pass_at_1": 0.08 * step / 4,
+                                    "eval/tool_calls/mean": 1.0}) + "\n")
         f.write('{"step": 13, "train/rew')  # a write cut off by a kill
 
 
