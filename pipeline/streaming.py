@@ -20,7 +20,8 @@ checked at :meth:`take`; a group that fails it (possible only when more than P g
 last step at once, or after a resume under a smaller eta) is never trained: its prompt is
 re-queued at the front and generated again under the current weights (counted, ``requeued``).
 Samples whose generation spanned weight updates (the servers were paused with ``retract`` and
-continued under the new weights: several ``weight_versions`` spans) are ``resumed``; a group with a
+continued under the new weights, or a multi-turn trajectory whose later turns ran on newer weights:
+``weight_versions`` spans of several versions) are ``resumed``; a group with a
 sample the server aborted (a dead server, an operator's abort) is re-queued at the front, so the
 prompt is generated elsewhere. Nothing is dropped: every prompt drawn is trained once, or is in
 the buffer, in flight or queued (and so in the checkpoint, :meth:`state`). Hard prompts are not
@@ -203,7 +204,8 @@ class RolloutStream:
             for g in chosen:
                 del self._groups[g.index]
                 for r in g.results:
-                    if len(r.weight_versions) > 1:
+                    # several versions (a multi-turn trajectory has one span per model turn)
+                    if len({v for v, _, _ in r.weight_versions}) > 1:
                         self.counts.resumed[self._difficulty(g.prompt)] += 1
                 self._last_reward[g.prompt.index] = sum(g.rewards) / len(g.rewards)
             self.counts.trained += len(chosen)
