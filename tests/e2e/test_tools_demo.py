@@ -4,7 +4,7 @@ calculator ``pipeline.tasks:add`` run in the sandbox, its responses appended tok
 token-out), 2 Megatron ranks (EP2), 2 local rollout servers behind the real router, step n+1's
 rollout made while step n trains.
 
-* the demo ends with ``held-out reward: SFT <x> -> GSPO <y>`` then ``tool calls per trajectory:
+* the demo (its SFT shortened to 150 steps) ends with ``held-out reward: SFT <x> -> GSPO <y>`` then ``tool calls per trajectory:
   <z>``, and plots the tool calls and the end reasons;
 * the policy calls the tool; every turn after the first finds its prefix in its server's cache
   (sticky sessions); the trainer's token count is exactly the trajectories' model tokens (the
@@ -21,12 +21,16 @@ from __future__ import annotations
 import re
 
 from pipeline.metrics import read_metrics
-from tests.e2e.conftest import megatron_gspo
+from tests.e2e.conftest import ROOT, megatron_gspo
 
 
 def test_tools_demo_runs_multiturn_gspo_under_one_step(tmp_path):
     out = tmp_path / "demo_tools"
-    proc = megatron_gspo("demo", "--task", "tools", "--out", str(out),
+    sft = tmp_path / "sft.yaml"  # the demo's SFT, shortened: 150 steps teach the call format
+    text = (ROOT / "launch/configs/tiny_cpu_tools_sft.yaml").read_text()
+    sft.write_text(text.replace("num_steps: 300", "num_steps: 150"))
+    assert "num_steps: 150" in sft.read_text()
+    proc = megatron_gspo("demo", "--task", "tools", "--out", str(out), "--sft-config", str(sft),
                          "--set", "run.num_steps=3", "--set", "run.eval_interval=3",
                          "--set", "run.save_interval=3", "--set", "run.global_batch_size=64",
                          "--set", "data.num_eval_prompts=16", "--set", "rollout.async=one_step",
