@@ -36,6 +36,10 @@ if TYPE_CHECKING:
     from pipeline.rollout import RolloutClient, RolloutResult, SamplingParams
 
 END_REASONS = ("done", "max_turns", "max_tokens", "tool_error", "abort")
+TOOL_ERROR_KINDS = ("malformed", "tool_time", "timeout", "memory", "output_limit", "crash",
+                    "network", "error")
+"""Why a call failed (``Turn.errors``): the parser's ``malformed``, the trajectory's tool time
+spent (``tool_time``), or the sandbox's kind (``pipeline.sandbox.ERROR_KINDS``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -226,7 +230,8 @@ async def generate_trajectory_groups(client: "RolloutClient", prompts: Sequence[
 
 def trajectory_metrics(results: Sequence["RolloutResult"]) -> dict[str, float]:
     """Per-batch means over trajectories (verl's names where it has them: ``num_turns``,
-    ``tool_calls``) and the share of each end reason; masked vs trained tokens."""
+    ``tool_calls``), failed calls by reason, the share of each end reason; masked vs trained
+    tokens; prefix-cache hits of the turns after the first."""
     with_turns = [r for r in results if r.turns is not None]
     if not with_turns:
         return {}
@@ -240,6 +245,9 @@ def trajectory_metrics(results: Sequence["RolloutResult"]) -> dict[str, float]:
         "trained_tokens": float(sum(sum(r.output_mask) for r in with_turns)),
         "masked_tokens": float(sum(len(r.output_mask) - sum(r.output_mask) for r in with_turns)),
     }
+    for kind in TOOL_ERROR_KINDS:  # failed calls by reason, per trajectory
+        out[f"tool_errors/{kind}"] = sum(list(t["errors"]).count(kind) for r in with_turns
+                                         for t in r.turns) / n
     later = [t for r in with_turns for t in r.turns[1:]]
     if later:  # the prefix cache on the turns after the first (sticky sessions)
         out["cached_tokens_per_turn"] = sum(t["cached_tokens"] for t in later) / len(later)

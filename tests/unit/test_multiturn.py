@@ -193,6 +193,17 @@ def test_trajectory_metrics_count_turns_calls_end_reasons_and_tokens(executor):
     assert m["trained_tokens"] == sum(a.output_mask) + sum(b.output_mask)
     assert m["masked_tokens"] == a.output_mask.count(0) + b.output_mask.count(0)
     assert m["cached_tokens_per_turn"] > 0
+    assert m["tool_errors/timeout"] == m["tool_errors/malformed"] == 0.0
+
+
+def test_failed_calls_are_counted_by_reason(executor):
+    bad = '<tool_call>{"name":"add","arguments":{"a":1,}}</tool_call>\n'
+    hang = '<tool_call>{"name":"hang","arguments":{"seconds":30}}</tool_call>\n'
+    a = run(Scripted([bad, CALL, "42\n"]), executor, max_tokens=800)
+    b = run(Scripted([hang, "x\n"]), executor, tool_s=0.3, max_tokens=800)
+    m = trajectory_metrics([a, b])
+    assert m["tool_errors/malformed"] == m["tool_errors/timeout"] == 0.5
+    assert m["tool_errors/mean"] == 1.0 and m["end_reason/tool_error"] == 0.5
 
 
 def test_routes_come_from_the_turn_that_first_computed_each_token(executor):
