@@ -834,8 +834,9 @@ class ToolsConfig:
     runs fn(**arguments) out of process in the sandbox (``pipeline.sandbox``)."""
     environment: Optional[str] = None
     """"package.module:Class" of a custom environment (``pipeline.environment.Environment``),
-    constructed as Class(executor=..., tool_format=...); null: ``ToolEnvironment`` (tool calls
-    in, tool responses out, the first turn without a call ends the trajectory)."""
+    constructed for each trajectory as Class(executor=..., tool_format=...) (executor: the
+    sandbox of tools.functions); null: ``ToolEnvironment`` (tool calls in, tool responses out,
+    the first turn without a call ends the trajectory)."""
     format: Literal["qwen3", "plain"] = "qwen3"
     """How tool responses are appended (``pipeline.tool_calls.FORMATS``): qwen3: Qwen3's chat
     template glue (<|im_start|>user <tool_response>... <|im_end|> and the generation prompt);
