@@ -67,7 +67,9 @@ def rl_batch(prompts: list[list[int]], outputs: list[list[int]], rollout_log_pro
     token, 0 for tokens the model did not generate (tool outputs, template glue): they are
     context, not response, so ``response_mask`` is False there and every per-sequence quantity
     (the token count n_i, the sequence ratio s_i) covers the model's tokens only. None: every
-    output token is the model's.
+    output token is the model's. A non-empty output needs at least one model token (a
+    trajectory ends with a model turn); an empty one (a first turn aborted before it produced a
+    token) is a row without response tokens, as an empty single-turn sample is.
     """
     rows, masks, rollout = [], [], []
     if output_masks is None:
@@ -81,7 +83,7 @@ def rl_batch(prompts: list[list[int]], outputs: list[list[int]], rollout_log_pro
         if len(lps) != len(output):
             raise ValueError(f"sample {i}: {len(lps)} log-probs for {len(output)} output tokens")
         if omask is not None and (len(omask) != len(output) or not set(omask) <= {0, 1}
-                                  or not any(omask)):
+                                  or (output and not any(omask))):
             raise ValueError(f"sample {i}: output mask must be {len(output)} values of 0/1 with "
                              f"at least one 1, got {len(omask)} values")
         start = len(prompt) - 1  # label position of the first output token

@@ -305,6 +305,10 @@ def test_the_batch_refuses_a_mask_of_the_wrong_length_or_without_model_tokens():
         rl_batch([[1, 2]], [[3, 4, 5]], [[0.0] * 3], adv, 8, 0, output_masks=[[1, 0]])
     with pytest.raises(ValueError, match="at least one 1"):
         rl_batch([[1, 2]], [[3, 4, 5]], [[0.0] * 3], adv, 8, 0, output_masks=[[0, 0, 0]])
+    # a trajectory whose first turn was aborted before its first token: no response tokens
+    batch = rl_batch([[1, 2], [1, 2]], [[], [3, 4]], [[], [-1.0, 0.0]], torch.zeros(2), 8, 0,
+                     output_masks=[[], [1, 0]])
+    assert batch["response_mask"].sum(1).tolist() == [0, 1]
 
 
 # ------------------------------------------------------------------------------------------------
