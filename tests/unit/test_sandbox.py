@@ -138,6 +138,11 @@ def test_exceptions_unknown_tools_and_bad_arguments_are_errors(executor):
 
 
 def test_calls_run_concurrently_on_the_workers(executor):
+    warm = [threading.Thread(target=assert_works, args=(executor,)) for _ in range(2)]
+    for t in warm:  # both workers started (a start is not what is timed below)
+        t.start()
+    for t in warm:
+        t.join()
     results = []
     threads = [threading.Thread(target=lambda: results.append(executor.call("hang", {"seconds": 1})))
                for _ in range(2)]
