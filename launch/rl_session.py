@@ -199,7 +199,10 @@ class RLSession(Session):
         from pipeline.servers import LocalRolloutCluster
 
         r = self.cfg.rollout
-        server_args = ["--max-running-requests", "1"] if r.deterministic else []
+        # deterministic: one request at a time, and no prefix cache (which server cached what
+        # depends on the history of the run; a resumed run starts with empty caches)
+        server_args = (["--max-running-requests", "1", "--disable-radix-cache"]
+                       if r.deterministic else [])
         server_args += ["--device", r.local_server_device]
         if r.weight_sync == "tensor":  # SGLang's pickled payloads, loopback
             server_args.append("--allow-pickled-tensors")

@@ -348,9 +348,10 @@ class RolloutConfig:
     ``--device``): cpu, or cuda[:N] to share the trainer's GPU (what bench/gpu_smoke.py runs on
     one GPU). SGLang servers (external mode, ``launch slurm``) choose their own GPUs."""
     deterministic: bool = False
-    """Batch-invariant rollouts: each local server decodes one request at a time, so a sample
-    depends only on its prompt, seed and the weights (slower; what an exact resume comparison
-    needs). SGLang's counterpart is --enable-deterministic-inference."""
+    """Batch-invariant rollouts: each local server decodes one request at a time and keeps no
+    prefix cache (--disable-radix-cache: a cache hit's prefill differs from a cold one in the
+    last bits), so a sample depends only on its prompt, seed and the weights (slower; what an
+    exact resume comparison needs). SGLang's counterpart is --enable-deterministic-inference."""
     eval_samples_per_prompt: int = 4
     """n: samples per held-out prompt; pass@1 is averaged over them."""
     weight_sync: Literal["disk", "tensor", "distributed"] = "disk"
