@@ -347,6 +347,31 @@ def _popen(args: list[str], **kwargs) -> subprocess.Popen:
     return value
 
 
+def start_piped_worker(module: str, argv: Callable[[int, int], list[str]], **popen_kwargs
+                       ) -> tuple[subprocess.Popen, Connection, Connection]:
+    """``python -m module *argv(fd_in, fd_out)``, talking over two pipes: returns (process,
+    inbox, outbox). The worker gets the pipes' child ends as file descriptors ``fd_in`` /
+    ``fd_out``, this process's import path first (a module next to the config, a package
+    installed at run time), its own session (killed with what it starts), and is started by
+    :func:`_popen` (it dies with this process)."""
+    child_in, parent_out = os.pipe()
+    parent_in, child_out = os.pipe()
+    path = [p for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)))
+    try:
+        proc = _popen([sys.executable, "-m", module, *argv(child_in, child_out)],
+                      pass_fds=(child_in, child_out), stdin=subprocess.DEVNULL, env=env,
+                      start_new_session=True, **popen_kwargs)
+    except BaseException:
+        for fd in (parent_in, parent_out):
+            os.close(fd)
+        raise
+    finally:
+        os.close(child_in)
+        os.close(child_out)
+    return proc, Connection(parent_in, writable=False), Connection(parent_out, readable=False)
+
+
 class FunctionReward:
     """A user reward function (``reward.kind: function``), called in a worker process with a
     deadline: ``reward.timeout_s`` seconds per sample.
@@ -432,23 +457,9 @@ class FunctionReward:
         if self._proc is not None and self._proc.poll() is None:
             return None
         self.close()
-        child_in, parent_out = os.pipe()
-        parent_in, child_out = os.pipe()
-        # the worker imports what this process can (a module next to the config, a package
-        # installed at run time): this process's path first
-        path = [p for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)))
-        try:
-            self._proc = _popen(
-                [sys.executable, "-m", "pipeline.reward_worker", self.spec, str(child_in),
-                 str(child_out), str(os.getpid())],
-                pass_fds=(child_in, child_out), stdin=subprocess.DEVNULL, env=env,
-                start_new_session=True)  # its own group: killed with what it starts
-        finally:
-            os.close(child_in)
-            os.close(child_out)
-        self._inbox = Connection(parent_in, writable=False)
-        self._outbox = Connection(parent_out, readable=False)
+        self._proc, self._inbox, self._outbox = start_piped_worker(
+            "pipeline.reward_worker",
+            lambda fd_in, fd_out: [self.spec, str(fd_in), str(fd_out), str(os.getpid())])
         self.worker_starts += 1
         ready = self._receive(max(WORKER_START_TIMEOUT_S, self.timeout_s), sample)
         if ready is None:

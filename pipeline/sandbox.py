@@ -37,11 +37,9 @@ import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Any, Optional
 
 ERROR_KINDS = ("timeout", "memory", "output_limit", "crash", "network", "error")
@@ -109,25 +107,14 @@ class _Worker:
     """One worker process and its pipes (owner side)."""
 
     def __init__(self, tools: dict[str, str], limits: ToolLimits):
-        from pipeline.rewards import _popen
+        from pipeline.rewards import start_piped_worker
 
-        child_in, parent_out = os.pipe()
-        parent_in, child_out = os.pipe()
-        path = [p for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)))
-        try:
-            self.proc = _popen(
-                [sys.executable, "-m", "pipeline.tool_worker", str(child_in), str(child_out),
-                 str(os.getpid()), str(limits.memory_mb), str(limits.output_bytes),
-                 *tools.values()],
-                pass_fds=(child_in, child_out), stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                start_new_session=True)  # its own group: killed with what it starts
-        finally:
-            os.close(child_in)
-            os.close(child_out)
-        self.inbox = Connection(parent_in, writable=False)
-        self.outbox = Connection(parent_out, readable=False)
+        self.proc, self.inbox, self.outbox = start_piped_worker(
+            "pipeline.tool_worker",
+            lambda fd_in, fd_out: [str(fd_in), str(fd_out), str(os.getpid()),
+                                   str(limits.memory_mb), str(limits.output_bytes),
+                                   *tools.values()],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.max_answer_bytes = 8 * limits.output_bytes + 4096  # JSON escapes at most 6x
         self.info: Optional[dict] = None
 
