@@ -48,20 +48,11 @@ TURNS = 3
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    from tests.hf_tiny import build_hf_model
-    from tests.rollout.tiny import CASE, EOS_ID, save_tokenizer
+    from tests.rollout.tiny import make_model_dir
 
-    model = build_hf_model(CASE, seed=7, num_layers=NUM_LAYERS, num_experts=NUM_EXPERTS,
-                           num_experts_per_tok=TOP_K)
-    model.config.eos_token_id = model.generation_config.eos_token_id = EOS_ID
-    directory = tmp_path_factory.mktemp("multiturn") / "moe16"
-    model.save_pretrained(directory)
-    save_tokenizer(directory, model.config.vocab_size)
-    other = build_hf_model(CASE, seed=8, num_layers=NUM_LAYERS, num_experts=NUM_EXPERTS,
-                           num_experts_per_tok=TOP_K)  # the weights of version "1"
-    other.config.eos_token_id = other.generation_config.eos_token_id = EOS_ID
-    other.save_pretrained(directory.parent / "moe16_v1")
-    save_tokenizer(directory.parent / "moe16_v1", other.config.vocab_size)
+    shape = dict(num_layers=NUM_LAYERS, num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K)
+    directory = make_model_dir(tmp_path_factory.mktemp("multiturn") / "moe16", seed=7, **shape)
+    make_model_dir(directory.parent / "moe16_v1", seed=8, **shape)  # the weights of version "1"
     return directory
 
 

@@ -131,16 +131,11 @@ def test_tree_evicts_least_recently_used_leaves_down_to_its_bound():
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    from tests.hf_tiny import build_hf_model
-    from tests.rollout.tiny import CASE, EOS_ID, save_tokenizer
+    from tests.rollout.tiny import make_model_dir
 
-    model = build_hf_model(CASE, seed=5, num_layers=NUM_LAYERS, num_experts=NUM_EXPERTS,
-                           num_experts_per_tok=TOP_K)
-    model.config.eos_token_id = model.generation_config.eos_token_id = EOS_ID
-    directory = tmp_path_factory.mktemp("prefix") / "moe16"
-    model.save_pretrained(directory)
-    save_tokenizer(directory, model.config.vocab_size)
-    return directory
+    return make_model_dir(tmp_path_factory.mktemp("prefix") / "moe16", seed=5,
+                          num_layers=NUM_LAYERS, num_experts=NUM_EXPERTS,
+                          num_experts_per_tok=TOP_K)
 
 
 @pytest.fixture(scope="module")

@@ -108,16 +108,11 @@ def test_wire_format_is_sglangs_encoder_and_decoder(sglang_code):
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    from tests.hf_tiny import build_hf_model
-    from tests.rollout.tiny import CASE, EOS_ID, save_tokenizer
+    from tests.rollout.tiny import make_model_dir
 
-    model = build_hf_model(CASE, seed=3, num_layers=NUM_LAYERS, num_experts=NUM_EXPERTS,
-                           num_experts_per_tok=TOP_K)
-    model.config.eos_token_id = model.generation_config.eos_token_id = EOS_ID
-    directory = tmp_path_factory.mktemp("routed") / "moe16"
-    model.save_pretrained(directory)
-    save_tokenizer(directory, model.config.vocab_size)
-    return directory
+    return make_model_dir(tmp_path_factory.mktemp("routed") / "moe16", seed=3,
+                          num_layers=NUM_LAYERS, num_experts=NUM_EXPERTS,
+                          num_experts_per_tok=TOP_K)
 
 
 @pytest.fixture(scope="module")
@@ -191,15 +186,11 @@ def test_a_retracted_request_returns_the_new_weights_routes_for_its_whole_sequen
     float64); the old weights routed the prefix differently. The trainer replays exactly these
     rows (``batch_routed_experts``): for the prefix, the routes the new version would take, not
     the ones that generated it (docs/async.md)."""
-    from tests.hf_tiny import build_hf_model
     from tests.rollout.test_server_conformance import Stream, post, wait_for
-    from tests.rollout.tiny import CASE, EOS_ID
+    from tests.rollout.tiny import make_model_dir
 
-    new_dir = tmp_path / "new"
-    model = build_hf_model(CASE, seed=4, num_layers=NUM_LAYERS, num_experts=NUM_EXPERTS,
-                           num_experts_per_tok=TOP_K)
-    model.config.eos_token_id = model.generation_config.eos_token_id = EOS_ID
-    model.save_pretrained(new_dir)
+    new_dir = make_model_dir(tmp_path / "new", seed=4, num_layers=NUM_LAYERS, tokenizer=False,
+                             num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K)
     server = InProcessServer(moe_dir, enable_return_routed_experts=True,
                              weight_roots=[str(tmp_path)])
     try:

@@ -30,11 +30,12 @@ def save_tokenizer(directory: Path, vocab_size: int) -> None:
 
 
 def make_model_dir(directory: Path, *, seed: int = 0, num_layers: int = 2,
-                   tokenizer: bool = True) -> Path:
-    """Save a random tiny Qwen3-MoE (fp32 safetensors) and, optionally, its tokenizer."""
+                   tokenizer: bool = True, **shape: int) -> Path:
+    """Save a random tiny Qwen3-MoE (fp32 safetensors) and, optionally, its tokenizer;
+    ``shape``: more of ``build_hf_model``'s sizes (num_experts, num_experts_per_tok)."""
     from tests.hf_tiny import build_hf_model
 
-    model = build_hf_model(CASE, seed=seed, num_layers=num_layers)  # 256 positions
+    model = build_hf_model(CASE, seed=seed, num_layers=num_layers, **shape)  # 256 positions
     model.config.eos_token_id = EOS_ID
     model.generation_config.eos_token_id = EOS_ID
     directory = Path(directory)
