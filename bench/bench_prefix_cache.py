@@ -71,13 +71,12 @@ def multiturn_run(url: str, prompts: list[list[int]], args) -> tuple[float, int,
 
 
 def main() -> None:
+    from bench_rollout import add_model_args, make_model
+    from bench_rollout import prompts as make_prompts
+
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--experts", type=int, default=16)
-    ap.add_argument("--moe-inter", type=int, default=256)
-    ap.add_argument("--vocab", type=int, default=8192)
+    add_model_args(ap)
     ap.add_argument("--prompts", type=int, default=4, help="P prompts")
     ap.add_argument("--group", type=int, default=8, help="G samples per prompt")
     ap.add_argument("--prompt-len", type=int, default=96)
@@ -89,9 +88,6 @@ def main() -> None:
     args = ap.parse_args()
     args.batch = args.prompts  # bench_rollout.prompts' name for the prompt count
     torch.set_num_threads(args.threads)
-
-    from bench_rollout import make_model
-    from bench_rollout import prompts as make_prompts
 
     from pipeline.servers import LocalRolloutCluster
 
@@ -106,6 +102,8 @@ def main() -> None:
                                     cpu_threads=args.threads,
                                     server_args=["--disable-radix-cache"]) as off:
             urls = {"on": on.server_urls[0], "off": off.server_urls[0]}
+            for url in urls.values():  # warm-up, on prompts that are not measured
+                groups_run(url, [list(range(2, 2 + args.prompt_len // 2))], args)
             for _ in range(args.repeats):  # interleaved: both servers see the same load
                 for cache, url in urls.items():
                     runs.setdefault(("groups", cache), []).append(groups_run(url, prompts, args))

@@ -163,14 +163,19 @@ def sync_bench(model_dir: Path, url: str, shared: Path, args) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The sizes :func:`make_model` reads (also bench_prefix_cache.py's)."""
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--moe-inter", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=8192)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)

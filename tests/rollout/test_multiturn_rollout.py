@@ -163,15 +163,20 @@ def test_trained_tokens_are_the_servers_tokens_and_the_appended_ones(servers, to
         model_lps, abs=1e-6)
 
 
+def cold_prefill(servers, ids: list[int], **fields) -> dict:
+    """``meta_info`` of a prefill of ``ids`` on the cold reference server (no new token)."""
+    _, cold = servers
+    status, answer = http_json("POST", cold.url + "/generate", {
+        "input_ids": ids, **fields, "sampling_params": {"max_new_tokens": 0}})
+    assert status == 200, answer
+    return answer["meta_info"]
+
+
 def test_per_turn_log_probs_are_those_of_the_whole_trajectory(servers, tokenizer):
     r, _, _ = trajectory(servers, tokenizer, seed=5)
-    _, cold = servers
     ids = r.prompt_ids + r.output_ids
-    status, answer = http_json("POST", cold.url + "/generate", {
-        "input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
-        "sampling_params": {"max_new_tokens": 0}})
-    assert status == 200, answer
-    scored = answer["meta_info"]["input_token_logprobs"]  # [lp, token, None] per input token
+    scored = cold_prefill(servers, ids, return_logprob=True,
+                          logprob_start_len=0)["input_token_logprobs"]  # [lp, token, None] per input token
     assert [t for _, t, _ in scored] == ids
     p = len(r.prompt_ids)
     for j, (m, lp) in enumerate(zip(r.output_mask, r.output_logprobs)):
@@ -215,13 +220,9 @@ def test_groups_of_trajectories_are_sticky_and_reproducible(servers, tokenizer):
 
 def test_per_turn_routes_equal_the_single_turn_equivalents(servers, tokenizer):
     r, _, _ = trajectory(servers, tokenizer, seed=13)
-    _, cold = servers
     ids = r.prompt_ids + r.output_ids
-    status, answer = http_json("POST", cold.url + "/generate", {
-        "input_ids": ids, "return_routed_experts": True, "routed_experts_start_len": 0,
-        "sampling_params": {"max_new_tokens": 0}})
-    assert status == 200, answer
-    single = rx.decode(answer["meta_info"]["routed_experts"], len(ids) - 1, NUM_LAYERS, TOP_K)
+    meta = cold_prefill(servers, ids, return_routed_experts=True, routed_experts_start_len=0)
+    single = rx.decode(meta["routed_experts"], len(ids) - 1, NUM_LAYERS, TOP_K)
     assert r.routed_experts.shape == single.shape
     assert torch.equal(r.routed_experts, single)
     # the trainer's replay rows of the multi-turn sample and of the single-turn one are equal
