@@ -116,7 +116,6 @@ EXTENDED = (
     "tests/gpu/test_gpu_smoke.py::test_every_check_passes_on_cpu",                              # 40 s
     "tests/e2e/test_parity_watchdog.py::test_watchdog_passes_a_faithful_server_and_stops_a_perturbed_one",  # 34 s
     "tests/e2e/test_sft_demo.py::test_sft_checkpoints_and_resume_from_the_command_line",        # 28 s
-    "tests/e2e/test_recipes_train.py::test_recipe_trains_two_steps_against_sglang_conformant_servers",  # 27 s (30B; 235B already)
     "tests/distributed/test_scoring_layouts.py",                                               # 28 s
     # measured with MGSPO_TEST_TIMES on 2026-12-05 (the suite at 25:36 with the multi-turn tests)
     "tests/distributed/test_cross_stack_checkpoint.py",                                        # 60 s (2)

@@ -126,9 +126,8 @@ def _assert_only_sizes_and_paths_changed(recipe: dict, cfg: dict) -> None:
     assert kept and all(cfg["model"][k] == recipe["model"][k] for k in kept)
 
 
-# the 235B recipe's run in the extended tier (the README suite's time); the 30B one stays
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.extended)
-                                  if n == "qwen3_235b_a22b" else n for n in SCALED])
+# both recipes in the README suite (the SGLang-rules issue's acceptance; ~25 s each)
+@pytest.mark.parametrize("name", SCALED)
 def test_recipe_trains_two_steps_against_sglang_conformant_servers(name, tiny_checkpoint,
                                                                    tmp_path):
     hf_dir, mcore, input_sets = tiny_checkpoint
