@@ -655,17 +655,24 @@ class LocalRolloutServer:
                                                       sampling_seed=0), on_event=on_event)
                     for ids, sampling in prompts.values()]
             eng.submit(warm)
-            remaining = len(warm)
+            if not await all_finished(request, done, [r.rid for r in warm]):
+                return Response(status_code=499)
+            return None
+
+        async def all_finished(request, events: asyncio.Queue, rids: list[str]) -> bool:
+            """Wait for one event per request in ``rids`` on ``events``; False (every one of them
+            aborted) if the client went away first."""
+            remaining = len(rids)
             while remaining:
                 try:
-                    await asyncio.wait_for(done.get(), timeout=1.0)
+                    await asyncio.wait_for(events.get(), timeout=1.0)
                     remaining -= 1
                 except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        for r in warm:
-                            eng.abort(r.rid)
-                        return Response(status_code=499)
-            return None
+                    if await request.is_disconnected():  # the client gave up: free the batch
+                        for rid in rids:
+                            eng.abort(rid)
+                        return False
+            return True
 
         async def submit_and_answer(request, call, release):
             loop = asyncio.get_running_loop()
@@ -692,16 +699,8 @@ class LocalRolloutServer:
             if call.stream:
                 return StreamingResponse(self._stream(request, call, expanded, queue, release),
                                          media_type="text/event-stream")
-            remaining = len(expanded)
-            while remaining:
-                try:
-                    await asyncio.wait_for(queue.get(), timeout=1.0)
-                    remaining -= 1
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():  # the client gave up: free the batch
-                        for r, _, _ in expanded:
-                            eng.abort(r.rid)
-                        return Response(status_code=499)
+            if not await all_finished(request, queue, [r.rid for r, _, _ in expanded]):
+                return Response(status_code=499)
             bodies = [self._response(r, plen, call, item) for r, item, plen in expanded]
             return _json(bodies if call.is_batch else bodies[0])
 

@@ -109,26 +109,34 @@ def encode_text(tokenizer):
     return lambda s: tokenizer.encode(s)
 
 
+async def recorded_trajectory(hot, tokenizer, env, text, sampling, max_tool_time_s, *, rid,
+                              wire, **kw):
+    """One trajectory on the ``hot`` servers whose every request and response is appended to
+    ``wire`` as (request ids, response)."""
+    client = RolloutClient(server_urls=[s.url for s in hot])
+    async with client.session() as send:
+        async def recording(rid, ids, sampling, **kw):
+            r = await send(rid, ids, sampling, **kw)
+            wire.append((list(ids), r))
+            return r
+        return await run_trajectory(
+            recording, env, prompt_of(tokenizer, text), sampling,
+            Budgets(max_turns=TURNS, max_tokens=None, max_tool_time_s=max_tool_time_s,
+                    fit_length=200),
+            rid=rid, encode_text=encode_text(tokenizer), decode=tokenizer.decode,
+            pin=client.pick_server(), **kw)
+
+
 def trajectory(servers, tokenizer, text="12+34=", seed=3):
     """One trajectory through a recording sender: (result, [(request ids, response)], env)."""
     hot, _ = servers
-    client = RolloutClient(server_urls=[s.url for s in hot])
     env = Answering()
     wire = []
-
-    async def go():
-        async with client.session() as send:
-            async def recording(rid, ids, sampling, **kw):
-                r = await send(rid, ids, sampling, **kw)
-                wire.append((list(ids), r))
-                return r
-            return await run_trajectory(
-                recording, env, prompt_of(tokenizer, text), SamplingParams(
-                    max_new_tokens=12, sampling_seed=seed, temperature=1.0),
-                Budgets(max_turns=TURNS, max_tokens=None, max_tool_time_s=1.0, fit_length=200),
-                rid=f"traj{seed}", encode_text=encode_text(tokenizer), decode=tokenizer.decode,
-                routed_experts=(NUM_LAYERS, TOP_K), pin=client.pick_server())
-    return asyncio.run(go()), wire, env
+    r = asyncio.run(recorded_trajectory(
+        hot, tokenizer, env, text,
+        SamplingParams(max_new_tokens=12, sampling_seed=seed, temperature=1.0), 1.0,
+        rid=f"traj{seed}", wire=wire, routed_experts=(NUM_LAYERS, TOP_K)))
+    return r, wire, env
 
 
 def test_trained_tokens_are_the_servers_tokens_and_the_appended_ones(servers, tokenizer):
@@ -265,23 +273,12 @@ def score(server, ids):
 def test_a_weight_update_during_a_tool_call_keeps_the_trajectory_right(servers, tokenizer,
                                                                         moe_dir):
     hot, cold = servers
-    client = RolloutClient(server_urls=[s.url for s in hot])
     env = ToolInFlight()
     wire, out = [], {}
-
-    async def go():
-        async with client.session() as send:
-            async def recording(rid, ids, sampling, **kw):
-                r = await send(rid, ids, sampling, **kw)
-                wire.append((list(ids), r))
-                return r
-            return await run_trajectory(
-                recording, env, prompt_of(tokenizer, "7+8="),
-                SamplingParams(max_new_tokens=10, sampling_seed=21),
-                Budgets(max_turns=TURNS, max_tokens=None, max_tool_time_s=60.0, fit_length=200),
-                rid="inflight", encode_text=encode_text(tokenizer), decode=tokenizer.decode,
-                pin=client.pick_server())
-    worker = threading.Thread(target=lambda: out.setdefault("r", asyncio.run(go())))
+    go = recorded_trajectory(hot, tokenizer, env, "7+8=",
+                             SamplingParams(max_new_tokens=10, sampling_seed=21), 60.0,
+                             rid="inflight", wire=wire)
+    worker = threading.Thread(target=lambda: out.setdefault("r", asyncio.run(go)))
     worker.start()
     old_version = None
     try:
