@@ -43,8 +43,9 @@ def _stream_state(cfg: Config, run_state: dict) -> Optional[dict]:
     if state is not None and cfg.rollout.async_ != "full":
         raise ConfigError(
             f"rollout.async: {cfg.rollout.async_}: the checkpoint was written by a "
-            f"rollout.async: full run and holds {len(state['complete'])} complete groups and "
-            f"{len(state['pending'])} prompts in flight, which another mode would not train; "
+            f"rollout.async: full run and holds {len(state['complete'])} complete groups, "
+            f"{len(state.get('partial', []))} groups stopped in flight and "
+            f"{len(state['pending'])} prompts queued, which another mode would not train; "
             "resume it with rollout.async: full")
     return state
 

@@ -128,7 +128,7 @@ def stream_batch(ctx: LoopContext, stream: Any, step: int) -> tuple[dict, dict]:
 
 def make_stream(ctx: LoopContext, start_step: int) -> Any:
     """Rank 0, ``rollout.async: full``: the rollout stream of this run (not started)."""
-    from pipeline.rollout import sampling_params
+    from pipeline.rollout import continue_samples, sampling_params
     from pipeline.streaming import RolloutStream, group_seed
 
     cfg = ctx.cfg
@@ -148,6 +148,10 @@ def make_stream(ctx: LoopContext, start_step: int) -> Any:
                                                             **extra)
         return groups[0]
 
+    async def resume(prompt: Prompt, seed: int, rid_prefix: str, partial: list) -> list:
+        return await continue_samples(ctx.client, prompt.prompt_ids, partial, sampling,
+                                      seed=seed, rid_prefix=rid_prefix, **extra)
+
     def score(prompt: Prompt, results: list) -> tuple[list[float], int]:
         return _score(ctx, [prompt], [results])
 
@@ -159,6 +163,10 @@ def make_stream(ctx: LoopContext, start_step: int) -> Any:
         max_staleness=cfg.rollout.max_staleness, version=start_step, taken=start_step,
         seed_of=lambda index, attempt: group_seed(cfg.run.seed, index, attempt),
         keep=informative if cfg.gspo.dynamic_sampling else None,
+        # single-turn samples in flight at a checkpoint are continued from their output so far;
+        # multi-turn trajectories are generated again (docs/async.md)
+        abort=ctx.client.abort_all if ctx.tools is None else None,
+        resume=resume if ctx.tools is None else None,
         timeout_s=60.0 * cfg.parallel.control_timeout_minutes)
     if ctx.rollout_stream is not None:
         stream.restore(ctx.rollout_stream)

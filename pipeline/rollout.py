@@ -800,6 +800,61 @@ class RolloutClient:
                      self.health_timeout_s if timeout_s is None else timeout_s)
 
 
+def join_continuation(partial: RolloutResult, cont: RolloutResult) -> RolloutResult:
+    """A sample stopped part-way (``partial``: aborted with its output so far) and the request
+    that continued it (``cont``: ``partial``'s prompt + output as its prompt) as one sample:
+    output ids and log-probs appended, ``weight_versions`` spans shifted behind the partial's
+    (a span of the same version as the partial's last one is merged with it), the finish reason,
+    server and routed experts of the continuation. The routed experts are replaced, not appended:
+    the continuation's prefill routed the partial's tokens again (SGLang returns the routes of the
+    last prefill and the decode steps after it, as after a ``retract``), so they are the routes of
+    ``cont``'s weights for every position of the joined sequence (its row count,
+    ``len(prompt) + len(output) - 1``, is the joined sample's)."""
+    if partial.output_mask is not None or partial.turns is not None:
+        raise ValueError(f"{partial.rid}: a multi-turn trajectory is not continued token by token")
+    if list(cont.prompt_ids) != list(partial.prompt_ids) + list(partial.output_ids):
+        raise ValueError(f"{cont.rid}: the continuation's prompt is not {partial.rid}'s prompt "
+                         "and output so far")
+    n = len(partial.output_ids)
+    spans = list(partial.weight_versions)
+    for version, start, end in cont.weight_versions:
+        if spans and spans[-1][0] == version and spans[-1][2] == start + n:
+            spans[-1] = (version, spans[-1][1], end + n)
+        else:
+            spans.append((version, start + n, end + n))
+    return replace(cont, rid=partial.rid, prompt_ids=list(partial.prompt_ids),
+                   output_ids=list(partial.output_ids) + list(cont.output_ids),
+                   output_logprobs=list(partial.output_logprobs) + list(cont.output_logprobs),
+                   prompt_tokens=partial.prompt_tokens,
+                   completion_tokens=partial.completion_tokens + cont.completion_tokens,
+                   weight_versions=spans, cached_tokens=partial.cached_tokens + cont.cached_tokens)
+
+
+async def continue_samples(client: RolloutClient, prompt_ids: Sequence[int],
+                           partial: Sequence[RolloutResult], sampling: SamplingParams, *,
+                           seed: int, rid_prefix: str,
+                           routed_experts: Optional[tuple[int, int]] = None
+                           ) -> list[RolloutResult]:
+    """Continue the aborted samples of one group from their output so far (finished ones are
+    returned as they are): one request each whose prompt is ``prompt_ids`` + the sample's output
+    and whose ``max_new_tokens`` is what the sample had left; joined with
+    :func:`join_continuation`. ``seed``: the base of the continuation's sampling seeds (distinct
+    per sample). A continuation aborted in turn comes back aborted, with the longer output."""
+    async def one(i: int, r: RolloutResult) -> RolloutResult:
+        if r.finish_reason != "abort":
+            return r
+        left = sampling.max_new_tokens - len(r.output_ids)
+        if left < 1:
+            raise ValueError(f"{r.rid}: aborted with {len(r.output_ids)} output tokens, "
+                             f"max_new_tokens {sampling.max_new_tokens}: nothing left to continue")
+        groups = await client.generate_groups_async(
+            [list(prompt_ids) + list(r.output_ids)], 1, replace(sampling, max_new_tokens=left),
+            seed=_stream_seed("continue", seed, i), rid_prefix=f"{rid_prefix}-s{i}",
+            routed_experts=routed_experts)
+        return join_continuation(r, groups[0][0])
+    return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(partial))))
+
+
 def _not_sent(rid: str, prompt: Sequence[int], url: str) -> RolloutResult:
     return RolloutResult(rid=rid, prompt_ids=list(prompt), output_ids=[], output_logprobs=[],
                          finish_reason="abort", matched_stop=None, prompt_tokens=len(prompt),

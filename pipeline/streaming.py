@@ -30,9 +30,15 @@ last group mean reward: ``hard`` < 1/3 <= ``medium`` <= 2/3 < ``easy``, ``new`` 
 
 **Checkpoints.** :meth:`state` (on the loop's thread, between steps) holds the buffer of complete
 groups (token ids, log-probs, weight versions, rewards: trained exactly as the uninterrupted run
-would have) and the prompts in flight or queued (generated again on resume, under the weights of
-the resumed run: the partial outputs of requests in flight are not kept). The sampler's position
-is the one after every prompt drawn.
+would have), the groups in flight with their samples' output so far, and the prompts queued. To
+read the output of requests in flight, :meth:`state` stops the stream for a moment: no group is
+admitted, the servers abort what they run (``/abort_request``: an aborted request answers with
+its output, log-probs and weight versions so far), every group comes back; the snapshot is
+taken; then each interrupted sample is continued from its output so far (``resume``: prompt +
+output as the prompt, the tokens it had left; its spans and log-probs kept), in this run and in a
+resumed one alike. The sampler's position is the one after every prompt drawn. Without
+``resume`` (multi-turn trajectories) nothing is stopped: groups in flight are saved as prompts and
+generated again on resume.
 """
 
 from __future__ import annotations
@@ -92,6 +98,13 @@ class StreamGroup:
     rewards: Optional[list[float]] = None
     failures: int = 0
     """Rewards that failed and counted as 0 (reward.on_error: zero)."""
+    partial: Optional[list] = None
+    """A group a checkpoint stopped in flight: its G samples, the finished ones as they are and
+    the others aborted with their output so far; continued from there (``resume``)."""
+    continued: int = 0
+    """How often the group was continued from a partial output."""
+    stopped: set = field(default_factory=set)
+    """The samples a checkpoint ever stopped in flight (continued since)."""
 
     @property
     def complete(self) -> bool:
@@ -119,6 +132,9 @@ class StreamCounts:
     """... of them because a server aborted one of their samples."""
     resumed: dict = field(default_factory=lambda: dict.fromkeys(DIFFICULTIES, 0))
     """Trained samples generated across weight updates (several versions), by difficulty."""
+    continued: int = 0
+    """Trained samples that a checkpoint stopped in flight and that were continued from their
+    output so far."""
     filtered: int = 0
     """Complete groups left out by dynamic sampling (all rewards equal); not an error."""
     dropped: int = 0
@@ -133,6 +149,10 @@ class RolloutStream:
     (rewards, failures), run on a worker thread. ``draw()`` -> the next training prompt (the
     sampler; only this stream draws in ``full`` mode). ``seed_of(index, attempt)``: a group's
     sampling seed. ``keep(group)``: False leaves a complete group out (dynamic sampling).
+    ``abort()``: an awaitable that aborts every request of the stream on the servers;
+    ``resume(prompt, seed, rid_prefix, partial)``: an awaitable of the G results of a group whose
+    aborted samples are continued from their output so far (``pipeline.rollout.continue_samples``).
+    With both, a checkpoint keeps the output of requests in flight (module docstring).
     """
 
     def __init__(self, *, generate: Callable[[list, int, str], Awaitable[list]],
@@ -140,11 +160,14 @@ class RolloutStream:
                  draw: Callable[[], Prompt], prompts_per_step: int, max_staleness: int,
                  version: int, taken: int, seed_of: Callable[[int, int], int],
                  keep: Optional[Callable[[StreamGroup], bool]] = None,
+                 abort: Optional[Callable[[], Awaitable[None]]] = None,
+                 resume: Optional[Callable[[Prompt, int, str, list], Awaitable[list]]] = None,
                  timeout_s: float = 3600.0, poll_s: float = 0.01):
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         self._generate, self._score, self._draw = generate, score, draw
         self._seed_of, self._keep = seed_of, keep
+        self._abort, self._resume = (abort, resume) if abort and resume else (None, None)
         self.prompts_per_step, self.max_staleness = prompts_per_step, max_staleness
         self.timeout_s = timeout_s
         """The longest :meth:`take` waits without any group completing (then TimeoutError)."""
@@ -160,6 +183,10 @@ class RolloutStream:
         self._closed = False
         self._thread: Optional[threading.Thread] = None
         self._in_flight_requests = 0
+        self._tasks = 0  # groups with a task on the stream's loop (generating or scoring)
+        self._suspended = False  # a checkpoint reads the groups in flight: admit nothing
+        self._to_continue: deque[StreamGroup] = deque()  # partial groups, continued first
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._busy_s, self._busy_since = 0.0, None
         self.last_completed_at = time.monotonic()
 
@@ -208,6 +235,7 @@ class RolloutStream:
                     if len({v for v, _, _ in r.weight_versions}) > 1:
                         self.counts.resumed[self._difficulty(g.prompt)] += 1
                 self._last_reward[g.prompt.index] = sum(g.rewards) / len(g.rewards)
+                self.counts.continued += len(g.stopped)
             self.counts.trained += len(chosen)
             self._taken = max(self._taken, step)
             self._cond.notify_all()
@@ -239,17 +267,55 @@ class RolloutStream:
     def state(self, sampler_state: Callable[[], Optional[dict]]) -> dict:
         """Rank 0's run state: the sampler's position (``sampler_state()``, read under the
         stream's lock: the stream draws on its thread) and the stream's: the complete groups
-        (trained as they are on resume), the prompts in flight or queued (generated again on
-        resume) and the admission index. JSON-able."""
+        (trained as they are on resume), the groups in flight with their output so far
+        (continued on resume; the stream is stopped for the snapshot, see the module docstring),
+        the prompts queued (generated on resume) and the admission index. JSON-able."""
+        self._suspend()
+        try:
+            with self._cond:
+                return {"sampler": sampler_state(), STREAM_KEY: self._state()}
+        finally:
+            with self._cond:
+                self._suspended = False
+                self._cond.notify_all()
+
+    def _suspend(self) -> None:
+        """Stop admitting and bring every group in flight back (aborted on the servers: its
+        samples return their output so far and become a partial group). Bounded by
+        ``timeout_s``; a stream without ``abort`` / ``resume``, not started, or ended, has
+        nothing to bring back."""
+        if self._resume is None:
+            return
         with self._cond:
-            return {"sampler": sampler_state(), STREAM_KEY: self._state()}
+            self._suspended = True
+            loop = self._loop
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            with self._cond:
+                if self._tasks == 0 or loop is None or loop.is_closed():
+                    return
+            if time.monotonic() > deadline:
+                with self._cond:
+                    waiting = sorted(g.prompt.origin for g in self._groups.values()
+                                     if not g.complete and g.partial is None)
+                raise TimeoutError(f"rollout stream: a checkpoint waited {self.timeout_s:g} s for "
+                                   f"the requests in flight to come back after an abort "
+                                   f"(in flight: {waiting[:8]}) (parallel.control_timeout_minutes)")
+            try:  # again every second: a request may reach its server after an abort
+                asyncio.run_coroutine_threadsafe(self._abort(), loop).result(timeout=30.0)
+            except RuntimeError:  # the stream's loop has ended: its tasks were cancelled
+                return
+            with self._cond:
+                self._cond.wait_for(lambda: self._tasks == 0, timeout=1.0)
 
     def _state(self) -> dict:
         """(Under the lock.)"""
         from pipeline.rollout import result_to_json
 
         by_index = sorted(self._groups.values(), key=lambda g: g.index)
-        pending = [(g.prompt, g.attempt) for g in by_index if not g.complete]
+        partial = [g for g in by_index if not g.complete and g.partial is not None]
+        pending = [(g.prompt, g.attempt) for g in by_index
+                   if not g.complete and g.partial is None]
         return {
             "next_index": self._next_index,
             "complete": [{"index": g.index, "prompt": _prompt_json(g.prompt),
@@ -257,6 +323,10 @@ class RolloutStream:
                           "results": [result_to_json(r) for r in g.results],
                           "rewards": list(g.rewards), "failures": g.failures}
                          for g in by_index if g.complete],
+            "partial": [{"index": g.index, "prompt": _prompt_json(g.prompt),
+                         "admitted_version": g.admitted_version, "attempt": g.attempt,
+                         "continued": g.continued, "stopped": sorted(g.stopped),
+                         "results": [result_to_json(r) for r in g.partial]} for g in partial],
             "pending": [{"prompt": _prompt_json(p), "attempt": a}
                         for p, a in list(self._queue) + pending],
             "last_reward": {str(k): v for k, v in self._last_reward.items()},
@@ -276,6 +346,17 @@ class RolloutStream:
                                 rewards=[float(x) for x in item["rewards"]],
                                 failures=int(item["failures"]))
                 self._groups[g.index] = g
+            for item in state.get("partial", []):
+                g = StreamGroup(index=int(item["index"]), prompt=_prompt_from(item["prompt"]),
+                                admitted_version=int(item["admitted_version"]),
+                                attempt=int(item["attempt"]), continued=int(item["continued"]),
+                                stopped={int(i) for i in item["stopped"]},
+                                partial=[result_from_json(r) for r in item["results"]])
+                if self._resume is None:  # this run cannot continue them: generated again
+                    self._queue.append((g.prompt, g.attempt))
+                else:
+                    self._groups[g.index] = g
+                    self._to_continue.append(g)
             for item in state["pending"]:
                 self._queue.append((_prompt_from(item["prompt"]), int(item["attempt"])))
             self._last_reward = {int(k): float(v) for k, v in state["last_reward"].items()}
@@ -310,6 +391,8 @@ class RolloutStream:
 
     async def _main(self) -> None:
         tasks: set[asyncio.Task] = set()
+        with self._cond:
+            self._loop = asyncio.get_running_loop()
 
         def done(task: asyncio.Task) -> None:
             tasks.discard(task)
@@ -322,7 +405,7 @@ class RolloutStream:
                 with self._cond:
                     if self._closed or self._error is not None:
                         break
-                    admit = self._admit()
+                    admit = [] if self._suspended else self._continue() + self._admit()
                 for g in admit:
                     task = asyncio.create_task(self._one(g))
                     tasks.add(task)
@@ -332,6 +415,15 @@ class RolloutStream:
             for task in list(tasks):
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _continue(self) -> list[StreamGroup]:
+        """(Under the lock.) The partial groups a checkpoint stopped, to be continued now."""
+        out = list(self._to_continue)
+        self._to_continue.clear()
+        for g in out:
+            g.continued += 1
+        self._tasks += len(out)
+        return out
 
     def _admit(self) -> list[StreamGroup]:
         """(Under the lock.) New groups within the admission limit: re-queued prompts first."""
@@ -346,23 +438,41 @@ class RolloutStream:
             self._groups[g.index] = g
             self.counts.admitted += 1
             out.append(g)
+        self._tasks += len(out)
         return out
 
     async def _one(self, g: StreamGroup) -> None:
+        try:
+            await self._one_group(g)
+        finally:
+            with self._cond:
+                self._tasks -= 1
+                self._cond.notify_all()
+
+    async def _one_group(self, g: StreamGroup) -> None:
         self._busy(+1)
         try:
-            results = await self._generate(g.prompt,
-                                           self._seed_of(g.index, g.attempt),
-                                           f"s{g.index}a{g.attempt}")
+            seed, rid = self._seed_of(g.index, g.attempt), f"s{g.index}a{g.attempt}"
+            if g.partial is not None:
+                results = await self._resume(g.prompt, seed, f"{rid}c{g.continued}", g.partial)
+            else:
+                results = await self._generate(g.prompt, seed, rid)
         finally:
             self._busy(-1)
         if any(r.finish_reason == "abort" for r in results):
             with self._cond:
-                if g.index in self._groups:
+                if g.index not in self._groups:
+                    return
+                if self._suspended and self._resume is not None:  # a checkpoint stopped it
+                    g.partial = list(results)
+                    g.stopped |= {i for i, r in enumerate(results) if r.finish_reason == "abort"}
+                    self._to_continue.append(g)
+                else:
                     self._requeue(g, stale=False)
             return
         rewards, failures = await asyncio.to_thread(self._score, g.prompt, results)
         with self._cond:
+            g.partial = None
             g.results, g.rewards, g.failures = list(results), list(rewards), failures
             self.last_completed_at = time.monotonic()
             if self._keep is not None and not self._keep(g):
@@ -404,6 +514,7 @@ def step_metrics(before: StreamCounts, after: StreamCounts) -> dict[str, float]:
     out["requeued_stale"] = float(after.requeued_stale - before.requeued_stale)
     out["requeued_aborted"] = float(after.requeued_aborted - before.requeued_aborted)
     out["filtered_groups"] = float(after.filtered - before.filtered)
+    out["continued"] = float(after.continued - before.continued)
     out["dropped"] = float(after.dropped)
     out["requeued_total"] = float(sum(after.requeued.values()))
     return out

@@ -87,6 +87,9 @@ class FakeClient:
         """What ``rollout.async: full``'s stream calls (one prompt at a time)."""
         return self.generate_groups(prompts, group_size, sampling, **kw)
 
+    async def abort_all(self):
+        """Every request is answered at once: nothing is ever in flight to abort."""
+
 
 def loop_context(tmp_path, *, steps: int, save_interval: int = 0, tensorboard: bool = False,
                  client=None, pusher=None, **fields) -> loop.LoopContext:

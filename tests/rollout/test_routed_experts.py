@@ -222,6 +222,59 @@ def test_a_retracted_request_returns_the_new_weights_routes_for_its_whole_sequen
     assert not torch.equal(got[:prefix], oracle(ids)[:prefix])  # the old weights differ there
 
 
+def test_a_sample_stopped_by_an_abort_is_continued_from_its_output_so_far(routed_server,
+                                                                           moe_dir, oracle):
+    """Issue 23 item 6, what a ``full`` checkpoint keeps of a request in flight: the server
+    aborts it part-way (its answer carries the output, log-probs and versions so far), and
+    ``continue_samples`` sends prompt + output so far as a new prompt with the tokens it had left.
+    The joined sample keeps the partial's tokens and log-probs, its later log-probs are those of
+    the policy (transformers, float64) given the whole prefix, its version spans merge, and its
+    routed experts are the continuation's prefill + decode routes for the whole sequence
+    (replaced, not appended)."""
+    import asyncio
+
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.rollout import continue_samples, parse_generate_response
+    from tests.rollout.test_server_conformance import Stream, post, wait_for
+
+    prompt, budget = [5, 6, 7, 8, 9], 40
+    body = generate_payload("p0", prompt, SamplingParams(max_new_tokens=budget, sampling_seed=3),
+                            return_routed_experts=True)
+    body["sampling_params"]["ignore_eos"] = True
+    stream = Stream(routed_server, body)
+    wait_for(lambda: stream.lengths and stream.lengths[-1] >= 3)
+    assert post(routed_server, "/abort_request", {"rid": "p0"})[0] == 200
+    partial = parse_generate_response(stream.join(), "p0", prompt, routed_server.url,
+                                      routed_experts=(NUM_LAYERS, TOP_K))
+    k = len(partial.output_ids)
+    assert partial.finish_reason == "abort" and 3 <= k < budget
+
+    client = RolloutClient(server_urls=[routed_server.url])
+    [joined] = asyncio.run(continue_samples(
+        client, prompt, [partial], SamplingParams(max_new_tokens=budget), seed=9,
+        rid_prefix="c0", routed_experts=(NUM_LAYERS, TOP_K)))
+    n = len(joined.output_ids)
+    assert joined.finish_reason in ("stop", "length") and k < n <= budget
+    assert joined.finish_reason == "stop" or n == budget  # the budget is the sample's, not k + 40
+    assert joined.output_ids[:k] == partial.output_ids
+    assert joined.output_logprobs[:k] == partial.output_logprobs
+    assert joined.prompt_ids == prompt and joined.completion_tokens == n
+    assert joined.weight_versions == [(partial.weight_version, 0, n)]  # one version: merged
+    ids = prompt + joined.output_ids
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float64,
+                                                 attn_implementation="eager",
+                                                 experts_implementation="eager").eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids[:-1]])).logits[0]
+    want = torch.log_softmax(logits, dim=-1)[len(prompt) - 1:].gather(
+        1, torch.tensor(joined.output_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(joined.output_logprobs, dtype=torch.float64), want,
+                               atol=1e-4, rtol=0)
+    assert joined.routed_experts.shape == (len(ids) - 1, NUM_LAYERS, TOP_K)
+    assert torch.equal(joined.routed_experts.long(), oracle(ids))
+
+
 def test_start_len_selects_the_rows_sglang_selects(routed_server, sglang_code, api_types):
     prompt = [30, 31, 32, 33, 34]
     greedy = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}

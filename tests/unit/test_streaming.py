@@ -62,7 +62,7 @@ class Server:
 
 
 def make_stream(server: Server, eta: int, drawn: list, *, start: int = 0,
-                timeout_s: float = 30.0) -> RolloutStream:
+                timeout_s: float = 30.0, **stoppable) -> RolloutStream:
     def draw() -> Prompt:
         i = len(drawn)
         drawn.append(i)
@@ -73,7 +73,7 @@ def make_stream(server: Server, eta: int, drawn: list, *, start: int = 0,
 
     return RolloutStream(generate=server.generate, score=score, draw=draw, prompts_per_step=P,
                          max_staleness=eta, version=start, taken=start,
-                         seed_of=lambda i, a: 1000 * i + a, timeout_s=timeout_s)
+                         seed_of=lambda i, a: 1000 * i + a, timeout_s=timeout_s, **stoppable)
 
 
 def train(stream: RolloutStream, server: Server, steps: range, train_s: float = 0.03):
@@ -178,6 +178,120 @@ def test_a_restored_stream_trains_the_saved_groups_bit_for_bit():
         assert g.rewards == want["rewards"]
 
 
+class StoppableServer(Server):
+    """A server whose requests an abort stops: each returns its output so far (SGLang's
+    ``/abort_request``; a sample not started returns none), and that continues a sample from its
+    output (``pipeline.rollout.continue_samples``' request: prompt + output so far as the
+    prompt). Output token t of sample s is ``100 * s + t`` with log-prob ``-t / 100``, so a
+    joined sample shows whether its pieces are in place."""
+
+    def __init__(self, token_s: float = 0.004):
+        super().__init__(token_s=token_s)
+        self.epoch = 0  # bumped by every abort
+        self.continuations = 0
+
+    async def abort(self) -> None:
+        self.epoch += 1
+
+    async def _sample(self, prompt_ids: list, rid: str, s: int, first: int, length: int):
+        epoch, ids = self.epoch, []
+        labels = []
+        for t in range(first, length):
+            if self.epoch != epoch:
+                break
+            await asyncio.sleep(self.token_s)
+            ids.append(100 * s + t)
+            labels.append(str(self.version))
+        spans, start = [], 0
+        for t in range(1, len(labels) + 1):
+            if t == len(labels) or labels[t] != labels[start]:
+                spans.append((labels[start], start, t))
+                start = t
+        done = first + len(ids) == length
+        return RolloutResult(
+            rid=rid, prompt_ids=list(prompt_ids), output_ids=ids,
+            output_logprobs=[-(first + i) / 100 for i in range(len(ids))],
+            finish_reason="stop" if done else "abort", matched_stop=None,
+            prompt_tokens=len(prompt_ids), completion_tokens=len(ids),
+            weight_version=labels[-1] if labels else str(self.version), server_url="sim",
+            weight_versions=spans)
+
+    async def generate(self, prompt, seed, rid):
+        length = 60 if prompt.prompt_ids[0] % 2 == 0 else 6
+        out = []
+        for s in range(G):  # one after the other: a later sample is "queued" meanwhile
+            out.append(await self._sample(prompt.prompt_ids, f"{rid}-{s}", s, 0, length))
+        return out
+
+    async def resume(self, prompt, seed, rid, partial):
+        from pipeline.rollout import join_continuation
+
+        length = 60 if prompt.prompt_ids[0] % 2 == 0 else 6
+        out = []
+        for s, r in enumerate(partial):
+            if r.finish_reason != "abort":
+                out.append(r)
+                continue
+            self.continuations += 1
+            cont = await self._sample(list(prompt.prompt_ids) + r.output_ids, f"{rid}-{s}", s,
+                                      len(r.output_ids), length)
+            out.append(join_continuation(r, cont))
+        return out
+
+
+def test_a_checkpoint_keeps_the_output_of_requests_in_flight_and_continues_it():
+    server, drawn = StoppableServer(), []
+    stream = make_stream(server, 1, drawn, abort=server.abort, resume=server.resume)
+    stream.start()
+    try:
+        train(stream, server, range(1, 3))
+        time.sleep(0.05)  # the long samples of the next groups are part-way
+        state = json.loads(json.dumps(stream.state(lambda: None)))  # as run_state.json holds it
+        saved = state["rollout_stream"]
+        # this run goes on: the stopped samples are continued, not generated again
+        trained = train(stream, server, range(3, 6))
+    finally:
+        stream.close()
+    assert saved["partial"], "nothing was in flight: the test would show nothing"
+    assert not saved["pending"]  # every group in flight came back with its output
+    stopped = {(g["index"], s): r for g in saved["partial"] for s, r in enumerate(g["results"])
+               if r["finish_reason"] == "abort"}
+    assert any(0 < len(r["output_ids"]) < 60 for r in stopped.values())  # stopped part-way
+    again = {(g.index, s): r for gs in trained.values() for g in gs
+             for s, r in enumerate(g.results) if (g.index, s) in stopped}
+    assert again and stream.counts.continued == len(again)  # counted when trained
+    assert server.continuations >= len(again)
+
+    # a run resumed from the checkpoint continues them too, under its own weights (version 7)
+    server2 = StoppableServer()
+    server2.version = 7
+    resumed = make_stream(server2, 1, drawn, start=2, abort=server2.abort, resume=server2.resume)
+    resumed.restore(saved)
+    resumed.start()
+    try:
+        got = []
+        for step in (3, 4, 5):  # the server's label stays 7: every continuation is labelled so
+            got += resumed.take(step)
+            resumed.set_version(step)
+    finally:
+        resumed.close()
+    joined = {(g.index, s): r for g in got for s, r in enumerate(g.results)
+              if (g.index, s) in stopped}
+    assert set(joined) == set(stopped)  # every stopped sample was trained, none generated anew
+    assert resumed.counts.continued == len(stopped) == server2.continuations
+    for key, r in joined.items():
+        before, s = stopped[key], key[1]
+        n = len(before["output_ids"])
+        assert r.finish_reason == "stop"
+        assert r.output_ids == [100 * s + t for t in range(len(r.output_ids))]  # nothing lost
+        assert r.output_ids[:n] == before["output_ids"]
+        assert r.output_logprobs[:n] == before["output_logprobs"]  # the saved ones, bit for bit
+        assert r.completion_tokens == len(r.output_ids) and r.prompt_ids == before["prompt_ids"]
+        spans = [tuple(x) for x in before["weight_versions"]]
+        assert r.weight_versions[:len(spans)] == spans  # the versions that generated them
+        assert r.weight_versions[len(spans):] == [("7", n, len(r.output_ids))]
+
+
 def test_a_stream_that_makes_no_progress_names_what_it_waited_for():
     class Stuck(Server):
         async def generate(self, prompt, seed, rid):
@@ -270,7 +384,7 @@ def test_the_loop_in_full_mode_trains_every_step_and_saves_the_stream(tmp_path):
         state = trainer.states[step]
         assert set(state) == {"sampler", "rollout_stream"}
         stream = state["rollout_stream"]
-        held = len(stream["complete"]) + len(stream["pending"])
+        held = len(stream["complete"]) + len(stream["partial"]) + len(stream["pending"])
         # every prompt drawn is trained or held: 2 prompts per step
         assert state["sampler"]["index"] == 2 * step + held, state["sampler"]
     rows = [r for r in read_metrics(tmp_path) if "train/reward_mean" in r]
@@ -288,6 +402,7 @@ def test_a_full_mode_checkpoint_resumed_in_another_mode_is_refused():
     assert _stream_state(config_from_dict({"rollout": {"async": "full"}}), saved) is not None
     with pytest.raises(ConfigError, match=r"rollout\.async: one_step: the checkpoint was written "
                                           r"by a rollout\.async: full run and holds 3 complete "
-                                          r"groups and 1 prompts in flight"):
+                                          r"groups, 0 groups stopped in flight and 1 prompts "
+                                          r"queued"):
         _stream_state(config_from_dict({"rollout": {"async": "one_step"}}), saved)
     assert _stream_state(config_from_dict({}), {}) is None
