@@ -7,6 +7,7 @@ Needs TRL, which is NOT a dependency of megatron-gspo (benchmark only)::
 Then::
 
     .venv/bin/python bench/bench_trl.py --out runs/bench_trl --budget-s 300
+    .venv/bin/python bench/bench_trl.py ... --async-modes off,one_step   # ours in each mode too
 
 What is compared (both start from the same SFT policy, an HF directory written by
 ``megatron-gspo sft``, which this script runs first if ``<out>/sft/hf`` does not exist):
@@ -160,10 +161,12 @@ class TreeMonitor(threading.Thread):
         self.join(timeout=5)
 
 
-def run_ours(args, sft_hf: Path, out: Path) -> dict:
+def run_ours(args, sft_hf: Path, out: Path, mode: str = "off") -> dict:
+    """Ours with ``rollout.async: mode`` (``full``: ``rollout.max_staleness`` from
+    ``--max-staleness``); the run's directory is ``<out>/ours`` (off) or ``<out>/ours_<mode>``."""
     import shutil
 
-    run_dir = out / "ours"
+    run_dir = out / ("ours" if mode == "off" else f"ours_{mode}")
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
@@ -182,8 +185,10 @@ def run_ours(args, sft_hf: Path, out: Path) -> dict:
               "--set", "rollout.temperature=1.0",
               # TRL computes no routing-volatility metrics: skip their extra forward pass
               "--set", "gspo.routing_metrics=false",
-              "--set", f"optim.lr={args.lr}", "--set", f"optim.adam_beta2={args.beta2}")
-    print("ours:", " ".join(cmd[1:]), flush=True)
+              "--set", f"optim.lr={args.lr}", "--set", f"optim.adam_beta2={args.beta2}",
+              "--set", f"rollout.async={mode}",
+              "--set", f"rollout.max_staleness={args.max_staleness}")
+    print(f"ours ({mode}):", " ".join(cmd[1:]), flush=True)
     log = open(run_dir / "train.log", "w")
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
@@ -238,7 +243,8 @@ def run_ours(args, sft_hf: Path, out: Path) -> dict:
     last = steps[-1]
     first_step_s = step_end[steps[0]] - t0
     steady = ((step_end[last] - step_end[steps[0]]) / (len(steps) - 1)) if len(steps) > 1 else None
-    return {"name": "ours (megatron-gspo)", "steps": len(steps), "wall_s": step_end[last] - t0,
+    name = "ours (megatron-gspo)" if mode == "off" else f"ours (megatron-gspo, async {mode})"
+    return {"name": name, "steps": len(steps), "wall_s": step_end[last] - t0,
             "first_step_end_s": first_step_s, "steady_step_s": steady,
             "rollout_tokens": gen, "trained_tokens": gen + prompt_tok,
             "train_reward_first": records[steps[0]]["train/reward_mean"],
@@ -397,7 +403,13 @@ def evaluate(args, hf_dir: str) -> dict:
                 resp = row[:row.index(EOS_ID) + 1] if EOS_ID in row else row
                 rewards.append(task_cls.reward(p, resp))
                 lengths.append(len(resp))
-    return {"reward": sum(rewards) / len(rewards), "n": len(rewards),
+    # standard error over the prompts (a prompt's samples are correlated): std of the per-prompt
+    # means / sqrt(prompts)
+    k = args.eval_samples
+    means = [sum(rewards[i:i + k]) / k for i in range(0, len(rewards), k)]
+    mu = sum(means) / len(means)
+    se = (sum((m - mu) ** 2 for m in means) / max(1, len(means) - 1)) ** 0.5 / len(means) ** 0.5
+    return {"reward": sum(rewards) / len(rewards), "n": len(rewards), "se": se,
             "response_len": sum(lengths) / len(lengths)}
 
 
@@ -412,10 +424,7 @@ def table(args, res: dict, start_eval: dict) -> str:
         "generated tokens/s | train reward first -> last step | held-out reward (final policy) | "
         "peak RSS sum (GiB) | peak PSS sum (GiB) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
-    for key in ("ours", "trl"):
-        r = res.get(key)
-        if r is None:
-            continue
+    for key, r in res.items():
         e2e = (r["rollout_tokens"] + r["trained_tokens"]) / r["wall_s"]
         steady = f"{r['steady_step_s']:.1f}" if r["steady_step_s"] else "-"
         lines.append(
@@ -429,13 +438,43 @@ def table(args, res: dict, start_eval: dict) -> str:
     return "\n".join(lines)
 
 
+def e2e_tokens_per_s(r: dict) -> float:
+    return (r["rollout_tokens"] + r["trained_tokens"]) / r["wall_s"]
+
+
+def summary(res: dict) -> str:
+    """The last line: each of our modes against TRL (end-to-end tokens/s ratio, held-out reward
+    with its standard error) and against our synchronous run."""
+    ours = {k: r for k, r in res.items() if k.startswith("ours")}
+    if not ours or "trl" not in res:
+        return ""
+    trl = res["trl"]
+    parts = []
+    for key, r in ours.items():
+        mode = "off" if key == "ours" else key[len("ours_"):]
+        text = (f"{mode} {e2e_tokens_per_s(r) / e2e_tokens_per_s(trl):.2f}x TRL "
+                f"(held-out {r['eval']['reward']:.3f} +- {r['eval']['se']:.3f})")
+        if "ours" in res and key != "ours":
+            text += f", {e2e_tokens_per_s(r) / e2e_tokens_per_s(res['ours']):.2f}x ours sync"
+        parts.append(text)
+    return (f"ours vs TRL (end-to-end tokens/s): {'; '.join(parts)}; TRL held-out "
+            f"{trl['eval']['reward']:.3f} +- {trl['eval']['se']:.3f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/bench_trl")
     parser.add_argument("--budget-s", type=float, default=300.0,
                         help="wall-time budget of each run, from its launch (default 300)")
-    parser.add_argument("--only", choices=["ours", "trl"], default=None)
+    parser.add_argument("--only", choices=["ours", "trl", "sft"], default=None,
+                        help="run only ours (every --async-modes), only TRL, or only make the SFT "
+                             "start")
+    parser.add_argument("--async-modes", default="off",
+                        help="comma list of our rollout.async modes to run (off, one_step, full), "
+                             "each with the same budget")
+    parser.add_argument("--max-staleness", type=int, default=1,
+                        help="rollout.max_staleness of --async-modes full")
     parser.add_argument("--seed", type=int, default=1234)
     # model (one size for SFT, ours, TRL)
     parser.add_argument("--layers", type=int, default=4)
@@ -488,11 +527,22 @@ def main() -> int:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"SFT failed\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+        print(f"SFT done in {time.time() - started:.0f} s: {sft_hf}", flush=True)
+    if args.only == "sft":
+        return 0
+    modes = [m.strip() for m in args.async_modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in ("off", "one_step", "full")]
+    if unknown or not modes:
+        raise SystemExit(f"--async-modes: {unknown or modes} (choose from off, one_step, full)")
     res: dict = {}
-    for key, fn in (("ours", run_ours), ("trl", run_trl)):
-        if args.only in (None, key):
-            res[key] = fn(args, sft_hf, out)
-            print(key, {k: v for k, v in res[key].items()}, flush=True)
+    if args.only in (None, "ours"):
+        for mode in modes:
+            key = "ours" if mode == "off" else f"ours_{mode}"
+            res[key] = run_ours(args, sft_hf, out, mode)
+            print(key, res[key], flush=True)
+    if args.only in (None, "trl"):
+        res["trl"] = run_trl(args, sft_hf, out)
+        print("trl", res["trl"], flush=True)
     start_eval = evaluate(args, str(sft_hf))
     for key in res:
         res[key]["eval"] = evaluate(args, res[key]["final_hf"])
@@ -507,8 +557,9 @@ def main() -> int:
              f"{args.budget_s:.0f} s per run; held-out: {args.eval_prompts} prompts x "
              f"{args.eval_samples} samples. Load average at the end: "
              f"{', '.join(f'{x:.1f}' for x in psutil.getloadavg())}; total {time.time() - started:.0f} s.")
-    print(f"\nCommand: `.venv/bin/python {cmdline}`\n\n{setup}\n\n{md}", flush=True)
-    (out / "table.md").write_text(f"{setup}\n\n{md}\n")
+    last = summary(res)
+    print(f"\nCommand: `.venv/bin/python {cmdline}`\n\n{setup}\n\n{md}\n\n{last}", flush=True)
+    (out / "table.md").write_text(f"{setup}\n\n{md}\n\n{last}\n")
     return 0
 
 

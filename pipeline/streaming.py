@@ -290,6 +290,7 @@ class RolloutStream:
             self._suspended = True
             loop = self._loop
         deadline = time.monotonic() + self.timeout_s
+        failed: Optional[BaseException] = None
         while True:
             with self._cond:
                 if self._tasks == 0 or loop is None or loop.is_closed():
@@ -300,11 +301,12 @@ class RolloutStream:
                                      if not g.complete and g.partial is None)
                 raise TimeoutError(f"rollout stream: a checkpoint waited {self.timeout_s:g} s for "
                                    f"the requests in flight to come back after an abort "
-                                   f"(in flight: {waiting[:8]}) (parallel.control_timeout_minutes)")
+                                   f"(in flight: {waiting[:8]}; last abort error: {failed!r}) "
+                                   "(parallel.control_timeout_minutes)")
             try:  # again every second: a request may reach its server after an abort
                 asyncio.run_coroutine_threadsafe(self._abort(), loop).result(timeout=30.0)
-            except RuntimeError:  # the stream's loop has ended: its tasks were cancelled
-                return
+            except Exception as err:  # noqa: BLE001 - the requests still end; the wait is bounded
+                failed = err  # (or the stream's loop has ended: its tasks were cancelled)
             with self._cond:
                 self._cond.wait_for(lambda: self._tasks == 0, timeout=1.0)
 

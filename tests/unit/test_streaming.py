@@ -406,3 +406,27 @@ def test_a_full_mode_checkpoint_resumed_in_another_mode_is_refused():
                                           r"queued"):
         _stream_state(config_from_dict({"rollout": {"async": "one_step"}}), saved)
     assert _stream_state(config_from_dict({}), {}) is None
+
+
+def test_a_continuation_joins_only_its_own_partial_sample():
+    from pipeline.rollout import join_continuation
+
+    def result(rid, prompt, out, spans, finish="abort"):
+        return RolloutResult(rid=rid, prompt_ids=prompt, output_ids=out,
+                             output_logprobs=[-0.1] * len(out), finish_reason=finish,
+                             matched_stop=None, prompt_tokens=len(prompt),
+                             completion_tokens=len(out), weight_version=spans[-1][0],
+                             server_url="u", weight_versions=spans)
+
+    partial = result("a", [1, 2], [3, 4, 5], [("1", 0, 2), ("2", 2, 3)])
+    cont = result("a-c", [1, 2, 3, 4, 5], [6, 7], [("2", 0, 1), ("3", 1, 2)], finish="stop")
+    joined = join_continuation(partial, cont)
+    assert joined.output_ids == [3, 4, 5, 6, 7] and joined.finish_reason == "stop"
+    assert joined.weight_versions == [("1", 0, 2), ("2", 2, 4), ("3", 4, 5)]  # "2" merged
+    assert joined.rid == "a" and joined.prompt_ids == [1, 2] and joined.completion_tokens == 5
+    with pytest.raises(ValueError, match=r"b: the continuation's prompt is not a's prompt"):
+        join_continuation(partial, result("b", [1, 2, 3], [6], [("3", 0, 1)]))
+    turns = result("t", [1], [2], [("1", 0, 1)])
+    turns.output_mask = [1]
+    with pytest.raises(ValueError, match=r"t: a multi-turn trajectory is not continued"):
+        join_continuation(turns, cont)
