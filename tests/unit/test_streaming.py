@@ -26,6 +26,16 @@ G = 2
 P = 3
 
 
+def spans_of(labels: list[str]) -> list[tuple[str, int, int]]:
+    """Per-token version labels -> SGLang's ``weight_versions`` spans (version, start, end)."""
+    spans, start = [], 0
+    for t in range(1, len(labels) + 1):
+        if t == len(labels) or labels[t] != labels[start]:
+            spans.append((labels[start], start, t))
+            start = t
+    return spans
+
+
 class Server:
     """A rollout server that holds one weight version at a time."""
 
@@ -47,11 +57,7 @@ class Server:
             for _ in range(self.length(index)):
                 await asyncio.sleep(self.token_s)
                 labels.append(str(self.version))
-            spans, start = [], 0
-            for t in range(1, len(labels) + 1):
-                if t == len(labels) or labels[t] != labels[start]:
-                    spans.append((labels[start], start, t))
-                    start = t
+            spans = spans_of(labels)
             aborted = index in self.abort_first_try and attempt == 0 and s == 0
             out.append(RolloutResult(
                 rid=f"{rid}-{s}", prompt_ids=list(prompt.prompt_ids), output_ids=[7] * len(labels),
@@ -202,11 +208,7 @@ class StoppableServer(Server):
             await asyncio.sleep(self.token_s)
             ids.append(100 * s + t)
             labels.append(str(self.version))
-        spans, start = [], 0
-        for t in range(1, len(labels) + 1):
-            if t == len(labels) or labels[t] != labels[start]:
-                spans.append((labels[start], start, t))
-                start = t
+        spans = spans_of(labels)
         done = first + len(ids) == length
         return RolloutResult(
             rid=rid, prompt_ids=list(prompt_ids), output_ids=ids,
