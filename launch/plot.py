@@ -308,6 +308,7 @@ CHARTS: dict[str, Callable] = {
     # rollout.async full (pipeline/streaming.py): what happened to the groups, per step
     "stream.png": _simple("Rollout stream (async full): groups per step", "groups",
                           [("train/requeued", "re-queued"), ("train/resumed", "samples resumed"),
+                           ("train/continued", "samples continued after a checkpoint"),
                            ("train/in_flight_groups", "in flight"),
                            ("train/buffered_groups", "buffered")]),
     # multi-turn, tool-using rollouts (docs/tools.md)
