@@ -80,14 +80,14 @@ def sft_policy(work: Path) -> Path:
     return out / "hf"
 
 
-def run_mode(mode: str, policy: Path, work: Path, args) -> dict:
+def run_mode(mode: str, policy: Path, work: Path, args, seed: int) -> dict:
     from pipeline.metrics import read_metrics
     from pipeline.servers import LocalRolloutCluster
 
-    run_dir, weights = work / mode, work / f"weights_{mode}"
+    run_dir, weights = work / f"{mode}_s{seed}", work / f"weights_{mode}_s{seed}"
     weights.mkdir(parents=True)
     with pinned({1}):  # the server and the router: core 1
-        cluster = LocalRolloutCluster(policy, 1, log_dir=work / f"servers_{mode}",
+        cluster = LocalRolloutCluster(policy, 1, log_dir=work / f"servers_{mode}_s{seed}",
                                       server_args=["--weight-roots", str(weights)])
         cluster.start()
     try:
@@ -95,7 +95,7 @@ def run_mode(mode: str, policy: Path, work: Path, args) -> dict:
                 f"rollout.max_staleness={args.max_staleness}",
                 "rollout.mode=external", f"rollout.router_url={cluster.router_url}",
                 f"rollout.weight_sync_dir={weights}", f"run.num_steps={args.steps}",
-                f"run.eval_interval={args.steps}", "run.save_interval=0", f"run.seed={args.seed}"]
+                f"run.eval_interval={args.steps}", "run.save_interval=0", f"run.seed={seed}"]
         t0 = time.monotonic()
         cli("train", "--config", "launch/configs/tiny_cpu.yaml",
             *[a for s in sets for a in ("--set", s)], cores={0})  # the trainer: core 0
@@ -124,10 +124,25 @@ def run_mode(mode: str, policy: Path, work: Path, args) -> dict:
             "resumed": sum(r.get("train/resumed", 0.0) for r in train)}
 
 
+def average(rs: list[dict]) -> dict:
+    """One mode's runs (one per seed) -> their means; with several seeds ``reward_se`` is the
+    standard error of the mean final held-out reward over the seeds (the run-to-run spread,
+    which includes the evaluation's sampling noise)."""
+    out = {k: statistics.fmean(r[k] for r in rs) for k in rs[0] if k != "mode"}
+    out["staleness_max"] = max(r["staleness_max"] for r in rs)
+    out["rewards"] = [r["reward"] for r in rs]
+    if len(rs) > 1:
+        out["reward_se"] = statistics.stdev(out["rewards"]) / len(rs) ** 0.5
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=20, help="training steps per mode (default 20)")
     p.add_argument("--seed", type=int, default=1234, help="run.seed of every mode")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="runs per mode, with run.seed --seed, --seed + 1, ...; the table shows the "
+                        "means (and the held-out reward's spread over the seeds)")
     p.add_argument("--max-staleness", type=int, default=1,
                    help="rollout.max_staleness of the full modes (default 1)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of "
@@ -140,30 +155,41 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
         work = Path(tmp)
         policy = args.sft_from or sft_policy(work)
-        results = {}
+        runs: dict[str, list[dict]] = {}
         chosen = ["off"] + [m for m in args.modes.split(",") if m in MODES and m != "off"]
-        for mode in chosen:
-            print(f"rollout.async {mode}: {args.steps} steps ...", flush=True)
-            results[mode] = run_mode(mode, Path(policy), work, args)
+        for seed in range(args.seed, args.seed + args.seeds):  # seed-major: comparable halves
+            for mode in chosen:
+                print(f"rollout.async {mode}, seed {seed}: {args.steps} steps ...", flush=True)
+                runs.setdefault(mode, []).append(run_mode(mode, Path(policy), work, args, seed))
+                r = runs[mode][-1]
+                print(f"  {r['step_s']:.2f} s/step, held-out {r['reward_start']:.3f} -> "
+                      f"{r['reward']:.3f} +- {r['reward_se']:.3f}", flush=True)
+    results = {mode: average(rs) for mode, rs in runs.items()}
     base = results["off"]
+    if args.seeds > 1:
+        print(f"\nmeans over {args.seeds} seeds ({args.seed} .. {args.seed + args.seeds - 1}); "
+              "held-out reward: mean +- its standard error over the seeds (each seed's value in "
+              "the last column)")
     print("\n| mode | s/step | speedup | trainer idle | rollout idle | held-out reward (start -> "
           "end +- se) | clip frac | staleness mean / max | behaviour ESS | pause s | "
-          "resumed / re-queued | wall s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "resumed / re-queued | wall s |" + (" held-out per seed |" if args.seeds > 1 else ""))
+    print("| --- " * (12 + (args.seeds > 1)) + "|")
     for mode, r in results.items():
         print(f"| {mode} | {r['step_s']:.2f} | {base['step_s'] / r['step_s']:.2f}x | "
               f"{r['trainer_idle']:.2f} | {r['rollout_idle']:.2f} | {r['reward_start']:.3f} -> "
               f"{r['reward']:.3f} +- {r['reward_se']:.3f} | {r['clip']:.4f} | "
               f"{r['staleness']:.2f} / {r['staleness_max']:.0f} | "
               f"{'-' if r['ess'] != r['ess'] else format(r['ess'], '.4f')} | "
-              f"{r['paused']:.3f} | {r['resumed']:.0f} / {r['requeued']:.0f} | {r['wall_s']:.0f} |")
+              f"{r['paused']:.3f} | {r['resumed']:.0f} / {r['requeued']:.0f} | {r['wall_s']:.0f} |"
+              + (f" {', '.join(f'{x:.3f}' for x in r['rewards'])} |" if args.seeds > 1 else ""))
 
     def speed(mode: str) -> str:
         return f"{base['step_s'] / results[mode]['step_s']:.2f}x" if mode in results else "n/a"
 
     def reward(mode: str) -> str:
         return f"{results[mode]['reward']:.3f}" if mode in results else "n/a"
-    print(f"\nasync vs sync (separate cores): one_step {speed('one_step')}, full {speed('full')}; "
+    seeds = f" ({args.seeds} seeds)" if args.seeds > 1 else ""
+    print(f"\nasync vs sync (separate cores){seeds}: one_step {speed('one_step')}, full {speed('full')}; "
           f"held-out reward sync {reward('off')}, one_step {reward('one_step')}, "
           f"full {reward('full')}")
     return 0
