@@ -455,8 +455,9 @@ class RolloutStream:
         self._busy(+1)
         try:
             seed, rid = self._seed_of(g.index, g.attempt), f"s{g.index}a{g.attempt}"
-            if g.partial is not None:
-                results = await self._resume(g.prompt, seed, f"{rid}c{g.continued}", g.partial)
+            if g.partial is not None:  # a new sampling seed for each continuation
+                results = await self._resume(g.prompt, seed + g.continued,
+                                             f"{rid}c{g.continued}", g.partial)
             else:
                 results = await self._generate(g.prompt, seed, rid)
         finally:
