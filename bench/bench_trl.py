@@ -405,10 +405,11 @@ def evaluate(args, hf_dir: str) -> dict:
                 lengths.append(len(resp))
     # standard error over the prompts (a prompt's samples are correlated): std of the per-prompt
     # means / sqrt(prompts)
+    import statistics
+
     k = args.eval_samples
-    means = [sum(rewards[i:i + k]) / k for i in range(0, len(rewards), k)]
-    mu = sum(means) / len(means)
-    se = (sum((m - mu) ** 2 for m in means) / max(1, len(means) - 1)) ** 0.5 / len(means) ** 0.5
+    means = [statistics.fmean(rewards[i:i + k]) for i in range(0, len(rewards), k)]
+    se = statistics.stdev(means) / len(means) ** 0.5 if len(means) > 1 else 0.0
     return {"reward": sum(rewards) / len(rewards), "n": len(rewards), "se": se,
             "response_len": sum(lengths) / len(lengths)}
 
@@ -424,8 +425,8 @@ def table(args, res: dict, start_eval: dict) -> str:
         "generated tokens/s | train reward first -> last step | held-out reward (final policy) | "
         "peak RSS sum (GiB) | peak PSS sum (GiB) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
-    for key, r in res.items():
-        e2e = (r["rollout_tokens"] + r["trained_tokens"]) / r["wall_s"]
+    for r in res.values():
+        e2e = e2e_tokens_per_s(r)
         steady = f"{r['steady_step_s']:.1f}" if r["steady_step_s"] else "-"
         lines.append(
             f"| {r['name']} | {r['steps']} | {r['wall_s']:.0f} | {r['first_step_end_s']:.0f} | "

@@ -840,19 +840,22 @@ async def continue_samples(client: RolloutClient, prompt_ids: Sequence[int],
     and whose ``max_new_tokens`` is what the sample had left; joined with
     :func:`join_continuation`. ``seed``: the base of the continuation's sampling seeds (distinct
     per sample). A continuation aborted in turn comes back aborted, with the longer output."""
-    async def one(i: int, r: RolloutResult) -> RolloutResult:
-        if r.finish_reason != "abort":
-            return r
+    stopped = [i for i, r in enumerate(partial) if r.finish_reason == "abort"]
+    requests = []
+    for i in stopped:
+        r = partial[i]
         left = sampling.max_new_tokens - len(r.output_ids)
         if left < 1:
             raise ValueError(f"{r.rid}: aborted with {len(r.output_ids)} output tokens, "
                              f"max_new_tokens {sampling.max_new_tokens}: nothing left to continue")
-        groups = await client.generate_groups_async(
-            [list(prompt_ids) + list(r.output_ids)], 1, replace(sampling, max_new_tokens=left),
-            seed=_stream_seed("continue", seed, i), rid_prefix=f"{rid_prefix}-s{i}",
-            routed_experts=routed_experts)
-        return join_continuation(r, groups[0][0])
-    return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(partial))))
+        requests.append((f"{rid_prefix}-s{i}", list(prompt_ids) + list(r.output_ids),
+                         replace(sampling, n=1, max_new_tokens=left,
+                                 sampling_seed=sample_seed(_stream_seed("continue", seed, i), 0, 0))))
+    conts = await client.generate(requests, routed_experts=routed_experts) if requests else []
+    out = list(partial)
+    for i, cont in zip(stopped, conts):
+        out[i] = join_continuation(partial[i], cont)
+    return out
 
 
 def _not_sent(rid: str, prompt: Sequence[int], url: str) -> RolloutResult:
