@@ -81,8 +81,8 @@ def sft_policy(work: Path) -> Path:
 
 
 def run_mode(mode: str, policy: Path, work: Path, args, seed: int) -> dict:
-    from pipeline.metrics import read_metrics
-    from pipeline.servers import LocalRolloutCluster
+    from pipeline.observe.metrics import read_metrics
+    from pipeline.servers.cluster import LocalRolloutCluster
 
     run_dir, weights = work / f"{mode}_s{seed}", work / f"weights_{mode}_s{seed}"
     weights.mkdir(parents=True)

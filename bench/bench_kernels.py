@@ -189,8 +189,8 @@ def decode_rows(args, model_dir: Path) -> list[tuple[str, float, int]]:
 
 
 def concurrency_rows(args, model_dir: Path) -> list[tuple[str, float, int]]:
-    from pipeline.rollout import RolloutClient, SamplingParams
-    from pipeline.servers import LocalRolloutCluster
+    from pipeline.generation.client import RolloutClient, SamplingParams
+    from pipeline.servers.cluster import LocalRolloutCluster
 
     prompts, lengths = _requests(args, 16)
     requests = [(f"p{p}-s{s}", prompts[p],

@@ -10,7 +10,7 @@ same two workloads through ``RolloutClient``, interleaved, best of ``--repeats``
 
 1. **groups**: P prompts x G samples (``generate_groups``, what a GSPO step sends): the G samples
    of a prompt share it, so all but the first find it cached;
-2. **multi-turn**: T turns of P x G trajectories, token-in / token-out as ``pipeline.multiturn``
+2. **multi-turn**: T turns of P x G trajectories, token-in / token-out as ``pipeline.generation.multiturn``
    sends them: turn k's input is turn k-1's input, its output and ``--tool-tokens`` appended
    tokens (a tool's answer), so a turn finds everything but the appended tokens cached.
 
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def groups_run(url: str, prompts: list[list[int]], args) -> tuple[float, int, int]:
     """(seconds, generated tokens, cached prompt tokens) of one GSPO step's requests."""
-    from pipeline.rollout import RolloutClient, SamplingParams
+    from pipeline.generation.client import RolloutClient, SamplingParams
 
     client = RolloutClient(server_urls=[url], request_timeout_s=600)
     sp = SamplingParams(max_new_tokens=args.new_tokens)
@@ -50,7 +50,7 @@ def groups_run(url: str, prompts: list[list[int]], args) -> tuple[float, int, in
 
 def multiturn_run(url: str, prompts: list[list[int]], args) -> tuple[float, int, int]:
     """(seconds, generated tokens, cached prompt tokens) of T turns of P x G trajectories."""
-    from pipeline.rollout import RolloutClient, SamplingParams
+    from pipeline.generation.client import RolloutClient, SamplingParams
 
     client = RolloutClient(server_urls=[url], request_timeout_s=600)
     gen = torch.Generator().manual_seed(3)
@@ -89,7 +89,7 @@ def main() -> None:
     args.batch = args.prompts  # bench_rollout.prompts' name for the prompt count
     torch.set_num_threads(args.threads)
 
-    from pipeline.servers import LocalRolloutCluster
+    from pipeline.servers.cluster import LocalRolloutCluster
 
     runs: dict[tuple[str, str], list] = {}
     with tempfile.TemporaryDirectory(prefix="bench_prefix_cache_") as tmp:

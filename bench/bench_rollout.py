@@ -90,7 +90,7 @@ def hf_generate(model_dir: Path, batch: list[list[int]], new_tokens: int) -> flo
 
 
 def server_generate(url: str, batch: list[list[int]], new_tokens: int) -> float:
-    from pipeline.rollout import http_json
+    from pipeline.generation.client import http_json
 
     body = {"input_ids": batch, "sampling_params": {"max_new_tokens": new_tokens,
                                                     "ignore_eos": True}}
@@ -104,7 +104,7 @@ def server_generate(url: str, batch: list[list[int]], new_tokens: int) -> float:
 
 
 def client_generate(url: str, batch: list[list[int]], new_tokens: int) -> tuple[float, int]:
-    from pipeline.rollout import RolloutClient, SamplingParams
+    from pipeline.generation.client import RolloutClient, SamplingParams
 
     client = RolloutClient(server_urls=[url], request_timeout_s=600)
     sp = SamplingParams(max_new_tokens=new_tokens)
@@ -122,8 +122,8 @@ def sync_bench(model_dir: Path, url: str, shared: Path, args) -> list[dict]:
     from megatron_gspo import parallel
     from megatron_gspo.config import ParallelConfig
     from megatron_gspo.hf.gather import HFGather
-    from pipeline.weight_push import WeightPusher
-    from pipeline.servers import free_port
+    from pipeline.weights.push import WeightPusher
+    from pipeline.servers.cluster import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)
@@ -187,7 +187,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from pipeline.servers import LocalRolloutCluster
+    from pipeline.servers.cluster import LocalRolloutCluster
 
     with tempfile.TemporaryDirectory(prefix="bench_rollout_") as tmp:
         tmp = Path(tmp)

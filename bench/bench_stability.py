@@ -335,7 +335,7 @@ def train_one(args, out: Path, sft_hf: Path, arm: str, k: int, lr: float,
         result = json.loads(result_path.read_text())
         if (run_dir / "metrics.jsonl").is_file():
             sys.path.insert(0, str(ROOT))
-            from pipeline.metrics import read_metrics
+            from pipeline.observe.metrics import read_metrics
 
             result.update(summarize(read_metrics(run_dir), collapse_kw=collapse_kw(args)))
         return result
@@ -360,7 +360,7 @@ def train_one(args, out: Path, sft_hf: Path, arm: str, k: int, lr: float,
                 "--set", "run.save_interval=0", "--set", "run.log_interval=1",
                 "--set", f"optim.lr={lr}"), run_dir.parent / f"{key}.log")
     sys.path.insert(0, str(ROOT))
-    from pipeline.metrics import read_metrics
+    from pipeline.observe.metrics import read_metrics
 
     result = {**summarize(read_metrics(run_dir), collapse_kw=collapse_kw(args)),
               "arm": arm, "variant": variant, "routing_replay": replay, "k": k, "lr": lr,

@@ -49,7 +49,7 @@ def cli(*args: str, timeout: float = 1800) -> None:
 
 def one_run(out: Path, policy: Path, form: str, eta: int, seed: int, args) -> dict:
     """One arm and seed (read back when its summary exists: the study is resumable)."""
-    from pipeline.metrics import read_metrics
+    from pipeline.observe.metrics import read_metrics
 
     run_dir = out / f"{form}_eta{eta}_seed{seed}"
     summary = run_dir / "summary.json"

@@ -101,7 +101,7 @@ def make_task(args):
     """The task both sides train on: ``--task addition`` (answers of ~3.5 tokens) or
     ``carry_addition`` (a digit-by-digit carry trace before the answer: 10 n + 3 tokens for n
     columns, n uniform in [ceil(digits / 4), digits]; digits 24 gives 62-243, mean ~152)."""
-    from pipeline.tasks import AdditionTask, CarryAdditionTask
+    from pipeline.scoring.tasks import AdditionTask, CarryAdditionTask
 
     cls = {"addition": AdditionTask, "carry_addition": CarryAdditionTask}[args.task]
     return cls(digits=args.digits, seed=args.seed)
@@ -113,7 +113,7 @@ def problems(args, split: str, count: int, start: int = 0):
 
 def train_prompt_order(args, steps: int) -> list:
     """The prompts our trainer samples, step by step (run.seed, shuffled epochs)."""
-    from pipeline.data import PromptSampler, TaskPromptDataset
+    from pipeline.scoring.data import PromptSampler, TaskPromptDataset
 
     task = make_task(args)
     sampler = PromptSampler(TaskPromptDataset(task, split="train"), seed=args.seed, shuffle=True)
@@ -303,7 +303,7 @@ def trl_worker(args) -> int:
     import trl
     from trl import GRPOConfig, GRPOTrainer
 
-    from pipeline.tasks import Problem, encode
+    from pipeline.scoring.tasks import Problem, encode
 
     task_cls = type(make_task(args))
     assert trl.__version__ == TRL_VERSION, f"benchmark written for trl=={TRL_VERSION}, got {trl.__version__}"
@@ -379,7 +379,7 @@ def evaluate(args, hf_dir: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from pipeline.tasks import EOS_ID, PAD_ID
+    from pipeline.scoring.tasks import EOS_ID, PAD_ID
 
     task_cls = type(make_task(args))
     torch.set_num_threads(args.threads)

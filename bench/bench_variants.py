@@ -33,7 +33,7 @@ def run(cmd: list[str]) -> None:
 
 def summarize(run_dir: Path) -> dict:
     sys.path.insert(0, str(ROOT))
-    from pipeline.metrics import read_metrics
+    from pipeline.observe.metrics import read_metrics
 
     records = read_metrics(run_dir)
     train = [r["train/reward_mean"] for r in records if "train/reward_mean" in r]

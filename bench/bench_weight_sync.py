@@ -108,7 +108,7 @@ def bench_worker(rank: int, world: int, section: dict, hf_dir: str, url: str, sh
     from megatron_gspo.hf.gather import HFGather
     from megatron_gspo.hf.hf_config import model_config_from_hf
     from megatron_gspo.model import gpt as policy
-    from pipeline.weight_push import WeightPusher
+    from pipeline.weights.push import WeightPusher
 
     par = ParallelConfig(**section)
     pg = parallel.initialize(par)
@@ -199,7 +199,7 @@ def main() -> None:
     ap.add_argument("--json", help="also write the raw results here")
     args = ap.parse_args()
 
-    from pipeline.servers import LocalRolloutCluster
+    from pipeline.servers.cluster import LocalRolloutCluster
     from tests.distributed.spawn import run_on_ranks
 
     results = []

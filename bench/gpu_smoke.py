@@ -17,7 +17,7 @@ passed. The checks, in order (each uses the project's real code paths, nothing r
   rl_train_rollout               RLTrainer.train_rollout on a real rollout batch: the trainer's
                                  initial weights exported, one local rollout server started from
                                  them with its model on the device (--device), and
-                                 pipeline.loop.rollout_phase samples and scores it
+                                 pipeline.step.loop.rollout_phase samples and scores it
   checkpoint_exact_resume        RLTrainer.save, then a second trainer .load: its weights equal
                                  the saved ones bit for bit, and one more update from each gives
                                  bit-identical weights (torch deterministic algorithms on; on
@@ -394,7 +394,7 @@ class Smoke:
         from megatron_gspo import parallel
         from megatron_gspo.config import config_from_dict
         from megatron_gspo.train.sft import SFTTrainer
-        from pipeline.tasks import PAD_ID
+        from pipeline.scoring.tasks import PAD_ID
 
         # Megatron's bf16 optimizers wrap CUDA tensors only: float32 on CPU
         dtype = "bfloat16" if self.cuda else "float32"
@@ -425,13 +425,13 @@ class Smoke:
 
         from megatron_gspo.hf.export import export_hf_dir
         from megatron_gspo.train.rl_trainer import RLTrainer
-        from pipeline import loop
-        from pipeline.data import PromptSampler, build_datasets
-        from pipeline.metrics import MetricsLogger
-        from pipeline.rewards import build_reward
-        from pipeline.rollout import RolloutClient, http_json
-        from pipeline.servers import LocalRolloutCluster
-        from pipeline.tasks import write_byte_tokenizer
+        from pipeline.step import loop
+        from pipeline.scoring.data import PromptSampler, build_datasets
+        from pipeline.observe.metrics import MetricsLogger
+        from pipeline.scoring.rewards import build_reward
+        from pipeline.generation.client import RolloutClient, http_json
+        from pipeline.servers.cluster import LocalRolloutCluster
+        from pipeline.scoring.tasks import write_byte_tokenizer
 
         run_dir = self.work / "rl"
         cfg = self.rl_config(run_dir)

@@ -14,7 +14,7 @@ Applied by
 
 * ``launch.cli.main`` before any sub-command module is imported, so in the launcher, in every
   training rank (torchrun and srun start ranks as ``python -m launch.cli ...``) and in every local
-  rollout server (``pipeline/servers.py`` starts ``python -m launch.cli serve``);
+  rollout server (``pipeline/servers/cluster.py`` starts ``python -m launch.cli serve``);
 * the test suite: ``pyproject.toml``'s ``filterwarnings`` holds the unconditional entries (a unit
   test keeps that list equal to :func:`pytest_filters`), ``tests/conftest.py`` adds the
   ``only_without_cuda`` ones on machines without CUDA.

@@ -117,8 +117,7 @@ def run_calibration(cfg: Config, session_cfg: Config, *, target: float, rollouts
     from megatron_gspo.loss.clip_calibration import calibrate_clip_range, ratio_quantiles
     from megatron_gspo.loss.gspo import sequence_log_ratio
     from megatron_gspo.train.batching import select_rows
-    from pipeline import loop
-
+    from pipeline.step import loop
     with RLSession(session_cfg, resume=False) as session:
         trainer, _, _ = session.build_trainer()
         ctx = session.build_rollout(trainer, {})

@@ -35,7 +35,6 @@ from typing import Optional
 from launch import benign_warnings, local, rank_status
 from megatron_gspo.config import ConfigError
 from pipeline import relayed_errors
-
 # Sub-command modules; each has add_parser(subparsers) and sets ``func(args, argv) -> int``.
 COMMANDS = ["launch.demo", "launch.train", "launch.sft", "launch.show_config", "launch.plot", "launch.serve", "launch.slurm",
             "launch.plan", "launch.calibrate_eps"]

@@ -9,7 +9,7 @@ It ends with ``held-out reward: SFT <x> -> GSPO <y>``: the mean held-out reward 
 (GSPO step 0) and of the final policy. Outputs go to ``--out`` (default runs/demo).
 
 ``--task tools`` runs the multi-turn demo instead (docs/tools.md): sums of two 5-digit numbers,
-which the tiny model cannot add token by token, with a calculator tool (``pipeline.tasks:add``)
+which the tiny model cannot add token by token, with a calculator tool (``pipeline.scoring.tasks:add``)
 run in the sandbox; SFT on reference trajectories that call it (the call format), then GSPO on
 multi-turn trajectories (launch/configs/tiny_cpu_tools*.yaml, out: runs/demo_tools). It ends with
 the same line and then ``tool calls per trajectory: <z>`` (held-out, final policy).
@@ -121,7 +121,7 @@ class Stages:
 
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
-    from pipeline.metrics import read_metrics
+    from pipeline.observe.metrics import read_metrics
 
     config, sft_config, default_out = TASK_CONFIGS[args.task]
     config = args.config or str(CONFIGS / config)

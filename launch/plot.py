@@ -29,7 +29,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-# The metric names the loop logs (pipeline/loop.py follows them).
+# The metric names the loop logs (pipeline/step/loop.py follows them).
 REWARD_MEAN, REWARD_STD = "train/reward_mean", "train/reward_std"
 ZERO_STD_FRAC = "train/zero_std_group_frac"
 LENGTH_MEAN, LENGTH_MAX = "train/response_length_mean", "train/response_length_max"
@@ -305,7 +305,7 @@ CHARTS: dict[str, Callable] = {
                          ("train/rollout_idle_frac", "rollout")]),
     "weight_pause.png": _simple("Weight update: servers paused (pause -> continue)", "seconds",
                                 [("sync/paused_s", "paused"), ("sync/seconds", "whole sync")]),
-    # rollout.async full (pipeline/streaming.py): what happened to the groups, per step
+    # rollout.async full (pipeline/sources/stream.py): what happened to the groups, per step
     "stream.png": _simple("Rollout stream (async full): groups per step", "groups",
                           [("train/requeued", "re-queued"), ("train/resumed", "samples resumed"),
                            ("train/continued", "samples continued after a checkpoint"),

@@ -72,7 +72,7 @@ def check(cfg: Config, *, program: Program, world_size: Optional[int],
     cluster's file system) are appended there instead of raised, and the checks that read them
     are skipped; every other program refuses them."""
     if program in ("train", "sft"):
-        from pipeline.trackers import check_installed
+        from pipeline.observe.trackers import check_installed
 
         check_gradient_accumulation_fusion(cfg)
         check_installed(cfg.run.loggers)  # where the ranks run; a Slurm job's image may differ
@@ -104,11 +104,11 @@ def check(cfg: Config, *, program: Program, world_size: Optional[int],
         return
     if not missing:
         _check_rl_lengths(cfg)
-    from pipeline.rewards import build_reward
+    from pipeline.scoring.rewards import build_reward
 
     build_reward(cfg.reward, cfg.data)  # imports a reward function; RewardError names it
     if cfg.tools.enabled():
-        from pipeline.multiturn import check_tools
+        from pipeline.generation.multiturn import check_tools
 
         try:
             check_tools(cfg.tools)  # imports every tool and the environment class
@@ -285,7 +285,7 @@ def _scan(cfg: Config, *, sft: bool) -> Optional[tuple[int, str]]:
     files, as (tokens, "file:line"); None for a synthetic task."""
     if cfg.data.task is not None:
         return None
-    from pipeline.data import DataError, build_datasets
+    from pipeline.scoring.data import DataError, build_datasets
 
     longest: Optional[tuple[int, str]] = None
     for dataset in build_datasets(cfg.data, seed=cfg.run.seed):
@@ -352,7 +352,7 @@ def _check_token_budget(cfg: Config, prompt_tokens: int, where: str) -> None:
 def _check_sft_lengths(cfg: Config) -> None:
     length = cfg.run.seq_length
     if cfg.data.task is not None:
-        from pipeline.tasks import TASKS
+        from pipeline.scoring.tasks import TASKS
 
         tokens = TASKS[cfg.data.task](digits=cfg.data.digits).max_length()
         where = _task_name(cfg)
@@ -367,7 +367,7 @@ def _check_sft_lengths(cfg: Config) -> None:
 
 def check_router(url: str) -> None:
     """An external router must answer (any HTTP status) within :data:`ROUTER_TIMEOUT_S`."""
-    from pipeline.rollout import RolloutError, http_json
+    from pipeline.generation.client import RolloutError, http_json
 
     try:
         http_json("GET", url.rstrip("/") + "/health", timeout_s=ROUTER_TIMEOUT_S)

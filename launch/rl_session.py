@@ -3,7 +3,7 @@
 Everything here is plumbing, held by one object, :class:`RLSession` (a ``launch.session.Session``,
 as ``sft``'s is): the trainer, resume, datasets and rewards on rank 0, the rollout servers (started
 here in embedded mode, found through the router otherwise), the weight-sync pusher, and a
-guaranteed stop of every process this session started. The loop itself is ``pipeline.loop.run``.
+guaranteed stop of every process this session started. The loop itself is ``pipeline.step.loop.run``.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from megatron_gspo.config import Config, ConfigError
 
 if TYPE_CHECKING:
     from megatron_gspo.train.rl_trainer import RLTrainer
-    from pipeline.loop import LoopContext
-    from pipeline.weight_push import WeightPusher
+    from pipeline.step.loop import LoopContext
+    from pipeline.weights.push import WeightPusher
 
 
 def weight_pusher_options(r, run_dir: Path) -> dict:
@@ -37,7 +37,7 @@ def weight_pusher_options(r, run_dir: Path) -> dict:
 def _stream_state(cfg: Config, run_state: dict) -> Optional[dict]:
     """The ``rollout.async: full`` stream a checkpoint holds (None: none); a run resumed in
     another mode would lose its groups: refused, naming the field."""
-    from pipeline.streaming import STREAM_KEY
+    from pipeline.sources.stream import STREAM_KEY
 
     state = run_state.get(STREAM_KEY)
     if state is not None and cfg.rollout.async_ != "full":
@@ -64,7 +64,7 @@ def validate_rl(cfg: Config, *, on_gpu: Optional[bool] = None) -> None:
 
 
 def _server_urls_from_router(router_url: str) -> list[str]:
-    from pipeline.rollout import router_workers
+    from pipeline.generation.client import router_workers
 
     return [w["url"] for w in router_workers(router_url)]
 
@@ -79,7 +79,7 @@ class RLSession(Session):
     """One GSPO training session on one training rank.
 
         with RLSession(cfg, resume=False) as session:   # distributed start, signals, pid file
-            code = session.run()                         # builders, then pipeline.loop.run
+            code = session.run()                         # builders, then pipeline.step.loop.run
 
     ``run`` builds the trainer side (:meth:`build_trainer`: the policy, its optimizer, resume),
     the rollout side (:meth:`build_rollout`: rank 0's data, rewards, client, and in embedded mode
@@ -94,8 +94,7 @@ class RLSession(Session):
     # ---------------------------------------------------------------------------------------
     def run(self) -> int:
         """Build both sides, run the loop, export the final policy; returns the exit status."""
-        from pipeline import loop
-
+        from pipeline.step import loop
         trainer, start_step, run_state = self.build_trainer()
         ctx = self.build_rollout(trainer, run_state)
         ctx.weights = self.build_weight_sync(ctx.server_urls)
@@ -125,8 +124,8 @@ class RLSession(Session):
         servers and the router it starts here; the other ranks get what every rank needs.
 
         Collective when the embedded servers need the initial policy exported first."""
-        from pipeline import loop
-        from pipeline.metrics import MetricsLogger
+        from pipeline.step import loop
+        from pipeline.observe.metrics import MetricsLogger
 
         cfg, run_dir = self.cfg, self.run_dir
         server_model = self._embedded_server_model(trainer)  # collective (every rank)
@@ -135,16 +134,16 @@ class RLSession(Session):
             return loop.LoopContext(**common, logger=MetricsLogger(run_dir, enabled=False),
                                     parity=_parity_watchdog(cfg, run_dir))
 
-        from pipeline.data import PromptSampler, build_datasets
-        from pipeline.rewards import build_reward
-        from pipeline.rollout import RolloutClient
+        from pipeline.scoring.data import PromptSampler, build_datasets
+        from pipeline.scoring.rewards import build_reward
+        from pipeline.generation.client import RolloutClient
 
         train_set, eval_set = build_datasets(cfg.data, seed=cfg.run.seed)
         sampler = PromptSampler(train_set, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
         if run_state.get("sampler"):
             sampler.load_state_dict(run_state["sampler"])
         eval_prompts = [eval_set[i] for i in range(len(eval_set))] if eval_set else []
-        from pipeline.server_pool import ServerPool
+        from pipeline.servers.pool import ServerPool
 
         cluster = None
         if cfg.rollout.mode == "embedded":
@@ -168,7 +167,7 @@ class RLSession(Session):
         encoder = train_set.encoder
         tools = None
         if cfg.tools.enabled():  # multi-turn trajectories: the sandbox's workers live for the run
-            from pipeline.multiturn import ToolRollouts
+            from pipeline.generation.multiturn import ToolRollouts
 
             tools = ToolRollouts(cfg, encoder.encode_text)
             self.resources.callback(tools.close)
@@ -197,7 +196,7 @@ class RLSession(Session):
     def _start_local_servers(self, model_path: str):
         """Rank 0, embedded mode: the local rollout servers and the router, stopped on exit;
         returns the started ``LocalRolloutCluster``."""
-        from pipeline.servers import LocalRolloutCluster
+        from pipeline.servers.cluster import LocalRolloutCluster
 
         r = self.cfg.rollout
         # deterministic: one request at a time, and no prefix cache (which server cached what
@@ -225,7 +224,7 @@ class RLSession(Session):
         """Every rank: the pusher of the trainer's HF buckets (``loop.sync_weights``) to every
         rollout server (rank 0's ``server_urls``, broadcast here); its update groups are closed
         on exit."""
-        from pipeline.weight_push import WeightPusher
+        from pipeline.weights.push import WeightPusher
 
         rank0_urls = [server_urls if self.is_main else None]
         dist.broadcast_object_list(rank0_urls, src=0, group=self.control)
@@ -237,8 +236,7 @@ class RLSession(Session):
     # ---------------------------------------------------------------------------------------
     def _finish(self, trainer: RLTrainer, result: dict) -> int:
         """The final policy (a finished run; collective), the summary line, the exit status."""
-        from pipeline import loop
-
+        from pipeline.step import loop
         if result["status"] == "finished":
             final = _export_policy(trainer, self.cfg, self.run_dir / "hf")
             if self.is_main:
@@ -259,10 +257,10 @@ class RLSession(Session):
 
 def _parity_watchdog(cfg: Config, run_dir: Path, *, eval_set=None, train_set=None):
     """The parity watchdog of every rank (None unless parity.enabled); rank 0 passes the
-    datasets its probe prompts are drawn from (``pipeline.parity``)."""
+    datasets its probe prompts are drawn from (``pipeline.weights.parity``)."""
     if not cfg.parity.enabled:
         return None
-    from pipeline.parity import ParityWatchdog, draw_probe_prompts
+    from pipeline.weights.parity import ParityWatchdog, draw_probe_prompts
 
     prompts = (draw_probe_prompts(eval_set, train_set, cfg.parity.num_probes, cfg.run.seed)
                if train_set is not None else [])
@@ -280,7 +278,7 @@ def _export_policy(trainer, cfg: Config, out: Path):
         tokenizer_dir = str(Path(cfg.run.init_from) / "hf_config")
     path = export_hf_dir(trainer.gpt, cfg.model, trainer.pg, out, tokenizer_dir=tokenizer_dir)
     if dist.get_rank() == 0 and tokenizer_dir is None and cfg.data.task is not None:
-        from pipeline.tasks import write_byte_tokenizer
+        from pipeline.scoring.tasks import write_byte_tokenizer
 
         write_byte_tokenizer(out)
     return path

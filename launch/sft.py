@@ -71,10 +71,10 @@ class SFTSession(Session):
         """Build the trainer (resumed with ``--resume``), run the SFT loop, export the policy;
         returns the exit status (0, or 75 after a stop signal)."""
         from megatron_gspo.train.sft import SFTTrainer
-        from pipeline.metrics import MetricsLogger
+        from pipeline.observe.metrics import MetricsLogger
         from pipeline.signals import PREEMPTED_EXIT_CODE
-        from pipeline.sft_loop import run_sft
-        from pipeline.tasks import PAD_ID
+        from pipeline.step.sft_loop import run_sft
+        from pipeline.scoring.tasks import PAD_ID
 
         cfg, is_main = self.cfg, self.is_main
         latest = self.checkpoint_to_resume()
@@ -94,7 +94,7 @@ class SFTSession(Session):
                 print(f"preempted: checkpoint saved; exit {PREEMPTED_EXIT_CODE}", flush=True)
             return PREEMPTED_EXIT_CODE
         from megatron_gspo.hf.export import export_hf_dir
-        from pipeline.tasks import write_byte_tokenizer
+        from pipeline.scoring.tasks import write_byte_tokenizer
 
         hf_dir = Path(cfg.run.output_dir) / "hf"
         export_hf_dir(trainer.gpt, cfg.model, self.pg, hf_dir, tokenizer_dir=cfg.data.tokenizer_dir)

@@ -8,7 +8,7 @@ node's job address, ``MASTER_ADDR``, under Slurm) and handed to the store (``mas
 
 Used by ``parallel.init_distributed`` (rank 0's store when no torchrun agent hosts one) and by
 ``launch.torchrun_agent`` (torchrun's rendezvous store and the store it shares with the ranks).
-The rollout side binds its weight-update stores the same way (``pipeline.weight_transport``).
+The rollout side binds its weight-update stores the same way (``pipeline.weights.transport``).
 """
 
 from __future__ import annotations

@@ -355,7 +355,7 @@ class RolloutConfig:
     eval_samples_per_prompt: int = 4
     """n: samples per held-out prompt; pass@1 is averaged over them."""
     weight_sync: Literal["disk", "tensor", "distributed"] = "disk"
-    """How weights reach the servers after each training phase (``pipeline.weight_push``):
+    """How weights reach the servers after each training phase (``pipeline.weights.push``):
     safetensors shards on a shared filesystem, written by every sending rank in parallel
     (``disk``); SGLang's update_weights_from_tensor with CUDA-IPC / shared-memory handles, for
     servers on the trainer's node (``tensor``; the local server needs --allow-pickled-tensors);
@@ -411,7 +411,7 @@ class RolloutConfig:
     min_servers: int = 1
     """The run goes on while at least this many rollout servers are alive: a server that dies is
     dropped from the router and the weight sync (embedded mode: restarted, synced to the current
-    weights, then back in the router; ``pipeline.server_pool``); with fewer left the run stops
+    weights, then back in the router; ``pipeline.servers.pool``); with fewer left the run stops
     with an error."""
     outage_timeout_s: float = 300.0
     """How long a rollout waits for a live server when every one is gone (embedded: restarting;
@@ -438,11 +438,11 @@ class RolloutConfig:
     async_: Literal["off", "one_step", "full"] = "off"
     """YAML key ``async`` (a Python keyword, hence the field's name): whether generation overlaps
     training (docs/async.md). ``off``: rollout, training, weight sync, one after the other.
-    ``one_step``: step n+1's rollout runs (rank 0, a thread: ``pipeline.producer``) while step n
+    ``one_step``: step n+1's rollout runs (rank 0, a thread: ``pipeline.sources.one_step``) while step n
     trains, with the weights of step n-1; the weights are pushed once per step, after that
     rollout has finished; every sample is exactly one version stale, which the decoupled
     objective corrects (``gspo.old_logprobs: recompute`` with the behaviour weight). ``full``:
-    generation never stops (``pipeline.streaming``): groups are admitted while at most
+    generation never stops (``pipeline.sources.stream``): groups are admitted while at most
     rollout.max_staleness versions ahead of the trainer, the weights are pushed after every
     update with the servers paused in SGLang's ``retract`` mode (requests in flight continue
     under the new weights: partial rollouts), and each step trains the oldest complete groups.
@@ -582,7 +582,7 @@ class OptimConfig:
 
 
 LOGGERS: tuple[str, ...] = ("jsonl", "tensorboard", "wandb", "mlflow")
-"""What ``run.loggers`` may list (``pipeline.metrics`` and ``pipeline.trackers``; docs/metrics.md)."""
+"""What ``run.loggers`` may list (``pipeline.observe.metrics`` and ``pipeline.observe.trackers``; docs/metrics.md)."""
 
 
 def _require_name(value: Optional[str], path: str) -> None:
@@ -591,7 +591,7 @@ def _require_name(value: Optional[str], path: str) -> None:
 
 @dataclass(kw_only=True, slots=True)
 class WandbConfig:
-    """Weights & Biases, when run.loggers lists wandb (``pipeline.trackers.WandbTracker``)."""
+    """Weights & Biases, when run.loggers lists wandb (``pipeline.observe.trackers.WandbTracker``)."""
 
     project: Optional[str] = None
     """W&B project; null: the WANDB_PROJECT environment variable, else "megatron-gspo"."""
@@ -613,7 +613,7 @@ class WandbConfig:
 
 @dataclass(kw_only=True, slots=True)
 class MLflowConfig:
-    """MLflow, when run.loggers lists mlflow (``pipeline.trackers.MLflowTracker``)."""
+    """MLflow, when run.loggers lists mlflow (``pipeline.observe.trackers.MLflowTracker``)."""
 
     tracking_uri: Optional[str] = None
     """Tracking store: a server (http://...), a database (sqlite:///...) or a directory
@@ -708,7 +708,7 @@ class DataConfig:
     """Where prompts come from: a synthetic ``task`` (no files needed) or prompt files.
 
     Exactly one of ``task`` and ``train_path`` is set; a file run writes ``task: null``. The
-    datasets are built by ``pipeline.data.build_datasets``.
+    datasets are built by ``pipeline.scoring.data.build_datasets``.
     """
 
     task: Optional[Literal["addition", "carry_addition", "tool_addition"]] = "addition"
@@ -716,7 +716,7 @@ class DataConfig:
     "carry_addition" = the same sums with a digit-by-digit carry trace before the answer (long
     responses, ~10 tokens per column; the reward checks the final answer only);
     "tool_addition" = sums of two digits-digit numbers, the reference response a call of the
-    calculator tool pipeline.tasks:add, its response and the answer (with tools.functions, the
+    calculator tool pipeline.scoring.tasks:add, its response and the answer (with tools.functions, the
     multi-turn demo: docs/tools.md); null with data.train_path."""
     digits: int = 2
     """addition: operands have up to this many digits; carry_addition: the number of columns is
@@ -778,7 +778,7 @@ REWARD_KINDS: tuple[str, ...] = typing.get_args(RewardKind)
 
 @dataclass(kw_only=True, slots=True)
 class RewardConfig:
-    """How a response is scored (``pipeline.rewards.build_reward``)."""
+    """How a response is scored (``pipeline.scoring.rewards.build_reward``)."""
 
     kind: Optional[RewardKind] = None
     """exact_match: stripped response == label; math: equivalence through math-verify;
@@ -795,7 +795,7 @@ class RewardConfig:
     sample_index}, answered by {"rewards": [...]}."""
     timeout_s: float = 30.0
     """The deadline of a reward, in seconds. kind function: per sample; the function runs in a
-    worker process (``pipeline.rewards.FunctionReward``), which is killed when a call passes the
+    worker process (``pipeline.scoring.rewards.FunctionReward``), which is killed when a call passes the
     deadline, and the sample fails with a RewardError naming the function and the deadline
     (then on_error: "raise" stops the run, "zero" counts it as 0 in train/reward_failures).
     kind http: per request (each retry has its own). The built-in rewards have none (math
@@ -826,20 +826,20 @@ class RewardConfig:
 @dataclass(kw_only=True, slots=True)
 class ToolsConfig:
     """Multi-turn, tool-using rollouts (docs/tools.md): each training and evaluation sample is a
-    trajectory of model turns and tool responses (``pipeline.multiturn``), token-in / token-out,
+    trajectory of model turns and tool responses (``pipeline.generation.multiturn``), token-in / token-out,
     the loss over the model's tokens only. Empty ``functions`` and no ``environment``: one
     prompt, one response."""
 
     functions: list[str] = field(default_factory=list)
     """The tools, as "package.module:function" (the tool's name is the function's); each call
-    runs fn(**arguments) out of process in the sandbox (``pipeline.sandbox``)."""
+    runs fn(**arguments) out of process in the sandbox (``pipeline.tools.sandbox``)."""
     environment: Optional[str] = None
-    """"package.module:Class" of a custom environment (``pipeline.environment.Environment``),
+    """"package.module:Class" of a custom environment (``pipeline.generation.environment.Environment``),
     constructed for each trajectory as Class(executor=..., tool_format=...) (executor: the
     sandbox of tools.functions); null: ``ToolEnvironment`` (tool calls in, tool responses out,
     the first turn without a call ends the trajectory)."""
     format: Literal["qwen3", "plain"] = "qwen3"
-    """How tool responses are appended (``pipeline.tool_calls.FORMATS``): qwen3: Qwen3's chat
+    """How tool responses are appended (``pipeline.generation.tool_calls.FORMATS``): qwen3: Qwen3's chat
     template glue (<|im_start|>user <tool_response>... <|im_end|> and the generation prompt);
     plain: <tool_response>...</tool_response> only (a vocabulary without special tokens)."""
     max_turns: int = 4

@@ -38,12 +38,12 @@ Besides the training ranks' GPU peak, the plan reports:
   (4 + 4 + 8). Without the gradient copy the estimate was 25% low (12 of 16 bytes); with
   ``gspo.routing_replay: rollout`` also the routed-experts tensor below;
 * the routing-replay batch tensor (``gspo.routing_replay: rollout``): int16 ``[rollout samples,
-  run.seq_length, layers, top-k]`` per step, built whole on rank 0 (``pipeline.loop.rollout_phase``);
+  run.seq_length, layers, top-k]`` per step, built whole on rank 0 (``pipeline.step.loop.rollout_phase``);
   each other rank receives only the rows it trains on, 1/dp of it
   (``RLTrainer.scatter_routed_experts``: raw bytes, no pickling); printed with its size also
   when replay is off;
 * per rollout-server GPU (``rollout.weight_sync: distributed``): the NCCL buffers of the weight
-  update groups. ``pipeline.weight_push`` makes one update group per sending rank of the gather
+  update groups. ``pipeline.weights.push`` makes one update group per sending rank of the gather
   (:func:`update_group_count`: ``rollout.weight_sync_senders``: one per node and pipeline stage,
   per stage, or per source rank, ``parallel.pipeline x parallel.expert``), and every SGLang
   GPU joins each of them; each is estimated at ``NCCL_UPDATE_GROUP_BYTES`` (below). NCCL
@@ -99,7 +99,7 @@ NCCL_UPDATE_GROUP_BYTES = NCCL_BUFFSIZE * NCCL_CHANNELS * 2
 receive and send connection per channel): 128 MiB. An estimate, like NCCL_BYTES_PER_COMMUNICATOR
 for the trainer's (larger: more peers and both directions)."""
 ROUTED_EXPERT_BYTES = 2
-"""int16: one routed expert id of the routing-replay tensor (``pipeline.routed_experts``)."""
+"""int16: one routed expert id of the routing-replay tensor (``pipeline.generation.routed_experts``)."""
 
 
 @dataclass(frozen=True)
@@ -362,7 +362,7 @@ def gather_buffer_bytes(cfg: Config, stage: int) -> tuple[float, float]:
 
 def routing_replay_bytes(cfg: Config) -> tuple[float, str]:
     """The routing-replay batch tensor of one step: int16 [samples, seq_length, layers, top-k]
-    (``pipeline.routed_experts.batch_routed_experts``; samples = the rollout batch's rows)."""
+    (``pipeline.generation.routed_experts.batch_routed_experts``; samples = the rollout batch's rows)."""
     m, run = cfg.model, cfg.run
     shape = (run.global_batch_size, run.seq_length, m.num_layers, m.moe_router_topk)
     n = ROUTED_EXPERT_BYTES
@@ -378,7 +378,7 @@ GPUS_PER_NODE = 8
 def update_group_count(cfg: Config, world_size: Optional[int] = None, *,
                        mode: Optional[str] = None) -> int:
     """The weight-update groups every SGLang GPU joins with ``rollout.weight_sync: distributed``:
-    one per sending rank (``pipeline.weight_push.WeightPusher._make_groups``), which
+    one per sending rank (``pipeline.weights.push.WeightPusher._make_groups``), which
     ``rollout.weight_sync_senders`` chooses (``megatron_gspo.hf.gather.sender_ranks``):
 
     * ``rank``: ``hf.gather`` sends each HF tensor from the lowest rank holding it whole, else

@@ -1,6 +1,6 @@
 """Stop signals: a training rank finishes its step, checkpoints and exits "requeue me".
 
-Every training rank installs a :class:`StopFlag`; :class:`pipeline.step_guard.StepGuard` decides
+Every training rank installs a :class:`StopFlag`; :class:`pipeline.step.step_guard.StepGuard` decides
 at each point of a step what a signal means there (which checkpoint, then stop).
 """
 

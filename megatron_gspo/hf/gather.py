@@ -34,7 +34,7 @@ buckets and syncs, so memory is bounded by two buckets. With a ``BucketStream.te
 pusher's checksum) the thread also runs the hook on each tensor as soon as all its regions are
 in, while its bytes are still in cache (``Bucket.parts``).
 
-Nothing here talks to a rollout server: ``pipeline.weight_push`` sends the buckets.
+Nothing here talks to a rollout server: ``pipeline.weights.push`` sends the buckets.
 """
 
 from __future__ import annotations

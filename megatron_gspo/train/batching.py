@@ -63,7 +63,7 @@ def rl_batch(prompts: list[list[int]], outputs: list[list[int]], rollout_log_pro
     (``len(prompt) + len(output) - 1``, what a packed micro-batch keeps of the row). Raises
     ValueError if a sample does not fit.
 
-    ``output_masks[i]`` (a multi-turn trajectory, ``pipeline.multiturn``): one 0/1 per output
+    ``output_masks[i]`` (a multi-turn trajectory, ``pipeline.generation.multiturn``): one 0/1 per output
     token, 0 for tokens the model did not generate (tool outputs, template glue): they are
     context, not response, so ``response_mask`` is False there and every per-sequence quantity
     (the token count n_i, the sequence ratio s_i) covers the model's tokens only. None: every

@@ -4,7 +4,7 @@
 padded batch (``train.batching.rl_batch``'s rows: ``tokens``, ``labels``, ``position_ids``,
 ``response_mask``; ``[R, T]``) and gets back ``[R, T]`` float32 log pi(labels) at the response
 positions (0 elsewhere), identical on every rank whatever the parallel layout. Used by the parity
-watchdog (``pipeline/parity.py``: the trainer's side of the server/trainer comparison) and by
+watchdog (``pipeline/weights/parity.py``: the trainer's side of the server/trainer comparison) and by
 ``megatron-gspo calibrate-eps`` (s_i before and after one update).
 
 How: the rows are padded (copies of row 0, dropped again) to a multiple of DP x

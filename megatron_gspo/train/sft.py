@@ -4,7 +4,7 @@ The loss is the mean negative log-likelihood of the RESPONSE tokens (and the end
 whole global batch (units are tokens; ``train_step`` applies the scaling contract). This module is the
 Megatron side: :class:`SFTTrainer` builds the policy and its optimizer and trains on the
 (prompt ids, response ids) pairs it is given; the loop that samples them from the data and logs
-lives in ``pipeline/sft_loop.py``. Every rank is given the same global batch for a step, and each
+lives in ``pipeline/step/sft_loop.py``. Every rank is given the same global batch for a step, and each
 data-parallel rank trains on its share, so a run is deterministic and independent of the layout.
 
 The initial weights are ``run.init_from`` (a Hugging Face directory or a Megatron checkpoint) or

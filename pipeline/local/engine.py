@@ -1127,7 +1127,7 @@ class LocalEngine:
         self.weights.load(tensors)
 
     def checksum(self) -> str:
-        from pipeline.weight_transport import weights_checksum
+        from pipeline.weights.transport import weights_checksum
 
         return weights_checksum((n, self.weights.get(n)) for n in self.weights.names())
 
@@ -1137,7 +1137,7 @@ class LocalEngine:
         """Full tensors and bf16 deltas (``weight_transport.delta_apply``); checked first, so a
         bad update changes nothing. ``checksum``: returns :meth:`bucket_checksum` of every
         touched weight, each summed right after it is written (while its bytes are in cache)."""
-        from pipeline.weight_transport import checksum_digest, delta_apply, tensor_sums
+        from pipeline.weights.transport import checksum_digest, delta_apply, tensor_sums
 
         problems = self.weights.check(full)
         for name, (index, values) in deltas.items():
@@ -1172,7 +1172,7 @@ class LocalEngine:
     def bucket_checksum(self, names_dtypes: list[tuple[str, torch.dtype]]) -> str:
         """``weight_transport.bucket_checksum`` of the live weights ``names``, each read in the
         dtype it was sent in."""
-        from pipeline.weight_transport import bucket_checksum
+        from pipeline.weights.transport import bucket_checksum
 
         return bucket_checksum((n, self.weights.view(n).to(d)) for n, d in names_dtypes)
 
@@ -1181,7 +1181,7 @@ class LocalEngine:
         the parameters (``readinto`` where the weight is contiguous and of the file's dtype);
         returns {file name: bucket checksum of what is now loaded}. Every header is checked
         first, so a bad directory changes nothing."""
-        from pipeline.weight_transport import checksum_digest, tensor_sums
+        from pipeline.weights.transport import checksum_digest, tensor_sums
 
         headers = shard_headers(path)
         problems = []
@@ -1329,7 +1329,7 @@ def shard_headers(path: str | Path) -> dict[str, tuple[list, int]]:
     header checked against its file: a header that is not JSON, an unknown dtype, offsets that
     do not match the shape or run past the end of the file (a truncated shard) are a
     :class:`WeightFileError` naming the file - before any weight is touched."""
-    from pipeline.weight_transport import read_shard_header
+    from pipeline.weights.transport import read_shard_header
 
     headers = {}
     for f in shard_files(path):

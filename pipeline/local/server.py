@@ -47,7 +47,7 @@ answer is SGLang's body and ``delta`` is an ignored unknown field.
 Other deviations (all documented in docs/rollout.md):
 
 * ``update_weights_from_tensor`` takes SGLang's pickled payloads (shared-memory handles) only with
-  ``--allow-pickled-tensors`` on 127.0.0.1, else base64 safetensors (:mod:`pipeline.weight_transport`);
+  ``--allow-pickled-tensors`` on 127.0.0.1, else base64 safetensors (:mod:`pipeline.weights.transport`);
 * ``init_weights_update_group`` / ``update_weights_from_distributed`` run over gloo (CPU), with
   SGLang's own group code when the ``sglang`` package is importable; ``--tp-size N`` joins N group
   ranks (:mod:`pipeline.local.tp_ranks`); ``/server_info`` also has ``weight_sync_impl`` and
@@ -106,14 +106,14 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from pipeline import routed_experts
-from pipeline import weight_transport as wt
+from pipeline.generation import routed_experts
+from pipeline.weights import transport as wt
 from pipeline.local import protocol as proto
 from pipeline.local.engine import (QUEUE_FULL, EngineRequest, LocalEngine, QueueFull,
                                    WeightFileError, shard_headers)
 from pipeline.local.tp_ranks import (MappedStorages, ReceiveBuffers, TPWorkers, join_group, receive,
                                      sglang_impl)
-from pipeline.weight_transport import decode_named_tensors
+from pipeline.weights.transport import decode_named_tensors
 
 log = logging.getLogger("megatron_gspo.serve")
 

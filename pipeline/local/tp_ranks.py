@@ -4,7 +4,7 @@ installed, the extra TP ranks of ``--tp-size N`` as processes of their own.
 **Whose code.** :func:`sglang_impl` imports SGLang's ``init_custom_process_group``,
 ``MultiprocessingSerializer`` and ``FlattenedTensorBucket`` when the ``sglang`` package is
 importable (a GPU machine with SGLang, or the tests, which put those three pieces of the 0.5.23
-wheel on ``PYTHONPATH``), and falls back to :mod:`pipeline.weight_transport`'s implementations of
+wheel on ``PYTHONPATH``), and falls back to :mod:`pipeline.weights.transport`'s implementations of
 the same protocol otherwise. ``/server_info`` reports which one runs (``weight_sync_impl``).
 
 **TP ranks.** SGLang runs one scheduler process per TP rank; each joins the update group at
@@ -26,9 +26,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from pipeline import weight_transport as wt
-
-
+from pipeline.weights import transport as wt
 @dataclass
 class SGLangImpl:
     init_custom_process_group: Callable
@@ -112,7 +110,7 @@ def sglang_impl() -> SGLangImpl:
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
     except ImportError:
         return SGLangImpl(wt.init_custom_process_group, wt.deserialize_tensors,
-                          _FlattenedTensorBucket, "pipeline.weight_transport")
+                          _FlattenedTensorBucket, "pipeline.weights.transport")
     return SGLangImpl(init_custom_process_group, MultiprocessingSerializer.deserialize,
                       FlattenedTensorBucket, f"sglang ({Path(sgl_utils.__file__).parent})")
 

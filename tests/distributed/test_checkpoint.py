@@ -16,7 +16,7 @@ from megatron_gspo.hf.mapping import hf_param_shapes
 from megatron_gspo.train.sft import nll_loss_fn, sft_batch
 from megatron_gspo.train.train_step import build_train_state, global_unit_count, train_step
 from megatron_gspo.train.batching import split_for_rank
-from pipeline.tasks import PAD_ID, AdditionTask
+from pipeline.scoring.tasks import PAD_ID, AdditionTask
 from tests.distributed.layouts import assemble, tiny_config
 from tests.distributed.spawn import run_on_ranks
 

@@ -28,7 +28,7 @@ from megatron_gspo.hf.mapping import hf_param_shapes
 from megatron_gspo.model import gpt as policy
 from megatron_gspo.train.batching import rl_batch
 from megatron_gspo.train.rl_trainer import RLTrainer
-from pipeline.tasks import PAD_ID
+from pipeline.scoring.tasks import PAD_ID
 from tests.distributed.layouts import assemble
 from tests.distributed.spawn import run_on_ranks
 from tests.hf_tiny import build_hf_model, load_safetensors_dir, save_hf_model

@@ -9,7 +9,7 @@ updated weight (one Adam step with clipping) must match to 1e-5 relative. The ba
 clip some sequences on each side, and two sequences' responses lie entirely on one CP rank
 (lengths 1 and 3, padded to 4: rank 0 holds positions {0, 3}, rank 1 {1, 2}).
 
-Multi-turn batches (``pipeline.multiturn``, docs/tools.md): 8 trajectories of 1 to 5 model turns
+Multi-turn batches (``pipeline.generation.multiturn``, docs/tools.md): 8 trajectories of 1 to 5 model turns
 with tool outputs between them, whose ``response_mask`` has holes (the tool outputs are context,
 not response), take the same step under DP2, TP2 (+SP), PP2, EP2 and CP2, packed, as in one
 process; the holes matter (the same batch without them takes another

@@ -1,6 +1,6 @@
 """SFT honours ``run.init_from`` and ``run.save_interval``, and a resumed SFT run is exact.
 
-One gloo rank runs the real SFT loop (``pipeline.sft_loop.run_sft`` with ``SFTTrainer``) with a
+One gloo rank runs the real SFT loop (``pipeline.step.sft_loop.run_sft`` with ``SFTTrainer``) with a
 cosine LR schedule after a warmup:
 
 * the trainer starts from a Hugging Face directory (``run.init_from``): its weights are the HF
@@ -56,9 +56,9 @@ class StopsAfter:
 def _sft_worker(rank, world, cfg_dicts):
     from megatron_gspo.train.checkpoint import latest_checkpoint
     from megatron_gspo.train.sft import SFTTrainer
-    from pipeline.metrics import MetricsLogger
-    from pipeline.sft_loop import run_sft
-    from pipeline.tasks import PAD_ID
+    from pipeline.observe.metrics import MetricsLogger
+    from pipeline.step.sft_loop import run_sft
+    from pipeline.scoring.tasks import PAD_ID
 
     cont, split = (config_from_dict(cfg_dicts[k]) for k in ("continuous", "interrupted"))
     pg = parallel.initialize(cont.parallel, seed=1)

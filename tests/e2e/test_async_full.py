@@ -1,5 +1,5 @@
 """``rollout.async: full`` end to end on CPU: 2 Megatron ranks (EP2), 2 local rollout servers
-behind the real router; generation never stops for training (pipeline/streaming.py).
+behind the real router; generation never stops for training (pipeline/sources/stream.py).
 
 * no trained token is more than ``rollout.max_staleness`` versions stale, nothing is dropped,
   the weight-update pause, the idle fractions and the held-out reward are reported (that the
@@ -21,7 +21,7 @@ import json
 
 import pytest
 
-from pipeline.metrics import read_metrics
+from pipeline.observe.metrics import read_metrics
 from tests.e2e.conftest import kill_rank_after_checkpoint, megatron_gspo, train_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]

@@ -18,7 +18,7 @@ import json
 import pytest
 import torch
 
-from pipeline.metrics import read_metrics
+from pipeline.observe.metrics import read_metrics
 from tests.e2e.conftest import (EP2_REFERENCE, hf_weights, kill_rank_after_checkpoint,
                                 megatron_gspo, train_args)
 

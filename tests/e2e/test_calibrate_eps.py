@@ -21,7 +21,7 @@ import torch
 
 from launch.calibrate_eps import calibration_config
 from megatron_gspo.config import ConfigError, load_config
-from pipeline.servers import free_port
+from pipeline.servers.cluster import free_port
 from tests.e2e.conftest import ROOT
 
 CONFIG = "launch/configs/tiny_cpu.yaml"

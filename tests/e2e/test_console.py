@@ -3,7 +3,7 @@
 * ``megatron-gspo sft`` with 2 local ranks: the console carries rank 0's output and no third-party
   warning; rank 1's output is in ``RUN_DIR/logs/rank1.log``; ``MEGATRON_GSPO_SHOW_WARNINGS=1``
   brings Megatron's warnings back, rank 0's on the console and rank 1's in its log only.
-* the local rollout servers behind the real sglang-router (``pipeline/servers.py``): the router's
+* the local rollout servers behind the real sglang-router (``pipeline/servers/cluster.py``): the router's
   connection probe leaves no "Invalid HTTP request" line in a server's log, unless the switch is on;
   a server started from inside a training rank is not taken for a rank.
 * a rank that fails: its traceback (or its one-line error) still reaches the console.
@@ -66,7 +66,7 @@ def test_two_rank_sft_console_is_rank_0_without_third_party_warnings(tmp_path):
 
 
 def test_servers_behind_the_router_log_no_benign_warning(tmp_path, monkeypatch):
-    from pipeline.servers import LocalRolloutCluster
+    from pipeline.servers.cluster import LocalRolloutCluster
     from tests.rollout.tiny import make_model_dir
 
     model = make_model_dir(tmp_path / "model")

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from pipeline.metrics import read_metrics
+from pipeline.observe.metrics import read_metrics
 from tests.e2e.conftest import (EP2_REFERENCE, hf_weights, kill_rank_after_checkpoint,
                                 megatron_gspo, train_args)
 from tests.unit.test_trackers import assert_wandb_matches, expected, mlflow_history, wandb_segments

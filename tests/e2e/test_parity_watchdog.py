@@ -28,14 +28,13 @@ DRIVER = r'''
 import json, os, sys
 
 from launch.rl_session import RLSession
-from pipeline.servers import free_port
+from pipeline.servers.cluster import free_port
 from megatron_gspo.config import load_config
 
 
 class FaultyServers(RLSession):
     def _start_local_servers(self, model_path):
-        from pipeline import servers
-
+        from pipeline.servers.cluster import cluster as servers
         real = servers.LocalRolloutCluster
 
         def faulty(*args, server_args=(), **kwargs):

@@ -32,9 +32,9 @@ import yaml
 
 from launch.slurm import sglang_parallel_flags
 from megatron_gspo.config import load_config
-from pipeline.metrics import read_metrics
-from pipeline.rollout import http_json
-from pipeline.servers import LocalRolloutCluster
+from pipeline.observe.metrics import read_metrics
+from pipeline.generation.client import http_json
+from pipeline.servers.cluster import LocalRolloutCluster
 from tests.e2e.conftest import ROOT, megatron_gspo
 from tests.slurm.recipe_inputs import recipe_overrides
 

@@ -14,7 +14,7 @@ import json
 import subprocess
 import sys
 
-from pipeline.servers import free_port
+from pipeline.servers.cluster import free_port
 from tests.e2e.conftest import ROOT
 
 CONFIG = "launch/configs/tiny_cpu.yaml"
@@ -29,7 +29,7 @@ from launch.rl_session import run_training
 from megatron_gspo.config import load_config
 
 cfg = load_config(sys.argv[1], sys.argv[2:])
-import pipeline.server_pool as server_pool
+import pipeline.servers.pool as server_pool
 built = {}
 real_init = server_pool.ServerPool.__init__
 

@@ -7,7 +7,7 @@ would not (the routes of another sequence move the log-probs by far more than th
 
 from __future__ import annotations
 
-from pipeline.metrics import read_metrics
+from pipeline.observe.metrics import read_metrics
 from tests.e2e.conftest import megatron_gspo, train_args
 
 

@@ -1,6 +1,6 @@
 """``megatron-gspo demo --task tools`` end to end on CPU, shortened, under ``rollout.async:
 one_step``: cold-start SFT on tool-using trajectories, then GSPO on multi-turn trajectories (the
-calculator ``pipeline.tasks:add`` run in the sandbox, its responses appended token-in /
+calculator ``pipeline.scoring.tasks:add`` run in the sandbox, its responses appended token-in /
 token-out), 2 Megatron ranks (EP2), 2 local rollout servers behind the real router, step n+1's
 rollout made while step n trains.
 
@@ -25,7 +25,7 @@ import re
 
 import pytest
 
-from pipeline.metrics import read_metrics
+from pipeline.observe.metrics import read_metrics
 from tests.e2e.conftest import ROOT, megatron_gspo
 
 

@@ -1,7 +1,7 @@
 """Stand-ins for the GSPO loop's trainer, weight pusher and rollout client (no Megatron, no
 servers), for reliability tests of the loop's own bookkeeping: metrics on resume, server events.
 
-``loop_context(tmp_path, steps=..., ...)`` gives a :class:`pipeline.loop.LoopContext` on a world
+``loop_context(tmp_path, steps=..., ...)`` gives a :class:`pipeline.step.loop.LoopContext` on a world
 of one (``world_of_one`` below: gloo over a HashStore) with the synthetic addition task.
 """
 
@@ -13,12 +13,12 @@ from typing import Optional
 import torch.distributed as dist
 
 from megatron_gspo.config import config_from_dict
-from pipeline import loop
-from pipeline.data import PromptSampler, TaskPromptDataset
-from pipeline.metrics import MetricsLogger
-from pipeline.rewards import build_reward
-from pipeline.rollout import RolloutResult
-from pipeline.tasks import AdditionTask, decode
+from pipeline.step import loop
+from pipeline.scoring.data import PromptSampler, TaskPromptDataset
+from pipeline.observe.metrics import MetricsLogger
+from pipeline.scoring.rewards import build_reward
+from pipeline.generation.client import RolloutResult
+from pipeline.scoring.tasks import AdditionTask, decode
 
 
 def init_world_of_one() -> bool:

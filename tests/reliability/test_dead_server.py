@@ -8,7 +8,7 @@ next weight sync failed and ended the run; nothing restarted it. Here:
   :meth:`admit` (after the sync that gives it the current weights), and the router only ever
   routes to servers that hold them; below ``min_servers`` (a restart that fails) the error
   names the server and why; the servers' and the router's logs rotate at their size bound;
-* the GSPO loop (``pipeline.loop.run``, stand-in trainer) pushes to the pool's members and logs
+* the GSPO loop (``pipeline.step.loop.run``, stand-in trainer) pushes to the pool's members and logs
   ``rollout/servers_alive`` and ``rollout/server_restarts``;
 * ``RotatingLog`` on its own: a child writing 1 MB leaves at most (backups + 1) files of at most
   max_bytes each, whole lines, the newest output kept;
@@ -19,7 +19,7 @@ next weight sync failed and ended the run; nothing restarted it. Here:
   the finished ones kept, none served by the unsynced server, the restart and the re-sends
   counted; a server that cannot come back fails the rollout after ``outage_timeout_s`` naming
   it and the wait; external mode waits for the server to answer again (or names the router);
-  the RESYNC protocol of ``pipeline.rank0.run_on_rank0`` on two ranks;
+  the RESYNC protocol of ``pipeline.step.rank0.run_on_rank0`` on two ranks;
 * slow: ``megatron-gspo train`` (2 ranks, 2 embedded servers, the disk weight sync), one server
   SIGKILLed after step 1: the run finishes, exit 0, with one restart logged and both servers
   serving at the end; and (1 server) the only server SIGKILLed during step 2's rollout.
@@ -39,10 +39,10 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from pipeline import loop
-from pipeline.rollout import RolloutClient, SamplingParams, http_json
-from pipeline.server_pool import ServerPool, ServerPoolError, SyncChannel
-from pipeline.servers import LocalRolloutCluster, RotatingLog
+from pipeline.step import loop
+from pipeline.generation.client import RolloutClient, SamplingParams, http_json
+from pipeline.servers.pool import ServerPool, ServerPoolError, SyncChannel
+from pipeline.servers.cluster import LocalRolloutCluster, RotatingLog
 from tests.reliability.conftest import Run, metric_steps, tagged_pids, train_args
 from tests.reliability.loop_fakes import FakeTrainer, init_world_of_one, loop_context
 from tests.rollout.tiny import make_model_dir
@@ -194,8 +194,8 @@ def test_a_rollout_waits_for_its_only_server_to_come_back_synced(cluster, only_s
     """Kill the only server while a batch is in flight: the batch completes after the restart,
     one sample per request, the finished ones kept; the restarted server serves only after the
     loop's weight sync gave it the current weights (no sample has its initial label)."""
-    from pipeline.weight_push import WeightPusher
-    from pipeline.weight_transport import weights_checksum
+    from pipeline.weights.push import WeightPusher
+    from pipeline.weights.transport import weights_checksum
 
     url = only_server
     weights = perturbed_weights(cluster, 6)
@@ -244,9 +244,9 @@ def test_full_mode_the_trainers_sync_reaches_a_server_the_stream_waits_for(clust
     pool, so the stream's wait syncs the restarted server through it (with the weights just
     trained) and lets the check through; the stream's groups complete, one sample per request,
     none aborted, none served by the unsynced server."""
-    from pipeline.data import Prompt
-    from pipeline.streaming import RolloutStream
-    from pipeline.weight_push import WeightPusher
+    from pipeline.scoring.data import Prompt
+    from pipeline.sources.stream import RolloutStream
+    from pipeline.weights.push import WeightPusher
 
     url = only_server
     weights = perturbed_weights(cluster, 6)
@@ -517,7 +517,7 @@ def test_the_loop_syncs_the_pools_members_and_logs_the_event(tmp_path):
     logged every step."""
     from types import SimpleNamespace
 
-    from pipeline.weight_push import WeightPushError
+    from pipeline.weights.push import WeightPushError
 
     class Pool:
         def __init__(self):
@@ -610,8 +610,8 @@ def test_distributed_sync_reaches_a_restarted_server_through_new_groups(cluster)
     import torch
     from safetensors.torch import load_file
 
-    from pipeline.weight_push import WeightPusher
-    from pipeline.weight_transport import weights_checksum
+    from pipeline.weights.push import WeightPusher
+    from pipeline.weights.transport import weights_checksum
 
     base = load_file(str(Path(cluster.model_path) / "model.safetensors"))
     made = init_world_of_one()

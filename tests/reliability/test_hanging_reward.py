@@ -3,7 +3,7 @@
 A 2-rank local run (launcher -> torchrun -> 2 ranks -> rank 0's reward worker, rollout server,
 router, checkpoint writer) whose user reward function sleeps for ever from step 2 on:
 
-* SIGTERM to the launcher: the rank abandons the reward call (``pipeline.rewards.FunctionReward``
+* SIGTERM to the launcher: the rank abandons the reward call (``pipeline.scoring.rewards.FunctionReward``
   checks the stop flag while it waits for its worker), saves the checkpoint of step 1 (the last
   finished step) and every process of the run is gone within 60 s; exit 75.
 * SIGKILL of the launcher: torchrun gets SIGTERM (PR_SET_PDEATHSIG), stops the ranks the same

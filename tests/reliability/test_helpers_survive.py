@@ -6,7 +6,7 @@ rank (which catches the signal) still needs its helpers to write the preemption 
 * Megatron's checkpoint writer sends its forked writers' results through a multiprocessing
   Manager (``train.checkpoint._writer_results_queue_dies_with_us``); it died of the signal and
   the save raised ``BrokenPipeError``;
-* the rollout servers and the router (``pipeline.servers.LocalRolloutCluster``), which the
+* the rollout servers and the router (``pipeline.servers.cluster.LocalRolloutCluster``), which the
   rank stops itself afterwards.
 
 They block the stop signals (``megatron_gspo.lifetime.shielded_helper``) and still die with
@@ -49,8 +49,8 @@ def test_the_checkpoint_writers_queue_outlives_the_stop_signals():
 
 
 def test_rollout_servers_and_router_outlive_the_stop_signals_and_end_on_stop(tmp_path):
-    from pipeline.rollout import http_json
-    from pipeline.servers import LocalRolloutCluster
+    from pipeline.generation.client import http_json
+    from pipeline.servers.cluster import LocalRolloutCluster
     from tests.rollout.tiny import make_model_dir
 
     model = make_model_dir(tmp_path / "model")

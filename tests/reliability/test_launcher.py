@@ -77,7 +77,7 @@ def test_a_reward_error_in_the_step_0_evaluation_is_one_message_and_exit_2(tmp_p
 
 def test_a_rank_killed_by_a_signal_is_the_root_cause_and_nothing_is_left(tmp_path):
     reward = tmp_path / "killer.py"
-    # the function runs in rank 0's reward worker (pipeline.rewards.FunctionReward): its parent
+    # the function runs in rank 0's reward worker (pipeline.scoring.rewards.FunctionReward): its parent
     # is rank 0
     reward.write_text("import os, signal\n"
                       "def reward(prompt, response_ids, response_text):\n"

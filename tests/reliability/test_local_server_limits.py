@@ -38,9 +38,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import weight_transport as wt
-from pipeline.rollout import http_json
-from pipeline.servers import free_port
+from pipeline.weights import transport as wt
+from pipeline.generation.client import http_json
+from pipeline.servers.cluster import free_port
 from tests.rollout.conftest import InProcessServer
 from tests.rollout.tiny import make_model_dir
 

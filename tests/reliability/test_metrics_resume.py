@@ -2,8 +2,8 @@
 
 The probe: a run checkpointed at step 3, went on to log steps 4 and 5, and was killed; the resumed
 run logged 4 and 5 again, so metrics.jsonl read ``[.., 4, 5, 4, 5, ..]`` and TensorBoard showed
-both runs' points. Here the real GSPO loop (``pipeline.loop.run``) and the real SFT loop
-(``pipeline.sft_loop.run_sft``) with the real ``MetricsLogger``, the trainer replaced by a stand-in
+both runs' points. Here the real GSPO loop (``pipeline.step.loop.run``) and the real SFT loop
+(``pipeline.step.sft_loop.run_sft``) with the real ``MetricsLogger``, the trainer replaced by a stand-in
 that dies at step 6; TensorBoard is read back with TensorBoard's own ``EventAccumulator``.
 """
 
@@ -16,9 +16,9 @@ import pytest
 import torch.distributed as dist
 
 from megatron_gspo.config import config_from_dict
-from pipeline import loop
-from pipeline.metrics import MetricsLogger
-from pipeline.sft_loop import run_sft
+from pipeline.step import loop
+from pipeline.observe.metrics import MetricsLogger
+from pipeline.step.sft_loop import run_sft
 from tests.reliability.loop_fakes import Crash, FakeTrainer, init_world_of_one, loop_context
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from launch import cli, local
-from pipeline.servers import free_port
+from pipeline.servers.cluster import free_port
 
 CONFIG = "launch/configs/tiny_cpu.yaml"
 COMMANDS = {

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.data import Prompt
-from pipeline.rewards import RewardError, RewardSample, compute_rewards
+from pipeline.scoring.data import Prompt
+from pipeline.scoring.rewards import RewardError, RewardSample, compute_rewards
 
 
 def always_fails(prompt, response_ids, response_text):

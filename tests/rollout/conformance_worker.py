@@ -2,7 +2,7 @@
 
 ``push_recorded`` builds the real Megatron policy, pushes it twice with ``WeightPusher`` (one
 transport, one pause mode, the pusher's defaults otherwise) while, optionally, requests are
-generating on the servers, and records every HTTP call the pusher makes (``pipeline.rollout.
+generating on the servers, and records every HTTP call the pusher makes (``pipeline.generation.client.
 http_json`` wrapped on every rank): method, URL, path, body (bulk payloads replaced by their
 size), headers, timeout, answer status. The test checks the record against SGLang's rules read
 from the wheel.
@@ -22,14 +22,14 @@ from megatron_gspo.config import ParallelConfig
 from megatron_gspo.hf.gather import HFGather
 from megatron_gspo.hf.hf_config import model_config_from_hf
 from megatron_gspo.model import gpt as policy
-from pipeline import rollout
-from pipeline.weight_push import WeightPusher, WeightPushError
+from pipeline.generation import client as rollout
+from pipeline.weights.push import WeightPusher, WeightPushError
 from tests.rollout.sync_worker import _control_group, _server_weights_match
 
 
 
 class Recorder:
-    """Wraps ``pipeline.rollout.http_json``: every call the process makes, in order."""
+    """Wraps ``pipeline.generation.client.http_json``: every call the process makes, in order."""
 
     def __init__(self):
         self.calls: list[dict] = []

@@ -130,7 +130,7 @@ class InProcessServer:
 
         from launch.serve import add_arguments
         from pipeline.local.server import LocalRolloutServer
-        from pipeline.servers import free_port
+        from pipeline.servers.cluster import free_port
 
         parser = argparse.ArgumentParser()
         add_arguments(parser)
@@ -176,7 +176,7 @@ def two_servers(model_dir: Path, log_root: Path, server_args: list[str] = (),
     """Two local servers, ``--tp-size`` 1 and 2 (seeds 0 and 10), without a router; yields their
     URLs. ``pythonpath``: prepended to the servers' PYTHONPATH (SGLang's weight-update code cut
     from the wheel: the ``sglang_subset`` fixture)."""
-    from pipeline.servers import LocalRolloutCluster
+    from pipeline.servers.cluster import LocalRolloutCluster
 
     old = os.environ.get("PYTHONPATH")
     if pythonpath is not None:

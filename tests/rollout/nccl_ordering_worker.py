@@ -27,9 +27,8 @@ UPDATE = "/update_weights_from_distributed"
 
 
 def _delay_updates(rank: int, world_size: int, http_delay_s: float, server_urls: list[str]):
-    """Wrap ``pipeline.rollout.http_json`` (what ``rollout.control`` calls) in this rank."""
-    from pipeline import rollout
-
+    """Wrap ``pipeline.generation.client.http_json`` (what ``rollout.control`` calls) in this rank."""
+    from pipeline.generation import client as rollout
     original = rollout.http_json
     lock = threading.Lock()
     sent: dict[str, int] = {}  # server url -> this rank's update requests so far
@@ -56,7 +55,7 @@ def run(rank: int, world_size: int, hf_dir: str, server_urls: list[str], bucket_
     from megatron_gspo.hf.gather import HFGather
     from megatron_gspo.hf.hf_config import model_config_from_hf
     from megatron_gspo.model import gpt as policy
-    from pipeline.weight_push import WeightPusher
+    from pipeline.weights.push import WeightPusher
     from tests.nccl_semantics import NcclSemantics
     from tests.rollout.sync_worker import _expected_checksum, _full_hf, _server_checksums
 

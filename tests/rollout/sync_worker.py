@@ -28,8 +28,8 @@ from megatron_gspo.hf.hf_config import model_config_from_hf
 from megatron_gspo import parallel
 from megatron_gspo.config import ParallelConfig
 from megatron_gspo.hf.gather import HFGather
-from pipeline.rollout import RolloutClient, SamplingParams, control, http_json
-from pipeline.weight_push import WeightPusher
+from pipeline.generation.client import RolloutClient, SamplingParams, control, http_json
+from pipeline.weights.push import WeightPusher
 from tests.distributed.convert_worker import forward_last_stage
 
 PROMPTS = [[5, 6, 7, 8], [30, 31], [100, 7, 200, 9, 40, 41], [3]]
@@ -175,7 +175,7 @@ def _server_checksums(server_urls) -> list[list[str]]:
 
 
 def _expected_checksum(full: dict, server_dtype=torch.float32) -> str:
-    from pipeline.weight_transport import weights_checksum
+    from pipeline.weights.transport import weights_checksum
 
     return weights_checksum((n, t.to(server_dtype)) for n, t in full.items())
 

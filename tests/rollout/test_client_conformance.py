@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.weight_push import EXTENSIONS_HEADER
+from pipeline.weights.push import EXTENSIONS_HEADER
 from tests import sglang_rules
 from tests.distributed.spawn import run_on_ranks
 from tests.rollout import conformance_worker

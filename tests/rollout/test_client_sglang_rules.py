@@ -12,7 +12,7 @@ import pytest
 from launch.cli import main
 from launch.rl_session import weight_pusher_options
 from megatron_gspo.config import ConfigError, config_from_dict, load_config
-from pipeline.rollout import weight_version_spans
+from pipeline.generation.client import weight_version_spans
 # SGLang's own srt/utils/weight_versions.py from the wheel, and the meta_info it builds
 from tests.rollout.test_server_conformance import sglang_meta, sglang_weight_versions  # noqa: F401
 

@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from pipeline.rollout import RolloutClient, RolloutError, SamplingParams, http_json
-from pipeline.servers import LocalRolloutCluster, free_port
+from pipeline.generation.client import RolloutClient, RolloutError, SamplingParams, http_json
+from pipeline.servers.cluster import LocalRolloutCluster, free_port
 
 GROUP = 4
 

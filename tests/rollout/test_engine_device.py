@@ -28,7 +28,7 @@ def test_an_unknown_device_is_refused(model_dir):
 
 
 def test_the_engine_runs_where_it_is_told_and_the_server_says_so(local_server):
-    from pipeline.rollout import http_json
+    from pipeline.generation.client import http_json
 
     status, info = http_json("GET", local_server.url + "/server_info")
     assert status == 200 and info["device"] == "cpu"
@@ -47,7 +47,7 @@ def test_config_field_is_validated(value, ok):
 
 
 def test_embedded_servers_get_the_configured_device(monkeypatch, tmp_path):
-    import pipeline.servers
+    import pipeline.servers.cluster
     from launch.rl_session import RLSession
 
     seen = {}
@@ -62,7 +62,7 @@ def test_embedded_servers_get_the_configured_device(monkeypatch, tmp_path):
         def stop(self):
             pass
 
-    monkeypatch.setattr(pipeline.servers, "LocalRolloutCluster", Recorder)
+    monkeypatch.setattr(pipeline.servers.cluster, "LocalRolloutCluster", Recorder)
     cfg = config_from_dict({"rollout": {"local_server_device": "cuda:0"},
                             "run": {"output_dir": str(tmp_path)}})
     session = RLSession.__new__(RLSession)

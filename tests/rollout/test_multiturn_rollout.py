@@ -35,11 +35,11 @@ import pytest
 import torch
 
 from megatron_gspo.train.batching import rl_batch
-from pipeline import routed_experts as rx
-from pipeline.data import Prompt
-from pipeline.environment import EnvStep
-from pipeline.multiturn import Budgets, generate_trajectory_groups, run_trajectory
-from pipeline.rollout import RolloutClient, SamplingParams, http_json
+from pipeline.generation import routed_experts as rx
+from pipeline.scoring.data import Prompt
+from pipeline.generation.environment import EnvStep
+from pipeline.generation.multiturn import Budgets, generate_trajectory_groups, run_trajectory
+from pipeline.generation.client import RolloutClient, SamplingParams, http_json
 from tests.rollout.conftest import InProcessServer
 
 NUM_LAYERS, NUM_EXPERTS, TOP_K = 3, 16, 4
@@ -80,7 +80,7 @@ def servers(moe_dir):
 
 
 class Answering:
-    """An environment (``pipeline.environment.Environment``) that answers turn k with "=k?" plus
+    """An environment (``pipeline.generation.environment.Environment``) that answers turn k with "=k?" plus
     a few letters, and ends the trajectory after ``TURNS`` model turns."""
 
     def __init__(self):

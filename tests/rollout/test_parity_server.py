@@ -1,4 +1,4 @@
-"""The servers' side of the parity watchdog (``pipeline/parity.py``) against the local server.
+"""The servers' side of the parity watchdog (``pipeline/weights/parity.py``) against the local server.
 
 * the probe request is valid under SGLang 0.5.23's own schema, and so is the answer;
 * SGLang's ``logprob_start_len`` semantics: the entry AT that position has no value (``None``),
@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load_file
 
-from pipeline.parity import Probe, gap_stats, parse_score_response, score_on_server, score_request
-from pipeline.rollout import http_json
-from pipeline.weight_transport import encode_named_tensors
+from pipeline.weights.parity import Probe, gap_stats, parse_score_response, score_on_server, score_request
+from pipeline.generation.client import http_json
+from pipeline.weights.transport import encode_named_tensors
 from tests.rollout.conftest import InProcessServer
 
 PROBES = [Probe([40, 41, 42, 43], [7, 9, 11, 2, 1]), Probe([5], [6, 6, 30]),

@@ -24,10 +24,10 @@ import time
 import pytest
 import torch
 
-from pipeline import routed_experts as rx
+from pipeline.generation import routed_experts as rx
 from pipeline.local.engine import PrefixCache
-from pipeline.rollout import http_json
-from pipeline.weight_transport import encode_named_tensors
+from pipeline.generation.client import http_json
+from pipeline.weights.transport import encode_named_tensors
 from tests.rollout.conftest import InProcessServer
 from tests.rollout.test_server_conformance import Stream, post, wait_for
 

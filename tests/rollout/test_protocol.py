@@ -18,9 +18,9 @@ import urllib.request
 import pytest
 import torch
 
-from pipeline.rollout import (RolloutClient, RolloutError, SamplingParams, error_message,
+from pipeline.generation.client import (RolloutClient, RolloutError, SamplingParams, error_message,
                               generate_payload, http_json, sample_seed, wait_healthy)
-from pipeline.weight_transport import encode_named_tensors, weights_checksum
+from pipeline.weights.transport import encode_named_tensors, weights_checksum
 from tests.rollout.conftest import InProcessServer
 
 
@@ -348,7 +348,7 @@ def test_weight_endpoints_check_roll_back_and_tag_versions(local_server, model_d
 
 
 def test_wait_healthy_names_the_server_and_its_last_answer():
-    from pipeline.servers import free_port
+    from pipeline.servers.cluster import free_port
 
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     start = time.monotonic()

@@ -29,8 +29,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import routed_experts as rx
-from pipeline.rollout import (RolloutClient, RolloutError, RolloutResult, SamplingParams,
+from pipeline.generation import routed_experts as rx
+from pipeline.generation.client import (RolloutClient, RolloutError, RolloutResult, SamplingParams,
                               flush_cache, generate_payload, http_json)
 from tests.rollout.conftest import InProcessServer, _wheel
 
@@ -235,7 +235,7 @@ def test_a_sample_stopped_by_an_abort_is_continued_from_its_output_so_far(routed
 
     from transformers import AutoModelForCausalLM
 
-    from pipeline.rollout import continue_samples, parse_generate_response
+    from pipeline.generation.client import continue_samples, parse_generate_response
     from tests.rollout.test_server_conformance import Stream, post, wait_for
 
     prompt, budget = [5, 6, 7, 8, 9], 40
@@ -386,11 +386,11 @@ def test_batch_layout_unknown_samples_and_shape_errors():
 
 def test_rollout_phase_asks_for_them_only_with_rollout_replay_and_batches_them(tmp_path):
     from megatron_gspo.config import config_from_dict
-    from pipeline import loop
-    from pipeline.data import PromptSampler, TaskPromptDataset
-    from pipeline.metrics import MetricsLogger
-    from pipeline.rewards import build_reward
-    from pipeline.tasks import AdditionTask, decode
+    from pipeline.step import loop
+    from pipeline.scoring.data import PromptSampler, TaskPromptDataset
+    from pipeline.observe.metrics import MetricsLogger
+    from pipeline.scoring.rewards import build_reward
+    from pipeline.scoring.tasks import AdditionTask, decode
 
     class Client:
         def __init__(self):

@@ -37,8 +37,8 @@ import torch
 
 from pipeline.local import protocol as proto
 from pipeline.local import server as srv
-from pipeline.rollout import http_json
-from pipeline.weight_transport import delta_encode, encode_named_tensors
+from pipeline.generation.client import http_json
+from pipeline.weights.transport import delta_encode, encode_named_tensors
 from tests import sglang_rules
 from tests.rollout.conftest import InProcessServer
 from tests.sglang_wheel import SGLANG_VERSION, cache_dir, read_member, wheel
@@ -595,7 +595,7 @@ def _uncaught_assertion_answer():
     import uvicorn
     from fastapi import FastAPI
 
-    from pipeline.servers import free_port
+    from pipeline.servers.cluster import free_port
 
     app = FastAPI()
 

@@ -28,7 +28,7 @@ import sys
 
 import pytest
 
-from pipeline.rollout import http_json
+from pipeline.generation.client import http_json
 from tests.distributed.layouts import LAYOUTS
 from tests.distributed.spawn import run_on_ranks
 from tests.rollout import sync_worker
@@ -166,7 +166,7 @@ def _sglang_side(subset: str, port: int, out) -> None:
     sys.path.insert(0, subset)
     from sglang.srt.utils import init_custom_process_group
 
-    from pipeline.weight_transport import tcp_init_method
+    from pipeline.weights.transport import tcp_init_method
 
     try:
         init_custom_process_group(backend="gloo", init_method=tcp_init_method("127.0.0.1", port),
@@ -185,8 +185,7 @@ def test_group_keys_meet_sglangs(trainer_side, sglang_subset):
     meets SGLang's side (its keys carry two more prefixes); ours does."""
     import torch.distributed as dist
 
-    from pipeline import weight_transport as wt
-
+    from pipeline.weights import transport as wt
     port = wt.free_port("127.0.0.1")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

@@ -16,7 +16,7 @@ from launch import cli
 from megatron_gspo import bound_store
 from megatron_gspo.config import ConfigError
 from megatron_gspo.parallel import nodes_in_world
-from pipeline.servers import free_port
+from pipeline.servers.cluster import free_port
 
 REAL_GETADDRINFO = socket.getaddrinfo
 

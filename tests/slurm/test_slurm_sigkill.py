@@ -4,7 +4,7 @@ Slurm job) while the user's reward function sleeps for ever leaves no process of
 The ranks are tasks of slurmstepd, not children of srun: when srun dies, the batch script
 (slurm/lib.sh) sees the training step end, stops the server and router steps and ends the job, and
 Slurm ends every task of the job's steps; the rank abandons the hanging reward call on the stop
-(``pipeline.rewards.FunctionReward``), and the reward worker and the checkpoint writer's helper die
+(``pipeline.scoring.rewards.FunctionReward``), and the reward worker and the checkpoint writer's helper die
 with their rank. Every process of the run carries ``RELIABILITY_TAG`` (``--env``), so a process the
 job left behind would be found. (One machine: tests/reliability/test_hanging_reward.py.)
 """

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from megatron_gspo.config import ConfigError, config_from_dict, dump_config, load_config
-from pipeline.phases import staleness_metrics
-from pipeline.producer import BUFFER_KEY, RolloutProducer, decode_batch, encode_batch
-from pipeline.rollout import RolloutResult
+from pipeline.step.phases import staleness_metrics
+from pipeline.sources.one_step import BUFFER_KEY, RolloutProducer, decode_batch, encode_batch
+from pipeline.generation.client import RolloutResult
 
 
 # ------------------------------------------------------------------ the switch

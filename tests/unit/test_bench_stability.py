@@ -112,7 +112,7 @@ def test_table_rows_mean_over_seeds():
 
 
 def test_lengths_fit_the_carry_task():
-    from pipeline.tasks import CarryAdditionTask
+    from pipeline.scoring.tasks import CarryAdditionTask
 
     args = bs.parse_args(["--task", "carry_addition", "--digits", "4"])
     new, seq = bs.lengths(args)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from megatron_gspo.config import config_from_dict
-from pipeline.data import PromptDataset, build_datasets
-from pipeline.rewards import build_reward
-from pipeline.sft_loop import sft_pairs
-from pipeline.tasks import EOS_ID, CarryAdditionTask, Problem, encode, write_sft_file
+from pipeline.scoring.data import PromptDataset, build_datasets
+from pipeline.scoring.rewards import build_reward
+from pipeline.step.sft_loop import sft_pairs
+from pipeline.scoring.tasks import EOS_ID, CarryAdditionTask, Problem, encode, write_sft_file
 
 
 def _check_trace(a: int, b: int, response: str) -> None:

@@ -7,7 +7,7 @@ The template below follows Qwen3's (its logic, written out here: no hub download
 re-serialised from the parsed ``arguments`` with ``tojson``, ``reasoning_content`` is rendered
 only for assistant turns after the last real user query, tool results are merged into one user
 turn. It runs through transformers' own chat-template machinery (``apply_chat_template``) on a
-byte-level tokenizer. A trajectory built token-in / token-out (``pipeline.multiturn``, the
+byte-level tokenizer. A trajectory built token-in / token-out (``pipeline.generation.multiturn``, the
 ``qwen3`` tool format) keeps exactly the sampled tokens; the re-render changes the model's own
 turn (the JSON it wrote), and once a later user turn exists it drops the earlier ``<think>``
 block, so the earlier turns are no longer a prefix of the rendered history (prime-rl #1334).
@@ -19,13 +19,13 @@ import asyncio
 
 import pytest
 
-from pipeline.data import Prompt
-from pipeline.environment import ToolEnvironment
-from pipeline.multiturn import Budgets, run_trajectory
-from pipeline.rollout import RolloutResult, SamplingParams
-from pipeline.sandbox import ToolExecutor, ToolLimits, load_tools
-from pipeline.tasks import decode, encode, write_byte_tokenizer
-from pipeline.tool_calls import FORMATS, parse_tool_calls
+from pipeline.scoring.data import Prompt
+from pipeline.generation.environment import ToolEnvironment
+from pipeline.generation.multiturn import Budgets, run_trajectory
+from pipeline.generation.client import RolloutResult, SamplingParams
+from pipeline.tools.sandbox import ToolExecutor, ToolLimits, load_tools
+from pipeline.scoring.tasks import decode, encode, write_byte_tokenizer
+from pipeline.generation.tool_calls import FORMATS, parse_tool_calls
 
 QWEN3_LIKE_TEMPLATE = r"""
 {%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
@@ -142,7 +142,7 @@ class Scripted:
 @pytest.fixture(scope="module")
 def tito():
     """The token-in / token-out trajectory of TURN1, the calculator's answer, TURN2."""
-    with ToolExecutor(load_tools(["pipeline.tasks:add"]), ToolLimits()) as ex:
+    with ToolExecutor(load_tools(["pipeline.scoring.tasks:add"]), ToolLimits()) as ex:
         env = ToolEnvironment(executor=ex, tool_format=FORMATS["qwen3"])
         prompt = Prompt(index=0, prompt_ids=encode(PROMPT), label=None, text=PROMPT, origin="t")
         return asyncio.run(run_trajectory(

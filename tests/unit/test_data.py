@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from megatron_gspo.config import config_from_dict
-from pipeline.data import (ByteEncoder, DataError, HFEncoder, Prompt, PromptDataset,
+from pipeline.scoring.data import (ByteEncoder, DataError, HFEncoder, Prompt, PromptDataset,
                            PromptSampler, TaskPromptDataset, build_datasets, lookup)
-from pipeline.tasks import AdditionTask, encode
+from pipeline.scoring.tasks import AdditionTask, encode
 
 
 def _write_jsonl(path: Path, rows: list) -> Path:

@@ -83,7 +83,7 @@ def _control_group_worker(rank, world, short_s, wait_s):
     with the training timeout (``short_s``) does not."""
     import torch.distributed as dist
 
-    from pipeline import loop, rank0
+    from pipeline.step import loop, rank0
 
     cfg = config_from_dict({"parallel": {"control_timeout_minutes": 5}})
     control = parallel.init_distributed(cfg.parallel)

@@ -1,6 +1,6 @@
 """The GSPO loop's control flow with the Megatron trainer and the servers replaced by recorders.
 
-What is checked here is the loop's own logic (pipeline/loop.py): the order of phases, colocated
+What is checked here is the loop's own logic (pipeline/step/loop.py): the order of phases, colocated
 memory release/resume around training, what a stop signal does when the rollout servers are
 already gone (the consistent checkpoint), the sampling parameters and seeds of every request, and
 ``StepGuard``'s rules on their own. The real trainer and servers run in tests/e2e and tests/slurm.
@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.config import config_from_dict
-from pipeline import loop
-from pipeline.data import PromptSampler, TaskPromptDataset
-from pipeline.metrics import MetricsLogger
-from pipeline.rewards import build_reward
-from pipeline.rollout import RolloutResult, eval_seed, rollout_seed, sampling_params
-from pipeline.tasks import AdditionTask, decode
+from pipeline.step import loop
+from pipeline.scoring.data import PromptSampler, TaskPromptDataset
+from pipeline.observe.metrics import MetricsLogger
+from pipeline.scoring.rewards import build_reward
+from pipeline.generation.client import RolloutResult, eval_seed, rollout_seed, sampling_params
+from pipeline.scoring.tasks import AdditionTask, decode
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -59,7 +59,7 @@ class FakeTrainer:
 
 
 class FakePusher:
-    """Stands in for pipeline.weight_push.WeightPusher: records each push."""
+    """Stands in for pipeline.weights.push.WeightPusher: records each push."""
 
     def __init__(self, rec: Recorder):
         self.rec = rec

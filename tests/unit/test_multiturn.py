@@ -1,5 +1,5 @@
 """Multi-turn rollouts without a server: the tool-call parser, the environment, budgets and end
-reasons (``pipeline.multiturn.run_trajectory`` against a scripted sender), the routes of a
+reasons (``pipeline.generation.multiturn.run_trajectory`` against a scripted sender), the routes of a
 trajectory, and the loss over its model tokens only - ``s_i``, the loss and its gradient of a
 batch with masked tool outputs against a float64 loop over each trajectory's model tokens.
 
@@ -18,13 +18,13 @@ import torch
 
 from megatron_gspo.loss.gspo import gspo_loss
 from megatron_gspo.train.batching import rl_batch
-from pipeline.data import Prompt
-from pipeline.environment import ToolEnvironment
-from pipeline.multiturn import Budgets, compose_routes, run_trajectory, trajectory_metrics
-from pipeline.rollout import RolloutResult, SamplingParams
-from pipeline.sandbox import ToolExecutor, ToolLimits, load_tools
-from pipeline.tasks import decode, encode
-from pipeline.tool_calls import FORMATS, parse_tool_calls
+from pipeline.scoring.data import Prompt
+from pipeline.generation.environment import ToolEnvironment
+from pipeline.generation.multiturn import Budgets, compose_routes, run_trajectory, trajectory_metrics
+from pipeline.generation.client import RolloutResult, SamplingParams
+from pipeline.tools.sandbox import ToolExecutor, ToolLimits, load_tools
+from pipeline.scoring.tasks import decode, encode
+from pipeline.generation.tool_calls import FORMATS, parse_tool_calls
 
 EOS = ord("\n")
 
@@ -102,7 +102,7 @@ class Scripted:
 
 @pytest.fixture(scope="module")
 def executor():
-    tools = load_tools(["pipeline.tasks:add", "tests.unit.sandbox_tools:hang"])
+    tools = load_tools(["pipeline.scoring.tasks:add", "tests.unit.sandbox_tools:hang"])
     with ToolExecutor(tools, ToolLimits(timeout_s=2.0), workers=2) as ex:
         yield ex
 
@@ -321,11 +321,11 @@ class NotAnEnvironment:
 
 
 @pytest.mark.parametrize("section,said", [
-    ({"functions": ["pipeline.tasks"]}, "tools.functions[0]: expected"),
-    ({"functions": ["pipeline.tasks:add"], "max_turns": 0}, "tools.max_turns: must be >= 1"),
-    ({"functions": ["pipeline.tasks:add"], "timeout_s": 0}, "tools.timeout_s: must be > 0"),
-    ({"functions": ["pipeline.tasks:add"], "workers": 0}, "tools.workers: must be >= 1"),
-    ({"functions": ["pipeline.tasks:add"], "format": "xml"}, "tools.format"),
+    ({"functions": ["pipeline.scoring.tasks"]}, "tools.functions[0]: expected"),
+    ({"functions": ["pipeline.scoring.tasks:add"], "max_turns": 0}, "tools.max_turns: must be >= 1"),
+    ({"functions": ["pipeline.scoring.tasks:add"], "timeout_s": 0}, "tools.timeout_s: must be > 0"),
+    ({"functions": ["pipeline.scoring.tasks:add"], "workers": 0}, "tools.workers: must be >= 1"),
+    ({"functions": ["pipeline.scoring.tasks:add"], "format": "xml"}, "tools.format"),
     ({"environment": "NoColon"}, "tools.environment: expected"),
 ])
 def test_bad_tools_settings_name_the_field(section, said):
@@ -336,8 +336,8 @@ def test_bad_tools_settings_name_the_field(section, said):
 
 
 @pytest.mark.parametrize("section,said", [
-    ({"functions": ["pipeline.tasks:add", "pipeline.tasks:nope"]},
-     "tools.functions[1]: 'pipeline.tasks:nope': module pipeline.tasks has no attribute 'nope'"),
+    ({"functions": ["pipeline.scoring.tasks:add", "pipeline.scoring.tasks:nope"]},
+     "tools.functions[1]: 'pipeline.scoring.tasks:nope': module pipeline.scoring.tasks has no attribute 'nope'"),
     ({"environment": "tests.unit.test_multiturn:NotAnEnvironment"},
      "tools.environment 'tests.unit.test_multiturn:NotAnEnvironment': not an environment class"),
     ({"environment": "nowhere.env:Env"}, "tools.environment: 'nowhere.env:Env': no module"),
@@ -366,9 +366,9 @@ def test_the_demo_config_passes_preflight():
 
 def test_tool_addition_task_references_call_the_tool_and_the_reward_reads_the_last_turn():
     from megatron_gspo.config import DataConfig
-    from pipeline.data import build_datasets
-    from pipeline.rewards import tool_addition
-    from pipeline.tasks import ToolAdditionTask, add
+    from pipeline.scoring.data import build_datasets
+    from pipeline.scoring.rewards import tool_addition
+    from pipeline.scoring.tasks import ToolAdditionTask, add
 
     task = ToolAdditionTask(digits=5, seed=3)
     train = {task.problem(i).prompt for i in range(300)}

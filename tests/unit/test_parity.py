@@ -1,5 +1,5 @@
-"""The parity watchdog's pure parts and its decision rule (``pipeline/parity.py``,
-``pipeline.loop.check_parity``), with a stand-in trainer and servers on a world of one.
+"""The parity watchdog's pure parts and its decision rule (``pipeline/weights/parity.py``,
+``pipeline.step.loop.check_parity``), with a stand-in trainer and servers on a world of one.
 
 The real servers' answers are tested in tests/rollout/test_parity_server.py, a real session with
 a faithful and a perturbed server in tests/e2e/test_parity_watchdog.py.
@@ -14,13 +14,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.config import ConfigError, config_from_dict
-from pipeline import loop, parity
-from pipeline.data import TaskPromptDataset
-from pipeline.parity import (ParityError, ParityResult, ParityWatchdog, Probe, gap_stats,
+from pipeline.step import loop
+from pipeline.weights import parity
+from pipeline.scoring.data import TaskPromptDataset
+from pipeline.weights.parity import (ParityError, ParityResult, ParityWatchdog, Probe, gap_stats,
                              load_probes, parse_score_response, probe_batch, response_values,
                              save_probes)
-from pipeline.rollout import RolloutError
-from pipeline.tasks import AdditionTask
+from pipeline.generation.client import RolloutError
+from pipeline.scoring.tasks import AdditionTask
 from tests.reliability.loop_fakes import init_world_of_one, loop_context
 
 PROBES = [Probe([3, 4, 5], [6, 7]), Probe([8], [9, 10, 11])]
@@ -183,7 +184,7 @@ def test_without_a_watchdog_nothing_is_checked(tmp_path):
 
 
 def test_a_server_that_died_after_the_sync_is_counted_not_checked(tmp_path, capsys):
-    from pipeline.servers import free_port
+    from pipeline.servers.cluster import free_port
 
     cfg = config_from_dict({"parity": {"enabled": True}, "rollout": {"request_timeout_s": 5.0}})
     watchdog = ParityWatchdog(cfg, tmp_path)

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline import loop, relayed_errors
-from pipeline.data import DataError
+from pipeline.step import loop
+
+from pipeline import relayed_errors
+from pipeline.scoring.data import DataError
 from pipeline.relayed_errors import RelayedError
-from pipeline.rewards import RewardError
+from pipeline.scoring.rewards import RewardError
 
 
 class CustomDataError(DataError):

@@ -1,6 +1,6 @@
 """Issue 22, item 1: a user reward function runs in a worker process with a deadline.
 
-``reward.kind: function`` (``pipeline.rewards.FunctionReward``): a call that passes
+``reward.kind: function`` (``pipeline.scoring.rewards.FunctionReward``): a call that passes
 ``reward.timeout_s`` fails its sample with a RewardError naming the function, the sample and the
 deadline (then ``reward.on_error`` decides), its worker is killed with what it started and a
 fresh one scores the rest; a worker that dies fails its sample the same way; a stop signal
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from megatron_gspo.config import ConfigError, config_from_dict
-from pipeline.data import Prompt
-from pipeline.rewards import (FunctionReward, RewardError, RewardInterrupted, RewardSample,
+from pipeline.scoring.data import Prompt
+from pipeline.scoring.rewards import (FunctionReward, RewardError, RewardInterrupted, RewardSample,
                               build_reward, compute_rewards)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -206,8 +206,8 @@ def test_the_worker_dies_with_its_owner_even_by_sigkill(rewards_file, tmp_path):
     owner = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f'''
         import sys, time
         sys.path.insert(0, {str(ROOT)!r})
-        from pipeline.rewards import FunctionReward, RewardSample
-        from pipeline.data import Prompt
+        from pipeline.scoring.rewards import FunctionReward, RewardSample
+        from pipeline.scoring.data import Prompt
         fn = FunctionReward({f"{rewards_file}:correct"!r}, timeout_s=5)
         fn.score_batch([RewardSample(Prompt(0, [1], "ok", "q", "t:1"), 0, [1], "ok")])
         open({str(pid_file)!r}, "w").write(str(fn._proc.pid))

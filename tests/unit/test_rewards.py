@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from megatron_gspo.config import config_from_dict
-from pipeline.data import Prompt
-from pipeline.rewards import (FunctionReward, HTTPReward, RewardError, RewardSample, addition,
+from pipeline.scoring.data import Prompt
+from pipeline.scoring.rewards import (FunctionReward, HTTPReward, RewardError, RewardSample, addition,
                               build_reward, compute_rewards, exact_match, load_function,
                               math_equal)
-from pipeline.tasks import EOS_ID, encode
+from pipeline.scoring.tasks import EOS_ID, encode
 
 
 def _prompt(label, index=0, text="q"):
@@ -225,7 +225,7 @@ def test_build_reward_from_config(service):
                                              "timeout_s": 2.0}}))
     assert isinstance(fn, HTTPReward) and fn.timeout_s == 2.0
     fn = build_reward(*_sections({"reward": {"kind": "function",
-                                             "function": "pipeline.rewards:exact_match"}}))
+                                             "function": "pipeline.scoring.rewards:exact_match"}}))
     # called in a worker process with reward.timeout_s per sample (test_reward_deadline.py)
     assert isinstance(fn, FunctionReward) and fn.function is exact_match and fn.timeout_s == 30.0
 

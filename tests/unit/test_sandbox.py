@@ -1,4 +1,4 @@
-"""The tool sandbox (``pipeline.sandbox``): each way a tool can misbehave is one failed call with
+"""The tool sandbox (``pipeline.tools.sandbox``): each way a tool can misbehave is one failed call with
 its reason, and the next call on the same executor works.
 
 Run: ``.venv/bin/python -m pytest -q tests/unit/test_sandbox.py``
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from pipeline.sandbox import ToolExecutor, ToolLimits, load_tools
+from pipeline.tools.sandbox import ToolExecutor, ToolLimits, load_tools
 
 M = "tests.unit.sandbox_tools"
 NAMES = ("add", "shout", "hang", "spin", "allocate", "flood_print", "flood_return", "exit_hard",

@@ -1,4 +1,4 @@
-"""``rollout.async: full``'s rollout stream (pipeline/streaming.py) against a simulated server.
+"""``rollout.async: full``'s rollout stream (pipeline/sources/stream.py) against a simulated server.
 
 The simulated server generates each sample token by token, labelling every token with the weight
 version it holds at that moment (what SGLang's ``meta_info.weight_versions`` reports for a request
@@ -17,9 +17,9 @@ import time
 
 import pytest
 
-from pipeline.data import Prompt
-from pipeline.rollout import RolloutResult, result_from_json, result_to_json
-from pipeline.streaming import (RolloutStream, StreamCounts, admission_limit, difficulty,
+from pipeline.scoring.data import Prompt
+from pipeline.generation.client import RolloutResult, result_from_json, result_to_json
+from pipeline.sources.stream import (RolloutStream, StreamCounts, admission_limit, difficulty,
                                 oldest_version, step_metrics)
 
 G = 2
@@ -187,7 +187,7 @@ def test_a_restored_stream_trains_the_saved_groups_bit_for_bit():
 class StoppableServer(Server):
     """A server whose requests an abort stops: each returns its output so far (SGLang's
     ``/abort_request``; a sample not started returns none), and that continues a sample from its
-    output (``pipeline.rollout.continue_samples``' request: prompt + output so far as the
+    output (``pipeline.generation.client.continue_samples``' request: prompt + output so far as the
     prompt). Output token t of sample s is ``100 * s + t`` with log-prob ``-t / 100``, so a
     joined sample shows whether its pieces are in place."""
 
@@ -226,7 +226,7 @@ class StoppableServer(Server):
         return out
 
     async def resume(self, prompt, seed, rid, partial):
-        from pipeline.rollout import join_continuation
+        from pipeline.generation.client import join_continuation
 
         length = 60 if prompt.prompt_ids[0] % 2 == 0 else 6
         out = []
@@ -357,8 +357,8 @@ def _full_context(tmp_path, steps: int, save_interval: int = 0):
 def test_the_loop_in_full_mode_trains_every_step_and_saves_the_stream(tmp_path):
     import torch.distributed as dist
 
-    from pipeline import loop
-    from pipeline.metrics import read_metrics
+    from pipeline.step import loop
+    from pipeline.observe.metrics import read_metrics
     from tests.reliability.loop_fakes import FakePusher, FakeTrainer, init_world_of_one
 
     class Saving(FakeTrainer):
@@ -411,7 +411,7 @@ def test_a_full_mode_checkpoint_resumed_in_another_mode_is_refused():
 
 
 def test_a_continuation_joins_only_its_own_partial_sample():
-    from pipeline.rollout import join_continuation
+    from pipeline.generation.client import join_continuation
 
     def result(rid, prompt, out, spans, finish="abort"):
         return RolloutResult(rid=rid, prompt_ids=prompt, output_ids=out,

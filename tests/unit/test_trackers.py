@@ -20,9 +20,10 @@ import pytest
 import torch.distributed as dist
 
 from megatron_gspo.config import ConfigError, config_from_dict, dump_config, load_config
-from pipeline import loop, trackers
-from pipeline.metrics import MetricsLogger, read_metrics
-from pipeline.trackers import MLflowTracker, Tracker, scalars
+from pipeline.step import loop
+from pipeline.observe import trackers
+from pipeline.observe.metrics import MetricsLogger, read_metrics
+from pipeline.observe.trackers import MLflowTracker, Tracker, scalars
 
 CONFIGS = Path(__file__).resolve().parents[2] / "launch" / "configs"
 ALL = "run.loggers=[jsonl,tensorboard,wandb,mlflow]"
@@ -163,7 +164,7 @@ def test_wandb_and_mlflow_equal_metrics_jsonl_across_a_crash_and_resume(tmp_path
 
 
 def test_the_gspo_loop_with_wandb_and_mlflow_resumed_after_a_crash(tmp_path):
-    """The real loop (pipeline.loop.run) with a stand-in trainer that dies at step 6 after the
+    """The real loop (pipeline.step.loop.run) with a stand-in trainer that dies at step 6 after the
     checkpoint of step 3, then resumes from it: each tracker holds steps 1..8 once, as
     metrics.jsonl does."""
     from tests.reliability.loop_fakes import Crash, FakeTrainer, init_world_of_one, loop_context
@@ -292,7 +293,7 @@ def test_the_ids_of_trackers_a_resumed_run_does_not_list_are_kept(tmp_path):
 
 
 def test_sft_without_checkpoints_sends_every_step_at_its_end(tmp_path):
-    from pipeline.sft_loop import run_sft
+    from pipeline.step.sft_loop import run_sft
     from tests.reliability.test_metrics_resume import FakeSFT
 
     cfg = config_from_dict({"data": {"task": "addition", "digits": 2, "num_eval_prompts": 2}},

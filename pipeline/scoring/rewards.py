@@ -55,8 +55,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Protocol, Sequence
 
-from pipeline.data import Prompt
-from pipeline.tasks import AdditionTask, CarryAdditionTask, Problem, ToolAdditionTask
+from pipeline.scoring.data import Prompt
+from pipeline.scoring.tasks import AdditionTask, CarryAdditionTask, Problem, ToolAdditionTask
 
 if TYPE_CHECKING:
     from megatron_gspo.config import DataConfig, RewardConfig
@@ -68,7 +68,7 @@ class RewardError(RuntimeError):
 
 class RewardInterrupted(RuntimeError):
     """A stop signal came while a reward was being computed: the reward was abandoned (its worker
-    killed) so that the rank can save its checkpoint and stop (``pipeline.loop.StepGuard``). Not
+    killed) so that the rank can save its checkpoint and stop (``pipeline.step.loop.StepGuard``). Not
     a ``RewardError``: ``reward.on_error`` does not apply."""
 
 
@@ -323,7 +323,7 @@ def _popen(args: list[str], **kwargs) -> subprocess.Popen:
 
     PR_SET_PDEATHSIG (the worker dies with its owner) fires when the THREAD that started the
     child ends, not the process: a worker started by a rollout on a thread of its own
-    (``rollout.async``, ``pipeline.producer``) would be killed when that rollout ends. The main
+    (``rollout.async``, ``pipeline.sources.one_step``) would be killed when that rollout ends. The main
     thread starts it directly; any other thread through one daemon thread kept for the purpose."""
     global _spawner
     if threading.current_thread() is threading.main_thread():
@@ -377,7 +377,7 @@ class FunctionReward:
     deadline: ``reward.timeout_s`` seconds per sample.
 
     The function is imported here once (so that a wrong spec fails at start-up, naming it), and
-    called only in the worker (``pipeline.reward_worker``), started at the first call and kept
+    called only in the worker (``pipeline.scoring.reward_worker``), started at the first call and kept
     for the whole run: module-level state (a cache, a loaded verifier) lives there, not in the
     trainer. A batch goes to the worker at once; its answers come back one per sample.
 
@@ -458,7 +458,7 @@ class FunctionReward:
             return None
         self.close()
         self._proc, self._inbox, self._outbox = start_piped_worker(
-            "pipeline.reward_worker",
+            "pipeline.scoring.reward_worker",
             lambda fd_in, fd_out: [self.spec, str(fd_in), str(fd_out), str(os.getpid())])
         self.worker_starts += 1
         ready = self._receive(max(WORKER_START_TIMEOUT_S, self.timeout_s), sample)
@@ -639,7 +639,7 @@ def build_reward(reward: "RewardConfig", data: "DataConfig", *,
                  interrupted: Optional[Callable[[], bool]] = None) -> RewardFn:
     """The reward function of a config's ``reward:`` (and ``data:``) sections.
 
-    ``interrupted``: the rank's "a stop signal came" (``pipeline.loop.StopFlag``); a user
+    ``interrupted``: the rank's "a stop signal came" (``pipeline.step.loop.StopFlag``); a user
     function's call (:class:`FunctionReward`) is abandoned as soon as it is true."""
     kind = reward_kind(reward, data)
     if kind == "function":

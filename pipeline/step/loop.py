@@ -8,7 +8,7 @@ function, builds the rollout batch and broadcasts it; then every rank trains on 
 One step::
 
     prompts   = P prompts from the sampler (deterministic, part of the checkpoint)
-    rollouts  = G samples per prompt from the servers (seeds: pipeline.rollout.rollout_seed)
+    rollouts  = G samples per prompt from the servers (seeds: pipeline.generation.client.rollout_seed)
     rewards   = reward(prompt, response) per sample; non-finite or failing -> error (or 0, counted)
     [dynamic sampling: drop groups whose rewards are all equal, sample more prompts]
     advantages= group-relative (docs/gspo_math.md)
@@ -17,7 +17,7 @@ One step::
     (resume)  = colocated servers take their weight memory back
     sync      = weights -> every rollout server, weight_version = step (then the KV cache back)
     parity    = with parity.enabled: servers' and trainer's log-probs of fixed probes compared
-                (past the threshold: sync once more, check again, else stop; pipeline/parity.py)
+                (past the threshold: sync once more, check again, else stop; pipeline/weights/parity.py)
     eval      = every run.eval_interval steps: mean reward and pass@1 over n samples per prompt
     log       = metrics.jsonl / TensorBoard / one progress line
     save      = every run.save_interval steps, at the last step, and on SIGTERM / SIGINT / SIGUSR1
@@ -36,29 +36,29 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 import torch.distributed as dist
 
 from megatron_gspo.config import Config
-from pipeline.metrics import MetricsLogger
-from pipeline.phases import (MAX_DYNAMIC_SAMPLING_ROUNDS, check_parity, evaluate, make_stream,
+from pipeline.observe.metrics import MetricsLogger
+from pipeline.step.phases import (MAX_DYNAMIC_SAMPLING_ROUNDS, check_parity, evaluate, make_stream,
                              rollout_phase, server_metrics, stream_batch, sync_weights,
                              _release_servers, _resume_servers)
-from pipeline.producer import BUFFER_KEY, RolloutProducer, decode_batch, encode_batch
-from pipeline.rank0 import PhaseFailed, everywhere, on_main
+from pipeline.sources.one_step import BUFFER_KEY, RolloutProducer, decode_batch, encode_batch
+from pipeline.step.rank0 import PhaseFailed, everywhere, on_main
 from pipeline.signals import PREEMPTED_EXIT_CODE, STOP_SIGNALS, StopFlag
-from pipeline.step_guard import Preempted, StepGuard
+from pipeline.step.step_guard import Preempted, StepGuard
 
 if TYPE_CHECKING:
-    from pipeline.data import Prompt, PromptSampler
-    from pipeline.rewards import RewardFn
-    from pipeline.rollout import RolloutClient
-    from pipeline.parity import ParityWatchdog
-    from pipeline.server_pool import ServerPool
-    from pipeline.weight_push import WeightPusher
+    from pipeline.scoring.data import Prompt, PromptSampler
+    from pipeline.scoring.rewards import RewardFn
+    from pipeline.generation.client import RolloutClient
+    from pipeline.weights.parity import ParityWatchdog
+    from pipeline.servers.pool import ServerPool
+    from pipeline.weights.push import WeightPusher
 
 __all__ = ["BUFFER_KEY", "MAX_DYNAMIC_SAMPLING_ROUNDS", "PREEMPTED_EXIT_CODE", "STOP_SIGNALS",
            "LoopContext", "PhaseFailed", "Preempted", "StepGuard", "StopFlag", "Trainer",
            "check_parity", "evaluate", "everywhere", "on_main", "rollout_phase", "run",
            "sync_weights"]
 """The loop's own names and those of the modules it is made of that its callers use
-(``pipeline.signals``, ``pipeline.rank0``, ``pipeline.step_guard``, ``pipeline.phases``)."""
+(``pipeline.signals``, ``pipeline.step.rank0``, ``pipeline.step.step_guard``, ``pipeline.step.phases``)."""
 
 
 class Trainer(Protocol):
@@ -104,24 +104,24 @@ class LoopContext:
     server_urls: list[str] = field(default_factory=list)
     """Rank 0: every rollout server (release / resume of colocated servers' memory)."""
     servers: Optional[ServerPool] = None
-    """Rank 0: which servers are alive (``pipeline.server_pool``): checked before every weight
+    """Rank 0: which servers are alive (``pipeline.servers.pool``): checked before every weight
     sync, dead ones dropped and (embedded) restarted. None: every server, always."""
     parity: Optional[ParityWatchdog] = None
     """Every rank, with parity.enabled: the watchdog run after every weight sync
     (:func:`check_parity`); rank 0's holds the probe prompts."""
     rollout_buffer: Optional[dict] = None
     """Rank 0, ``rollout.async: one_step`` resumed: the next step's finished batch, from the
-    checkpoint (``pipeline.producer``)."""
+    checkpoint (``pipeline.sources.one_step``)."""
     rollout_stream: Optional[dict] = None
     """Rank 0, ``rollout.async: full`` resumed: the stream's complete groups and pending prompts,
-    from the checkpoint (``pipeline.streaming``)."""
+    from the checkpoint (``pipeline.sources.stream``)."""
     tools: Optional[Any] = None
-    """Rank 0, ``tools`` configured: ``pipeline.multiturn.ToolRollouts`` (every training and
+    """Rank 0, ``tools`` configured: ``pipeline.generation.multiturn.ToolRollouts`` (every training and
     evaluation sample a multi-turn trajectory); None: one prompt, one response."""
     resync: Optional[Callable[[str], Any]] = None
     """Every rank, set by :func:`run`: ``resync(version)`` syncs the trainer's weights
     (:func:`sync_weights`) - what rank 0's rollout has every rank do mid-phase when servers it
-    restarted need the current weights (``ServerPool.wait_for_live``, :func:`pipeline.rank0.run_on_rank0`)."""
+    restarted need the current weights (``ServerPool.wait_for_live``, :func:`pipeline.step.rank0.run_on_rank0`)."""
     weights_version: str = ""
     """Rank 0, set by :func:`run`: the version of the weights the trainer holds now."""
 

@@ -155,7 +155,7 @@ class CarryAdditionTask:
 
 
 def add(a: int, b: int) -> int:
-    """The calculator of ``ToolAdditionTask`` (``tools.functions: ["pipeline.tasks:add"]``)."""
+    """The calculator of ``ToolAdditionTask`` (``tools.functions: ["pipeline.scoring.tasks:add"]``)."""
     return int(a) + int(b)
 
 
@@ -167,7 +167,7 @@ class ToolAdditionTask:
     """Sums of two numbers of exactly ``digits`` digits, solved with the ``add`` tool.
 
     Prompt ``"48213+90517="``; the reference response (the SFT label) is a trajectory in the
-    ``plain`` tool format (``pipeline.tool_calls.FORMATS``): a turn that calls the tool and ends
+    ``plain`` tool format (``pipeline.generation.tool_calls.FORMATS``): a turn that calls the tool and ends
     with the end token, the tool's response as the environment appends it, the answer::
 
         <tool_call>{"name":"add","arguments":{"a":48213,"b":90517}}</tool_call>\n

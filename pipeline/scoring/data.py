@@ -13,7 +13,7 @@ turns prompts into token ids and response ids back into text:
   tokenizer, optionally through its chat template. Every row is validated when the file is
   loaded; a malformed row raises ``DataError`` naming the file, the line (JSONL) or row (Parquet,
   both 1-based) and the field. ``skip_malformed=True`` counts and reports such rows instead.
-- ``TaskPromptDataset``: a synthetic task (``pipeline.tasks``) seen as a dataset: problem ``i`` of
+- ``TaskPromptDataset``: a synthetic task (``pipeline.scoring.tasks``) seen as a dataset: problem ``i`` of
   a split is prompt ``i``, its answer the label.
 
 ``PromptSampler`` shuffles each epoch with a permutation drawn from (seed, epoch) alone, so its
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
 
-from pipeline.tasks import EOS_ID, TASKS, AdditionTask, CarryAdditionTask
-from pipeline.tasks import decode as byte_decode
-from pipeline.tasks import encode as byte_encode
+from pipeline.scoring.tasks import EOS_ID, TASKS, AdditionTask, CarryAdditionTask
+from pipeline.scoring.tasks import decode as byte_decode
+from pipeline.scoring.tasks import encode as byte_encode
 
 if TYPE_CHECKING:
     from megatron_gspo.config import DataConfig

@@ -3,13 +3,13 @@
 An environment is small: ``reset(prompt)`` gives the first turn's prompt tokens;
 ``step(text)`` takes the text of the model's turn and says what comes next: the text appended
 as the next turn's context (a tool's output, with the chat template's glue), whether the
-trajectory is done, and optionally its reward. The rollout (``pipeline.multiturn``) owns the
+trajectory is done, and optionally its reward. The rollout (``pipeline.generation.multiturn``) owns the
 tokens: it appends exactly the tokens the server generated and the tokens of the environment's
 text, and never re-renders a history.
 
 :class:`ToolEnvironment` is the one the run builds from ``tools.functions``: it parses the
-turn's ``<tool_call>``s (``pipeline.tool_calls``), runs them in the sandbox
-(``pipeline.sandbox.ToolExecutor``) and answers with their outputs; a turn without a call ends
+turn's ``<tool_call>``s (``pipeline.generation.tool_calls``), runs them in the sandbox
+(``pipeline.tools.sandbox.ToolExecutor``) and answers with their outputs; a turn without a call ends
 the trajectory (``done``). A custom environment is ``tools.environment: "module:Class"``,
 constructed as ``Class(executor=..., tool_format=...)``.
 """
@@ -19,11 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Protocol
 
-from pipeline.tool_calls import ToolFormat, parse_tool_calls
+from pipeline.generation.tool_calls import ToolFormat, parse_tool_calls
 
 if TYPE_CHECKING:
-    from pipeline.data import Prompt
-    from pipeline.sandbox import ToolExecutor
+    from pipeline.scoring.data import Prompt
+    from pipeline.tools.sandbox import ToolExecutor
 
 
 @dataclass

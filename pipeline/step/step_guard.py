@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Optional
 
-from pipeline.rank0 import PhaseFailed
+from pipeline.step.rank0 import PhaseFailed
 from pipeline.relayed_errors import RelayedError
 from pipeline.signals import StopFlag
 

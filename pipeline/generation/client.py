@@ -20,7 +20,7 @@ wait is bounded (``health_timeout_s``, ``request_timeout_s`` per attempt, ``max_
 errors are :class:`RolloutError` naming the URL, the HTTP status and what the server last said,
 whichever of SGLang's three error-body shapes it used.
 
-No server left (``servers``: the run's ``pipeline.server_pool.ServerPool``): a request that fails
+No server left (``servers``: the run's ``pipeline.servers.pool.ServerPool``): a request that fails
 without an answer or with a 5xx (the router's ``500 call_upstream_request_error`` when its worker
 died, then ``503 No available workers``) asks the pool (``wait_for_live``, on a thread, once for
 every request that failed meanwhile). While a server serves, it is an ordinary retry; otherwise
@@ -37,7 +37,7 @@ temperature-scaled distribution ``log_softmax(logits / T)`` before top-k / top-p
 
 Routed experts (routing replay ``rollout``): ``routed_experts=(num_layers, top_k)`` on a generate
 call asks every request for SGLang's ``return_routed_experts`` and decodes the answer
-(``pipeline.routed_experts``) into ``RolloutResult.routed_experts``, int32
+(``pipeline.generation.routed_experts``) into ``RolloutResult.routed_experts``, int32
 ``[len(prompt) + len(output) - 1, num_layers, top_k]``: row t = the experts that routed token t of
 ``prompt + output``. In router mode those requests go to the router's workers directly:
 sglang-router 0.3.2 drops ``return_routed_experts`` from the bodies it forwards.
@@ -123,11 +123,11 @@ class RolloutResult:
     """``meta_info.cached_tokens``: prompt tokens the server's prefix cache served (summed over
     the turns of a multi-turn trajectory)."""
     output_mask: Optional[list[int]] = None
-    """A multi-turn trajectory (``pipeline.multiturn``): one 0/1 per output id, 1 where the model
+    """A multi-turn trajectory (``pipeline.generation.multiturn``): one 0/1 per output id, 1 where the model
     generated the token (trained), 0 for tool outputs and template glue (masked; their
     ``output_logprobs`` are 0.0); None: every output id is the model's (one turn)."""
     turns: Optional[list[dict]] = None
-    """A multi-turn trajectory: one record per model turn (``pipeline.multiturn.Turn`` as a
+    """A multi-turn trajectory: one record per model turn (``pipeline.generation.multiturn.Turn`` as a
     dict: where its tokens lie in ``output_ids``, finish reason, cached tokens, tool calls)."""
     end_reason: Optional[str] = None
     """A multi-turn trajectory: why it ended (done, max_turns, max_tokens, tool_error, abort)."""
@@ -262,8 +262,7 @@ def weight_version_spans(meta: dict, num_output: int) -> list[tuple[str, int, in
 
 def _routed_experts(meta: dict, rid: str, prompt_len: int, output_len: int, kind: str,
                     shape: tuple[int, int], url: str):
-    from pipeline import routed_experts as re_wire
-
+    from pipeline.generation import routed_experts as re_wire
     text = meta.get("routed_experts")
     if text is None:
         if kind == "abort":  # a request aborted before it ran has none (nor does it train)

@@ -1,8 +1,8 @@
-"""The process tool calls run in (``pipeline.sandbox.ToolExecutor``).
+"""The process tool calls run in (``pipeline.tools.sandbox.ToolExecutor``).
 
-    python -m pipeline.tool_worker FD_IN FD_OUT OWNER_PID MEMORY_MB OUTPUT_BYTES SPEC [SPEC ...]
+    python -m pipeline.tools.tool_worker FD_IN FD_OUT OWNER_PID MEMORY_MB OUTPUT_BYTES SPEC [SPEC ...]
 
-It imports every SPEC ("package.module:function", through ``pipeline.rewards.load_function``),
+It imports every SPEC ("package.module:function", through ``pipeline.scoring.rewards.load_function``),
 closes itself off and answers ``{"ready": {...}}`` (or ``{"fail": "error", ...}`` when an import
 fails). Then, for every request ``{"name": ..., "arguments": {...}}`` read from FD_IN, it runs
 ``function(**arguments)`` and writes one answer to FD_OUT: ``{"ok": text}`` or ``{"fail": kind,
@@ -179,7 +179,7 @@ def main(argv: list[str]) -> int:
     def send(message: dict) -> None:
         outbox.send_bytes(json.dumps(message).encode())
 
-    from pipeline.rewards import RewardError, load_function
+    from pipeline.scoring.rewards import RewardError, load_function
 
     functions = {}
     for spec in specs:

@@ -5,9 +5,9 @@ ranks instead of hanging them in their next collective.
 Rank 0 alone talks to the rollout servers and the reward function; the other ranks wait in a
 broadcast on the control group (gloo, ``parallel.control_timeout_minutes``). While they wait,
 rank 0 may have them all take part in a weight sync (``RESYNC``: a rollout server it restarted
-needs the current weights, ``pipeline.server_pool.SyncChannel``).
+needs the current weights, ``pipeline.servers.pool.SyncChannel``).
 
-``ctx`` is the loop's context (``pipeline.loop.LoopContext``): ``control_group``, and for the
+``ctx`` is the loop's context (``pipeline.step.loop.LoopContext``): ``control_group``, and for the
 resync ``servers`` (its ``channel``), ``resync`` and ``weights_version``.
 """
 
@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from pipeline import relayed_errors
-
 def broadcast(obj, group=None):
     """Rank 0's ``obj`` on every rank."""
     payload = [obj]
@@ -57,7 +56,7 @@ RESYNC = "resync"
 
 
 def _resync_channel(ctx: Any):
-    """Rank 0 in :func:`_on_main`: the pool's :class:`~pipeline.server_pool.SyncChannel` open
+    """Rank 0 in :func:`_on_main`: the pool's :class:`~pipeline.servers.pool.SyncChannel` open
     (the other ranks wait for the outcome, so they can take part in a weight sync)."""
     channel = getattr(ctx.servers, "channel", None)
     if channel is None or ctx.resync is None:

@@ -1,13 +1,13 @@
 """Multi-turn, tool-using rollouts: token-in / token-out trajectories with a loss mask.
 
-A trajectory alternates model turns and environment answers (``pipeline.environment``). Turn k's
+A trajectory alternates model turns and environment answers (``pipeline.generation.environment``). Turn k's
 request is ``prompt + everything so far`` as token ids: the ids the server generated in earlier
 turns, exactly, and the ids of the environment's answers as tokenized once when they were
 appended. Nothing is ever re-rendered from messages (a chat template re-render does not give
 back the generated tokens: Qwen3's drops earlier ``<think>`` blocks and re-serialises tool-call
 JSON; ``docs/tools.md``).
 
-The result is one :class:`~pipeline.rollout.RolloutResult` whose ``output_ids`` are every turn's
+The result is one :class:`~pipeline.generation.client.RolloutResult` whose ``output_ids`` are every turn's
 tokens and every answer's tokens in order, with ``output_mask`` 1 on the model's tokens and 0 on
 the appended ones; ``output_logprobs`` are the server's on the model's tokens and 0.0 on the
 others. The training batch's ``response_mask`` is that mask, so GSPO's length normalisation and
@@ -31,15 +31,15 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional, Sequence
 
 if TYPE_CHECKING:
-    from pipeline.data import Prompt
-    from pipeline.environment import Environment
-    from pipeline.rollout import RolloutClient, RolloutResult, SamplingParams
+    from pipeline.scoring.data import Prompt
+    from pipeline.generation.environment import Environment
+    from pipeline.generation.client import RolloutClient, RolloutResult, SamplingParams
 
 END_REASONS = ("done", "max_turns", "max_tokens", "tool_error", "abort")
 TOOL_ERROR_KINDS = ("malformed", "tool_time", "timeout", "memory", "output_limit", "crash",
                     "network", "error")
 """Why a call failed (``Turn.errors``): the parser's ``malformed``, the trajectory's tool time
-spent (``tool_time``), or the sandbox's kind (``pipeline.sandbox.ERROR_KINDS``)."""
+spent (``tool_time``), or the sandbox's kind (``pipeline.tools.sandbox.ERROR_KINDS``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,7 +83,7 @@ def turn_seed(sample_seed: Optional[int], turn: int) -> Optional[int]:
     what a plain request does), a seed derived from it for the others."""
     if sample_seed is None or turn == 0:
         return sample_seed
-    from pipeline.rollout import _stream_seed
+    from pipeline.generation.client import _stream_seed
 
     return _stream_seed("turn", sample_seed, turn)
 
@@ -112,7 +112,7 @@ async def run_trajectory(send: Callable[..., Awaitable["RolloutResult"]], env: "
                          pin: Optional[str] = None) -> "RolloutResult":
     """One trajectory; ``send(rid, input_ids, sampling, routed_experts=, pin=)`` is a request
     (``RolloutClient.session``)."""
-    from pipeline.rollout import RolloutResult
+    from pipeline.generation.client import RolloutResult
 
     prompt_ids = list(await asyncio.to_thread(env.reset, prompt))
     limit = budgets.output_limit(len(prompt_ids))
@@ -211,7 +211,7 @@ async def generate_trajectory_groups(client: "RolloutClient", prompts: Sequence[
     router's workers in router mode: the pick is ours, the router's policy does not see turns)."""
     import random
 
-    from pipeline.rollout import sample_seed
+    from pipeline.generation.client import sample_seed
 
     direct = await client.direct_client()
     base = seed if seed is not None else random.getrandbits(62)
@@ -262,7 +262,7 @@ def load_environment(spec: Optional[str]) -> Optional[type]:
     """The class named by ``tools.environment`` (None for none); ValueError naming the field."""
     if spec is None:
         return None
-    from pipeline.rewards import RewardError, load_function
+    from pipeline.scoring.rewards import RewardError, load_function
 
     try:
         cls = load_function(spec)
@@ -279,7 +279,7 @@ def load_environment(spec: Optional[str]) -> Optional[type]:
 def check_tools(tools: Any) -> None:
     """Preflight of the ``tools`` section: every tool and the environment import (ValueError
     naming ``tools.functions[i]`` or ``tools.environment``)."""
-    from pipeline.sandbox import load_tools
+    from pipeline.tools.sandbox import load_tools
 
     load_tools(tools.functions)
     load_environment(tools.environment)
@@ -290,9 +290,9 @@ class ToolRollouts:
     stands in for ``RolloutClient.generate_groups`` (prompts are ``Prompt`` objects)."""
 
     def __init__(self, cfg: Any, encode_text: Callable[[str], list[int]]):
-        from pipeline.environment import ToolEnvironment
-        from pipeline.sandbox import ToolExecutor, ToolLimits, load_tools
-        from pipeline.tool_calls import FORMATS
+        from pipeline.generation.environment import ToolEnvironment
+        from pipeline.tools.sandbox import ToolExecutor, ToolLimits, load_tools
+        from pipeline.generation.tool_calls import FORMATS
 
         tools = cfg.tools
         env_class = load_environment(tools.environment)

@@ -1,4 +1,4 @@
-"""External experiment trackers: Weights & Biases and MLflow, fed by ``pipeline.metrics``.
+"""External experiment trackers: Weights & Biases and MLflow, fed by ``pipeline.observe.metrics``.
 
 ``run.loggers`` lists them (with jsonl and tensorboard, which ``MetricsLogger`` writes itself);
 ``run.wandb`` and ``run.mlflow`` hold their settings; docs/metrics.md names every metric. Only

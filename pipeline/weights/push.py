@@ -11,7 +11,7 @@ collective the pusher iterates to the end on every rank)::
 A bucket (duck-typed: ``index``, ``count``, ``source``, ``names``, ``shapes``, ``dtype``,
 ``nbytes``, ``flat``, ``named_tensors()``) is what ``megatron_gspo.hf.gather`` yields: full HF
 tensors in SGLang's flattened layout, on the bucket's source rank. Each source rank sends its own
-buckets; nothing funnels through rank 0. Wire formats: :mod:`pipeline.weight_transport`.
+buckets; nothing funnels through rank 0. Wire formats: :mod:`pipeline.weights.transport`.
 
 One push follows SGLang 0.5.23's contract (docs/sglang_protocol.md, "Weight updates"):
 
@@ -79,9 +79,8 @@ from typing import Any, Literal, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from pipeline import rollout
-from pipeline import weight_transport as wt
-
+from pipeline.generation import client as rollout
+from pipeline.weights import transport as wt
 Transport = Literal["disk", "tensor", "distributed"]
 LOCAL_SERVER = "megatron-gspo local rollout server"  # its /server_info "implementation"
 EXTENSIONS_KEY = "megatron_gspo_extensions"  # /server_info: the extensions a local server offers
@@ -302,7 +301,7 @@ class WeightPusher:
         self._group_made = False
 
     def set_servers(self, server_urls: Sequence[str], *, renewed: Sequence[str] = ()) -> None:
-        """Push to ``server_urls`` from the next push on (``pipeline.server_pool``: a dead server
+        """Push to ``server_urls`` from the next push on (``pipeline.servers.pool``: a dead server
         dropped, a restarted one back); ``renewed``: those of them that are new processes behind
         a known URL (restarted). Every rank passes the same lists (rank 0's). A change tears
         down the update groups (they are made again, with the new members, at the next push:

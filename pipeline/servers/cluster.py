@@ -24,7 +24,7 @@ that lives until :meth:`stop`.
 output into ``<name>.log`` and rotates it at ``log_max_bytes`` (``<name>.log.1`` ...
 ``<name>.log.<log_backups>``, the oldest dropped): the router alone logs ~250 KB per GSPO step.
 
-**Dead servers** (``pipeline.server_pool`` decides): :meth:`deregister` takes a server out of the
+**Dead servers** (``pipeline.servers.pool`` decides): :meth:`deregister` takes a server out of the
 router, ``restart_server(i, register=False)`` starts it again without giving it to the router,
 and :meth:`register` admits it once it holds the current weights.
 """
@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from megatron_gspo.lifetime import shielded_helper
-from pipeline.rollout import RolloutError, http_json, router_workers, wait_healthy
+from pipeline.generation.client import RolloutError, http_json, router_workers, wait_healthy
 
 # Set by torchrun / launch.local for training ranks; a server must not inherit them (launch.cli
 # would take it for a rank and redirect its output to the rank's log).

@@ -1,6 +1,6 @@
 """The rollout producer of ``rollout.async: one_step``: step n+1's rollout runs while step n trains.
 
-Rank 0 only. The loop (``pipeline.loop.run``) drives it once per step::
+Rank 0 only. The loop (``pipeline.step.loop.run``) drives it once per step::
 
     batch_n = producer.take()        # the batch made during step n-1 (or at the start)
     producer.start(n + 1)            # a thread: prompts -> samples -> rewards -> batch n+1
@@ -38,7 +38,7 @@ BUFFER_KEY = "rollout_buffer"
 
 
 class RolloutProducer:
-    """Runs ``make(step) -> (batch, metrics)`` (``pipeline.loop.rollout_phase``) on a thread.
+    """Runs ``make(step) -> (batch, metrics)`` (``pipeline.step.loop.rollout_phase``) on a thread.
 
     ``sampler_state``: the data position now (the sampler's ``state_dict``), read before each
     rollout draws its prompts (what a checkpoint holds when the rollout is not complete)."""

@@ -25,7 +25,7 @@ router to list a new healthy worker (taken out of the router, like a returning o
 the current weights). The servers that came back get the current weights before they serve: the
 pool has every training rank run the loop's weight sync (the same ``sync_weights`` as after a
 step: :meth:`check`, the push to the members, :meth:`admit`) through :class:`SyncChannel`, which
-the loop opens while rank 0 runs a phase the other ranks wait for (``pipeline.rank0.run_on_rank0``).
+the loop opens while rank 0 runs a phase the other ranks wait for (``pipeline.step.rank0.run_on_rank0``).
 Then the requests that failed are sent again; the samples already received are kept, so each
 request of the batch still yields exactly one sample. A resent request is generated again from
 its prompt (same ``sampling_seed``, a new rid): SGLang's non-streaming ``/generate`` returns
@@ -47,10 +47,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
-from pipeline.rollout import RolloutError, http_json
+from pipeline.generation.client import RolloutError, http_json
 
 if TYPE_CHECKING:
-    from pipeline.servers import LocalRolloutCluster
+    from pipeline.servers.cluster import LocalRolloutCluster
 
 PROBE_TIMEOUT_S = 30.0
 """How long ``/health`` may take (the local server runs a one-token generation when idle)."""
@@ -271,7 +271,7 @@ class ServerPool:
             parts.append(f"{name}: {why}")
         if self.cluster is None and self.router_url:
             try:
-                from pipeline.rollout import router_workers
+                from pipeline.generation.client import router_workers
 
                 workers = [f"{w['url']} ({'healthy' if w.get('is_healthy') else 'unhealthy'})"
                            for w in router_workers(self.router_url)]
@@ -286,8 +286,8 @@ class ServerPool:
         out of the router until synced, then admitted."""
         if not self.router_url:
             return
-        from pipeline.rollout import router_workers
-        from pipeline.servers import remove_from_router
+        from pipeline.generation.client import router_workers
+        from pipeline.servers.cluster import remove_from_router
 
         try:
             workers = router_workers(self.router_url)
@@ -333,7 +333,7 @@ class ServerPool:
         if server.index is not None:
             self.cluster.deregister(server.index)
         elif self.router_url:
-            from pipeline.servers import remove_from_router
+            from pipeline.servers.cluster import remove_from_router
 
             remove_from_router(self.router_url, server.url)
 
@@ -343,7 +343,7 @@ class ServerPool:
 
 
 def _add_to_router(router_url: str, server_url: str, timeout_s: float = 120.0) -> None:
-    from pipeline.rollout import router_workers
+    from pipeline.generation.client import router_workers
 
     if not any(w["url"].rstrip("/") == server_url for w in router_workers(router_url)):
         status, answer = http_json("POST", router_url.rstrip("/") + "/workers",
@@ -363,7 +363,7 @@ class SyncChannel:
     """How a rollout on rank 0 has every training rank run a weight sync (a collective) while
     the other ranks wait for rank 0's outcome.
 
-    The loop (``pipeline.rank0.run_on_rank0``) opens it on rank 0 while it runs a phase the other
+    The loop (``pipeline.step.rank0.run_on_rank0``) opens it on rank 0 while it runs a phase the other
     ranks wait for (``with channel.opened(request):``); :meth:`run` (any thread of rank 0: the
     rollout client's hook) waits until it is open and calls ``request()``, which tells the other
     ranks to sync and syncs rank 0's side. The phase's outcome is broadcast only after the

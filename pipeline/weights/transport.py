@@ -1,4 +1,4 @@
-"""The wire formats and channels of the weight sync, shared by the pusher (``pipeline.weight_push``)
+"""The wire formats and channels of the weight sync, shared by the pusher (``pipeline.weights.push``)
 and the local rollout server (``pipeline.local``). SGLang 0.5.23's formats unless said otherwise.
 
 * **Flattened buckets** (:func:`flat_layout`, :func:`unflatten`): SGLang's

@@ -1,6 +1,6 @@
 """Run metrics a person can read and plot: one JSON object per step in ``metrics.jsonl``, the same
 scalars in TensorBoard (``tb/``), and a one-line progress report per step on stdout; and, as
-``run.loggers`` lists them, in Weights & Biases and MLflow (``pipeline.trackers``: they get a step
+``run.loggers`` lists them, in Weights & Biases and MLflow (``pipeline.observe.trackers``: they get a step
 once it is covered by a checkpoint, :meth:`MetricsLogger.commit`). docs/metrics.md names every
 metric.
 
@@ -12,7 +12,7 @@ later steps (an earlier run went past its last checkpoint and crashed or was sto
 ``metrics.jsonl`` and opens TensorBoard with ``purge_step=N + 1``, so that TensorBoard discards
 the earlier run's events from step N + 1 on. A fresh start (N = 0) in a directory that already
 has a ``metrics.jsonl`` moves it aside to ``metrics.jsonl.<k>`` (k = 1, 2, ...). The trackers
-follow the same rule (``pipeline.trackers.TrackerSet``): a resumed run continues the same W&B /
+follow the same rule (``pipeline.observe.trackers.TrackerSet``): a resumed run continues the same W&B /
 MLflow run, a fresh start begins new ones.
 """
 
@@ -26,11 +26,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from pipeline.trackers import TrackerSet, build_trackers, move_aside
+from pipeline.observe.trackers import TrackerSet, build_trackers, move_aside
 
 if TYPE_CHECKING:
     from megatron_gspo.config import Config
-    from pipeline.trackers import Tracker
+    from pipeline.observe.trackers import Tracker
 
 
 def _plain(value: Any) -> Any:
@@ -43,7 +43,7 @@ def _plain(value: Any) -> Any:
 
 class MetricsLogger:
     """Append step metrics to ``<run_dir>/metrics.jsonl`` and TensorBoard (``<run_dir>/tb``), and
-    hand them to the external ``trackers`` (W&B, MLflow: ``pipeline.trackers``), which get each
+    hand them to the external ``trackers`` (W&B, MLflow: ``pipeline.observe.trackers``), which get each
     step at its :meth:`commit`; ``config`` (the resolved configuration) is logged to a tracker
     run when it is created.
 

@@ -1,6 +1,6 @@
 """The phases of a GSPO step (rank 0 unless said otherwise): rollout, scoring and the batch;
 the stream's batch (``rollout.async: full``); evaluation; the colocated servers' memory; the weight
-sync and the parity check after it (every rank). ``pipeline.loop.run`` calls them in order.
+sync and the parity check after it (every rank). ``pipeline.step.loop.run`` calls them in order.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import torch.distributed as dist
 from megatron_gspo.config import Config
 from megatron_gspo.loss.advantages import group_advantages, is_zero_std_group
 from megatron_gspo.train.batching import rl_batch
-from pipeline.rank0 import broadcast, run_on_rank0
+from pipeline.step.rank0 import broadcast, run_on_rank0
 
 if TYPE_CHECKING:
-    from pipeline.data import Prompt
-    from pipeline.loop import LoopContext, Trainer
-    from pipeline.rollout import RolloutResult
+    from pipeline.scoring.data import Prompt
+    from pipeline.step.loop import LoopContext, Trainer
+    from pipeline.generation.client import RolloutResult
 
 MAX_DYNAMIC_SAMPLING_ROUNDS = 8
 """Extra rounds of prompts dynamic sampling may draw in one step before it tops the batch up
@@ -63,7 +63,7 @@ def build_batch(ctx: LoopContext, step: int, prompts: list[Prompt],
     advantages = group_advantages(torch.tensor(rewards, dtype=torch.float64), cfg.gspo.group_size,
                                   normalize_std=cfg.gspo.normalize_std,
                                   leave_one_out=cfg.gspo.leave_one_out)
-    from pipeline.tasks import PAD_ID
+    from pipeline.scoring.tasks import PAD_ID
 
     results = [r for group in groups for r in group]
     masks = [r.output_mask for r in results]
@@ -73,7 +73,7 @@ def build_batch(ctx: LoopContext, step: int, prompts: list[Prompt],
                      output_masks=masks if any(m is not None for m in masks) else None)
     shape = _routed_experts_shape(cfg)
     if shape is not None:  # routing replay "rollout": the experts the servers routed each token to
-        from pipeline.routed_experts import batch_routed_experts
+        from pipeline.generation.routed_experts import batch_routed_experts
 
         batch["routed_experts"] = batch_routed_experts(
             prompt_ids, outputs, [r.routed_experts for group in groups for r in group],
@@ -87,7 +87,7 @@ def build_batch(ctx: LoopContext, step: int, prompts: list[Prompt],
         "response_tokens": float(lengths.sum()),
         "truncated_frac": sum(f == "length" for f in finish) / len(finish),
     })
-    from pipeline.multiturn import trajectory_metrics
+    from pipeline.generation.multiturn import trajectory_metrics
 
     metrics.update(trajectory_metrics(results))
     return batch, metrics
@@ -104,10 +104,10 @@ def reward_metrics(rewards: Sequence[float], group_size: int) -> dict[str, float
 
 def stream_batch(ctx: LoopContext, stream: Any, step: int) -> tuple[dict, dict]:
     """Rank 0, ``rollout.async: full``: step ``step``'s batch from the stream's oldest complete
-    groups (``pipeline.streaming``); ``rollout_s`` is how long the trainer waited for them."""
+    groups (``pipeline.sources.stream``); ``rollout_s`` is how long the trainer waited for them."""
     import copy
 
-    from pipeline.streaming import step_metrics
+    from pipeline.sources.stream import step_metrics
 
     t0 = time.monotonic()
     before = copy.deepcopy(stream.counts)
@@ -128,8 +128,8 @@ def stream_batch(ctx: LoopContext, stream: Any, step: int) -> tuple[dict, dict]:
 
 def make_stream(ctx: LoopContext, start_step: int) -> Any:
     """Rank 0, ``rollout.async: full``: the rollout stream of this run (not started)."""
-    from pipeline.rollout import continue_samples, sampling_params
-    from pipeline.streaming import RolloutStream, group_seed
+    from pipeline.generation.client import continue_samples, sampling_params
+    from pipeline.sources.stream import RolloutStream, group_seed
 
     cfg = ctx.cfg
     G = cfg.gspo.group_size
@@ -203,7 +203,7 @@ def _routed_experts_shape(cfg: Config) -> Optional[tuple[int, int]]:
 
 def _generate_groups(ctx: LoopContext, prompts: list[Prompt], step: int,
                      round_: int) -> list[list[RolloutResult]]:
-    from pipeline.rollout import rollout_seed, sampling_params
+    from pipeline.generation.client import rollout_seed, sampling_params
 
     cfg = ctx.cfg
     shape = _routed_experts_shape(cfg)
@@ -221,8 +221,8 @@ def _generate_groups(ctx: LoopContext, prompts: list[Prompt], step: int,
 def _score(ctx: LoopContext, prompts: list[Prompt],
            groups: list[list[RolloutResult]]) -> tuple[list[float], int]:
     """Rewards of every sample, prompt-major; returns (rewards, number of failures counted as 0)."""
-    from pipeline.multiturn import final_turn_ids, trajectory_reward
-    from pipeline.rewards import RewardSample, compute_rewards
+    from pipeline.generation.multiturn import final_turn_ids, trajectory_reward
+    from pipeline.scoring.rewards import RewardSample, compute_rewards
 
     # a multi-turn trajectory is scored on its last model turn (the answer after the tools),
     # unless its environment gave the reward itself
@@ -275,7 +275,7 @@ def _fill_with_informative_groups(ctx: LoopContext, step: int, prompts: list[Pro
 
 def evaluate(ctx: LoopContext, step: int) -> dict:
     """Rank 0: mean reward and pass@1 (fraction of correct samples) over n samples per prompt."""
-    from pipeline.rollout import eval_seed, sampling_params
+    from pipeline.generation.client import eval_seed, sampling_params
 
     cfg = ctx.cfg
     sampling = sampling_params(cfg.rollout, ctx.stop_token_ids)
@@ -296,7 +296,7 @@ def evaluate(ctx: LoopContext, step: int) -> dict:
     out = {"eval/reward_mean": float(r.mean()), "eval/reward_se": se,
            "eval/pass_at_1": float((r >= 1.0).double().mean())}
     if ctx.tools is not None:
-        from pipeline.multiturn import trajectory_metrics
+        from pipeline.generation.multiturn import trajectory_metrics
 
         more = trajectory_metrics([x for group in groups for x in group])
         out.update({f"eval/{k}": more[k] for k in ("tool_calls/mean", "num_turns/mean",
@@ -305,14 +305,14 @@ def evaluate(ctx: LoopContext, step: int) -> dict:
 
 
 def _release_servers(ctx: LoopContext) -> None:
-    from pipeline.rollout import control
+    from pipeline.generation.client import control
 
     for url in ctx.server_urls:
         control(url, "/release_memory_occupation", {"tags": None}, timeout_s=120.0)
 
 
 def _resume_servers(ctx: LoopContext, tags: list[str]) -> None:
-    from pipeline.rollout import control
+    from pipeline.generation.client import control
 
     for url in ctx.server_urls:
         control(url, "/resume_memory_occupation", {"tags": tags}, timeout_s=120.0)
@@ -329,7 +329,7 @@ def sync_weights(ctx: LoopContext, trainer: Trainer, version: str) -> dict:
     are dropped (and restarted in embedded mode, then included here: a restarted server gets
     these weights before it re-enters the router); a push that fails because a server died
     meanwhile is made again to the servers left."""
-    from pipeline.weight_push import WeightPushError
+    from pipeline.weights.push import WeightPushError
 
     pool = _sync_members(ctx)
     for attempt in range(MAX_SYNC_ATTEMPTS):
@@ -351,7 +351,7 @@ def sync_weights(ctx: LoopContext, trainer: Trainer, version: str) -> dict:
 def check_parity(ctx: LoopContext, trainer: Trainer, version: str) -> dict:
     """Every rank, after a weight sync: the parity watchdog's ``parity/*`` metrics ({} without
     one). Past ``parity.max_gap_mean``: one more sync of the same weights, checked again; still
-    past it: :class:`pipeline.parity.ParityError` on every rank alike."""
+    past it: :class:`pipeline.weights.parity.ParityError` on every rank alike."""
     if ctx.parity is None:
         return {}
     first = _parity_once(ctx, trainer)
@@ -362,7 +362,7 @@ def check_parity(ctx: LoopContext, trainer: Trainer, version: str) -> dict:
     sync_weights(ctx, trainer, version)
     second = _parity_once(ctx, trainer)
     if second.failed:
-        from pipeline.parity import ParityError
+        from pipeline.weights.parity import ParityError
 
         raise ParityError(f"{second.describe()}, also after syncing the weights again (before: "
                           f"{first.worst()[1]['mean']:.3g}); the servers do not serve the "

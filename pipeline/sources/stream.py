@@ -2,7 +2,7 @@
 
 Rank 0 only. A thread runs an event loop that keeps prompt groups (G samples of one prompt) in
 flight on the rollout servers, scores each group as it completes and holds it in a buffer; the
-loop (``pipeline.loop.run``) takes the batch of each step from the buffer and pushes the new
+loop (``pipeline.step.loop.run``) takes the batch of each step from the buffer and pushes the new
 weights after every update without waiting for anything::
 
     version v = the weights the servers hold (the loop labels the weights after step k with k)
@@ -52,8 +52,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from pipeline.data import Prompt
-    from pipeline.rollout import RolloutResult
+    from pipeline.scoring.data import Prompt
+    from pipeline.generation.client import RolloutResult
 
 STREAM_KEY = "rollout_stream"
 """rank 0's run-state key of the stream (``rollout.async: full``)."""
@@ -151,7 +151,7 @@ class RolloutStream:
     sampling seed. ``keep(group)``: False leaves a complete group out (dynamic sampling).
     ``abort()``: an awaitable that aborts every request of the stream on the servers;
     ``resume(prompt, seed, rid_prefix, partial)``: an awaitable of the G results of a group whose
-    aborted samples are continued from their output so far (``pipeline.rollout.continue_samples``).
+    aborted samples are continued from their output so far (``pipeline.generation.client.continue_samples``).
     With both, a checkpoint keeps the output of requests in flight (module docstring).
     """
 
@@ -312,7 +312,7 @@ class RolloutStream:
 
     def _state(self) -> dict:
         """(Under the lock.)"""
-        from pipeline.rollout import result_to_json
+        from pipeline.generation.client import result_to_json
 
         by_index = sorted(self._groups.values(), key=lambda g: g.index)
         partial = [g for g in by_index if not g.complete and g.partial is not None]
@@ -336,7 +336,7 @@ class RolloutStream:
 
     def restore(self, state: dict) -> None:
         """A resumed run (before :meth:`start`): the saved groups and prompts back in place."""
-        from pipeline.rollout import result_from_json
+        from pipeline.generation.client import result_from_json
 
         with self._cond:
             self._next_index = int(state["next_index"])
@@ -501,7 +501,7 @@ def _prompt_json(p: Prompt) -> dict:
 
 
 def _prompt_from(d: dict) -> Prompt:
-    from pipeline.data import Prompt
+    from pipeline.scoring.data import Prompt
 
     return Prompt(index=int(d["index"]), prompt_ids=[int(x) for x in d["prompt_ids"]],
                   label=d["label"], text=d["text"], origin=d["origin"])
@@ -525,7 +525,7 @@ def step_metrics(before: StreamCounts, after: StreamCounts) -> dict[str, float]:
 
 def group_seed(run_seed: int, index: int, attempt: int) -> int:
     """The sampling seed base of the stream's group ``index`` on its ``attempt``-th try."""
-    from pipeline.rollout import _stream_seed
+    from pipeline.generation.client import _stream_seed
 
     return _stream_seed("full", run_seed, index, attempt)
 

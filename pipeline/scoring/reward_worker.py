@@ -1,9 +1,9 @@
-"""The process a user reward function runs in (``pipeline.rewards.FunctionReward``).
+"""The process a user reward function runs in (``pipeline.scoring.rewards.FunctionReward``).
 
-    python -m pipeline.reward_worker SPEC FD_IN FD_OUT OWNER_PID
+    python -m pipeline.scoring.reward_worker SPEC FD_IN FD_OUT OWNER_PID
 
 It loads SPEC ("package.module:function" or "path/to/file.py:function", through
-``pipeline.rewards.load_function``) and answers ``("ready", None)``, or ``("error", message)``
+``pipeline.scoring.rewards.load_function``) and answers ``("ready", None)``, or ``("error", message)``
 when the import fails. Then, for every ``("score", [(prompt, response_ids, response_text), ...])``
 it reads from FD_IN, it writes one answer per sample, in order, to FD_OUT:
 ``("ok", float)`` (possibly non-finite: the owner reports that), ``("error", "Type: message")``
@@ -33,7 +33,7 @@ def main(argv: list[str]) -> int:
     if os.getppid() != owner:  # the owner died before the parent-death signal was armed
         return 1
     inbox, outbox = Connection(fd_in, writable=False), Connection(fd_out, readable=False)
-    from pipeline.rewards import RewardError, _as_float, load_function
+    from pipeline.scoring.rewards import RewardError, _as_float, load_function
 
     try:
         fn = load_function(spec)

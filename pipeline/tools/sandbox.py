@@ -1,9 +1,9 @@
 """The sandboxed tool executor: tool calls out of process, with limits; a failure costs the call.
 
 Tools are registered as "package.module:function" (``tools.functions``), like a reward function
-(``pipeline.rewards.load_function``: imported here once, so a wrong spec fails at start-up naming
+(``pipeline.scoring.rewards.load_function``: imported here once, so a wrong spec fails at start-up naming
 ``tools.functions[i]``); a tool's name is its function's name. A call ``name(**arguments)`` runs
-in one of ``workers`` worker processes (``pipeline.tool_worker``, started at first use and kept:
+in one of ``workers`` worker processes (``pipeline.tools.tool_worker``, started at first use and kept:
 module state such as a loaded table lives there), under :class:`ToolLimits`:
 
 =================  ==================================================================  ==============
@@ -82,7 +82,7 @@ class ToolOutcome:
 
 def load_tools(specs: list[str]) -> dict[str, str]:
     """Tool name -> spec, each imported once here (``tools.functions[i]: ...`` on failure)."""
-    from pipeline.rewards import RewardError, load_function
+    from pipeline.scoring.rewards import RewardError, load_function
 
     tools: dict[str, str] = {}
     for i, spec in enumerate(specs):
@@ -107,10 +107,10 @@ class _Worker:
     """One worker process and its pipes (owner side)."""
 
     def __init__(self, tools: dict[str, str], limits: ToolLimits):
-        from pipeline.rewards import start_piped_worker
+        from pipeline.scoring.rewards import start_piped_worker
 
         self.proc, self.inbox, self.outbox = start_piped_worker(
-            "pipeline.tool_worker",
+            "pipeline.tools.tool_worker",
             lambda fd_in, fd_out: [str(fd_in), str(fd_out), str(os.getpid()),
                                    str(limits.memory_mb), str(limits.output_bytes),
                                    *tools.values()],

@@ -1,6 +1,6 @@
 """The parity watchdog: do the rollout servers serve the policy the trainer holds?
 
-After every weight sync (``pipeline.loop``), a fixed set of probe sequences (prompt + a fixed
+After every weight sync (``pipeline.step.loop``), a fixed set of probe sequences (prompt + a fixed
 response) is scored by every rollout server and by the trainer, and the per-token gap
 ``|log pi_server - log pi_trainer|`` over the responses' tokens is logged as ``parity/*``
 (docs/parity.md). A server whose mean gap exceeds ``parity.max_gap_mean`` makes the loop sync the
@@ -30,7 +30,7 @@ answers with an error fails the check. Router disagreement: when the servers ret
 hook nothing is asked for.
 
 Pure parts (request body, answer parsing, gap statistics, the decision) are plain functions; the
-collective part (:meth:`ParityWatchdog.measure`, :func:`check`) follows ``pipeline.loop``'s rule:
+collective part (:meth:`ParityWatchdog.measure`, :func:`check`) follows ``pipeline.step.loop``'s rule:
 rank 0 talks to the servers, its outcome is broadcast, the trainer scores on every rank.
 """
 
@@ -50,7 +50,7 @@ from megatron_gspo.config import Config
 from megatron_gspo.train.batching import rl_batch
 
 if TYPE_CHECKING:
-    from pipeline.data import Prompt
+    from pipeline.scoring.data import Prompt
 
 PROBES_FILE = "parity_probes.json"
 PROBE_TEMPERATURE = 1.0
@@ -122,7 +122,7 @@ def score_request(rid: str, probe: Probe, *, routed_experts: bool = False) -> di
 def parse_score_response(body: Any, probe: Probe, url: str) -> list[float]:
     """The response tokens' log-probs from a /generate answer to :func:`score_request`: the last
     ``len(response)`` entries of ``input_token_logprobs``, their token ids checked."""
-    from pipeline.rollout import RolloutError
+    from pipeline.generation.client import RolloutError
 
     if isinstance(body, list) and len(body) == 1:
         body = body[0]
@@ -147,7 +147,7 @@ def score_on_server(url: str, probes: Sequence[Probe], *, timeout_s: float,
                     routed_experts: bool = False) -> tuple[list[list[float]], list[Any]]:
     """Every probe scored by the server at ``url``: (log-probs per probe, ``routed_experts`` per
     probe or None). One request per probe, sent straight to the server."""
-    from pipeline.rollout import RolloutError, error_message, http_json
+    from pipeline.generation.client import RolloutError, error_message, http_json
 
     tag = uuid.uuid4().hex[:10]
     values, routed = [], []
@@ -172,7 +172,7 @@ def score_on_server(url: str, probes: Sequence[Probe], *, timeout_s: float,
 
 def probe_batch(probes: Sequence[Probe], seq_length: int) -> dict[str, torch.Tensor]:
     """The probes as ``rl_batch`` rows (the trainer's input); ValueError if one does not fit."""
-    from pipeline.tasks import PAD_ID
+    from pipeline.scoring.tasks import PAD_ID
 
     num = len(probes)
     try:
@@ -271,7 +271,7 @@ class ParityWatchdog:
             return self.probes
         if not self.prompts:
             raise ValueError("parity: no probe prompts on rank 0")
-        from pipeline.rollout import SamplingParams
+        from pipeline.generation.client import SamplingParams
 
         sampling = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens,
                                   stop_token_ids=list(stop_token_ids))
@@ -290,7 +290,7 @@ class ParityWatchdog:
 
     def server_scores(self, urls: Sequence[str], client, stop_token_ids) -> dict:
         """Rank 0: the probes and every server's scores of them (what is broadcast)."""
-        from pipeline.rollout import RolloutError
+        from pipeline.generation.client import RolloutError
 
         probes = self.ensure_probes(client, stop_token_ids)
         want_routing = self.routing_hook is not None
