@@ -36,9 +36,16 @@ import dataclasses
 import json
 from pathlib import Path
 
-from launch import local
+from launch import local, preflight
 from launch.common import add_config_args, load_from_args
+from launch.rl_session import RLSession
 from megatron_gspo.config import Config, ConfigError
+from megatron_gspo.loss.clip_calibration import calibrate_clip_range, ratio_quantiles
+from megatron_gspo.loss.gspo import sequence_log_ratio
+from megatron_gspo.loss.variants import OWN_RANGE_VARIANTS, clips_token_ratio
+from megatron_gspo.parallel import minimal_world_size
+from megatron_gspo.train.batching import select_rows
+from pipeline.step import loop
 
 DEFAULT_TARGET = 0.10
 
@@ -65,8 +72,6 @@ def add_parser(subparsers) -> None:
 def calibration_config(cfg: Config, out: str) -> Config:
     """The session's configuration: one update per rollout batch (the first mini-batch's is fed
     alone), no warmup, the calibration's own run directory."""
-    from megatron_gspo.loss.variants import OWN_RANGE_VARIANTS, clips_token_ratio
-
     if cfg.gspo.variant in OWN_RANGE_VARIANTS:
         raise ConfigError(f"gspo.variant: {cfg.gspo.variant} has a range of its own (cispo_eps_*, "
                           "sapo_tau_*, gmpo_log_eps_*), not the sequence clip range; "
@@ -95,8 +100,6 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
         raise ConfigError(f"--rollouts: must be >= 1, got {args.rollouts}")
     out = args.out or str(Path(cfg.run.output_dir) / "calibrate_eps")
     session_cfg = calibration_config(cfg, out)
-    from launch import preflight
-    from megatron_gspo.parallel import minimal_world_size
 
     world = args.nproc or minimal_world_size(session_cfg.parallel)
     preflight.before_ranks(session_cfg, program="train", world_size=world, resume=False)
@@ -113,11 +116,6 @@ def run_calibration(cfg: Config, session_cfg: Config, *, target: float, rollouts
     import torch
     import torch.distributed as dist
 
-    from launch.rl_session import RLSession
-    from megatron_gspo.loss.clip_calibration import calibrate_clip_range, ratio_quantiles
-    from megatron_gspo.loss.gspo import sequence_log_ratio
-    from megatron_gspo.train.batching import select_rows
-    from pipeline.step import loop
     with RLSession(session_cfg, resume=False) as session:
         trainer, _, _ = session.build_trainer()
         ctx = session.build_rollout(trainer, {})

@@ -25,6 +25,7 @@ use), printed as one line; 75 stopped by SIGTERM / SIGINT / SIGUSR1 after saving
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import sys
@@ -39,18 +40,25 @@ from pipeline import relayed_errors
 COMMANDS = ["launch.demo", "launch.train", "launch.sft", "launch.show_config", "launch.plot", "launch.serve", "launch.slurm",
             "launch.plan", "launch.calibrate_eps"]
 OPTIONAL_COMMANDS = ["launch.convert"]
+COMMAND_MODULES = {"demo": "launch.demo", "train": "launch.train", "sft": "launch.sft",
+                   "config": "launch.show_config", "plot": "launch.plot", "serve": "launch.serve",
+                   "launch": "launch.slurm", "plan": "launch.plan",
+                   "calibrate-eps": "launch.calibrate_eps", "convert": "launch.convert"}
+"""The module of each sub-command name (``tests/unit`` checks it against the full parser)."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    import importlib
-
+def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
+    """The parser with every sub-command, or with ``command``'s alone when it names one (a
+    sub-command module imports what it runs at its top: Megatron for ``train``, nothing heavy for
+    ``config``; so a command imports only its own)."""
     parser = argparse.ArgumentParser(
         prog="megatron-gspo", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in COMMANDS:
+    chosen = COMMAND_MODULES.get(command)
+    for name in [chosen] if chosen else COMMANDS:
         importlib.import_module(name).add_parser(subparsers)
-    for name in OPTIONAL_COMMANDS:
+    for name in [] if chosen else OPTIONAL_COMMANDS:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as err:
@@ -75,7 +83,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # a rank started by launch.local.ensure_ranks (torchrun -m launch.cli -- ...)
         argv = argv[1:]
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     command = " ".join(filter(None, (args.command, getattr(args, "launcher", None))))
     try:
         code = int(args.func(args, argv) or 0)

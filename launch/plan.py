@@ -14,9 +14,13 @@ and its checks: megatron_gspo/plan.py and docs/performance.md ("Memory plan").
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Optional
 
 from launch.common import add_config_args, load_from_args
+from megatron_gspo.model.gpt import transformer_engine_available
+from megatron_gspo.parallel import minimal_world_size
+from megatron_gspo.plan import GIB, check_fits, plan_memory
 
 
 def add_parser(subparsers) -> None:
@@ -38,9 +42,6 @@ def add_parser(subparsers) -> None:
 
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
-    from megatron_gspo.parallel import minimal_world_size
-    from megatron_gspo.plan import plan_memory
-
     cfg = load_from_args(args)
     world = args.world_size if args.world_size is not None else minimal_world_size(cfg.parallel)
     plan = plan_memory(cfg, world, args.gpu_memory_gib, spec=args.spec,
@@ -55,12 +56,7 @@ def check_training_memory(cfg, world_size: int, *, proceed: bool, env=None,
     GPU's memory; refuses (PlanDoesNotFit, exit 2) unless ``proceed``. Returns the verdict line
     (None on a machine without CUDA: CPU runs are not planned). Under srun / torchrun the world
     is theirs (WORLD_SIZE / SLURM_NTASKS)."""
-    import os
-
     import torch
-
-    from megatron_gspo.model.gpt import transformer_engine_available
-    from megatron_gspo.plan import GIB, check_fits
 
     if device_memory_gib is None:
         if not torch.cuda.is_available():

@@ -46,10 +46,24 @@ run it themselves, every rank alike.
 from __future__ import annotations
 
 import os
+import subprocess
+import tempfile
 from pathlib import Path
 from typing import Literal, Optional
 
+from launch import local, rank_status
+from launch.rl_session import validate_rl
+from launch.run_lock import check_free
 from megatron_gspo.config import Config, ConfigError, validate_data_parallel
+from megatron_gspo.parallel import derive_layout
+from megatron_gspo.train.batching import pack_tokens
+from megatron_gspo.train.checkpoint import resume_candidate, resume_refusal
+from pipeline.generation.client import RolloutError, http_json
+from pipeline.generation.multiturn import check_tools
+from pipeline.observe.trackers import check_installed
+from pipeline.scoring.data import DataError, build_datasets
+from pipeline.scoring.rewards import build_reward
+from pipeline.scoring.tasks import TASKS
 
 Program = Literal["config", "train", "sft", "launch slurm"]
 ROUTER_TIMEOUT_S = 5.0
@@ -72,8 +86,6 @@ def check(cfg: Config, *, program: Program, world_size: Optional[int],
     cluster's file system) are appended there instead of raised, and the checks that read them
     are skipped; every other program refuses them."""
     if program in ("train", "sft"):
-        from pipeline.observe.trackers import check_installed
-
         check_gradient_accumulation_fusion(cfg)
         check_installed(cfg.run.loggers)  # where the ranks run; a Slurm job's image may differ
     if program == "train":
@@ -87,29 +99,20 @@ def check(cfg: Config, *, program: Program, world_size: Optional[int],
     if not missing:
         _check_init_from(cfg)
     if world_size is not None:
-        from megatron_gspo.parallel import derive_layout
-
         validate_data_parallel(cfg, derive_layout(cfg.parallel, world_size).data)
     if program in ("train", "sft", "launch slurm"):
-        from launch.run_lock import check_free
-
         check_writable(cfg.run.output_dir)
         check_free(cfg.run.output_dir)
     if program == "train":
-        from launch.rl_session import validate_rl
-
         validate_rl(cfg)
     if program == "sft":
         _check_sft_lengths(cfg)
         return
     if not missing:
         _check_rl_lengths(cfg)
-    from pipeline.scoring.rewards import build_reward
 
     build_reward(cfg.reward, cfg.data)  # imports a reward function; RewardError names it
     if cfg.tools.enabled():
-        from pipeline.generation.multiturn import check_tools
-
         try:
             check_tools(cfg.tools)  # imports every tool and the environment class
         except ValueError as err:
@@ -124,8 +127,6 @@ def before_ranks(cfg: Config, *, program: Program, world_size: int, resume: bool
     SLURM_NTASKS), not the one this command would start. Also refuses a run directory that
     holds checkpoints without ``--resume`` (the ranks refuse it too), and with ``--resume`` a
     checkpoint of another model (:func:`check_resume`)."""
-    from launch import local, rank_status
-
     if rank_status.supervised():
         return
     if local.is_launched():
@@ -146,8 +147,6 @@ def check_resume(cfg: Config) -> None:
     ...) or a vocabulary this tensor parallelism pads differently is a ``ConfigError`` naming the
     fields and both values. A changed parallel layout is fine (the ranks reshard the checkpoint
     and say so); no checkpoint, or one written before checkpoints recorded their model, passes."""
-    from megatron_gspo.train.checkpoint import resume_candidate, resume_refusal
-
     found = resume_candidate(cfg.run.output_dir)
     if found is None:
         return
@@ -162,8 +161,6 @@ def check_writable(run_dir: str | os.PathLike) -> None:
     create): probed by creating and removing a file in it (or a directory in its nearest existing
     parent), since permission bits do not stop root and a read-only mount only shows when written
     to. Leaves nothing behind."""
-    import tempfile
-
     path = Path(run_dir)
     probe_in = path
     while not probe_in.exists():
@@ -223,8 +220,6 @@ NCCL_VERSION_CODE = ("import torch, sys; v = torch.cuda.nccl.version() if torch.
 def nccl_version_of(python: str, *, timeout_s: float = 120.0) -> Optional[str]:
     """The NCCL version (``"2.27.3"``) of the torch that ``python`` imports; None if that torch
     sees no CUDA. Raises ConfigError naming ``python`` when it cannot be asked."""
-    import subprocess
-
     try:
         proc = subprocess.run([python, "-c", NCCL_VERSION_CODE], capture_output=True, text=True,
                               timeout=timeout_s)
@@ -285,7 +280,6 @@ def _scan(cfg: Config, *, sft: bool) -> Optional[tuple[int, str]]:
     files, as (tokens, "file:line"); None for a synthetic task."""
     if cfg.data.task is not None:
         return None
-    from pipeline.scoring.data import DataError, build_datasets
 
     longest: Optional[tuple[int, str]] = None
     for dataset in build_datasets(cfg.data, seed=cfg.run.seed):
@@ -332,7 +326,6 @@ def _check_token_budget(cfg: Config, prompt_tokens: int, where: str) -> None:
     budget = cfg.run.max_tokens_per_micro_batch
     if budget is None:
         return
-    from megatron_gspo.train.batching import pack_tokens
 
     cp, tp, new = cfg.parallel.context, cfg.parallel.tensor, cfg.rollout.max_new_tokens
     longest = min(prompt_tokens + new - 1, cfg.run.seq_length)
@@ -352,8 +345,6 @@ def _check_token_budget(cfg: Config, prompt_tokens: int, where: str) -> None:
 def _check_sft_lengths(cfg: Config) -> None:
     length = cfg.run.seq_length
     if cfg.data.task is not None:
-        from pipeline.scoring.tasks import TASKS
-
         tokens = TASKS[cfg.data.task](digits=cfg.data.digits).max_length()
         where = _task_name(cfg)
     else:
@@ -367,8 +358,6 @@ def _check_sft_lengths(cfg: Config) -> None:
 
 def check_router(url: str) -> None:
     """An external router must answer (any HTTP status) within :data:`ROUTER_TIMEOUT_S`."""
-    from pipeline.generation.client import RolloutError, http_json
-
     try:
         http_json("GET", url.rstrip("/") + "/health", timeout_s=ROUTER_TIMEOUT_S)
     except RolloutError as err:

@@ -28,9 +28,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from launch import local
+from launch import local, preflight
 from launch.common import add_config_args, load_from_args
 from launch.session import Session
+from megatron_gspo import parallel
+from megatron_gspo.hf.export import export_hf_dir
+from megatron_gspo.train.sft import SFTTrainer
+from pipeline.observe.metrics import MetricsLogger
+from pipeline.scoring.tasks import PAD_ID, write_byte_tokenizer
+from pipeline.signals import PREEMPTED_EXIT_CODE
+from pipeline.step.sft_loop import run_sft
 
 
 def add_parser(subparsers) -> None:
@@ -48,10 +55,8 @@ def add_parser(subparsers) -> None:
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = load_from_args(args)
-    from megatron_gspo import parallel
 
     world = args.nproc or parallel.minimal_world_size(cfg.parallel)
-    from launch import preflight
 
     preflight.before_ranks(cfg, program="sft", world_size=world,
                            resume=args.resume)  # input errors: exit 2 here
@@ -70,12 +75,6 @@ class SFTSession(Session):
     def run(self) -> int:
         """Build the trainer (resumed with ``--resume``), run the SFT loop, export the policy;
         returns the exit status (0, or 75 after a stop signal)."""
-        from megatron_gspo.train.sft import SFTTrainer
-        from pipeline.observe.metrics import MetricsLogger
-        from pipeline.signals import PREEMPTED_EXIT_CODE
-        from pipeline.step.sft_loop import run_sft
-        from pipeline.scoring.tasks import PAD_ID
-
         cfg, is_main = self.cfg, self.is_main
         latest = self.checkpoint_to_resume()
         logger = MetricsLogger.from_config(cfg, cfg.run.output_dir, enabled=is_main)
@@ -93,8 +92,6 @@ class SFTSession(Session):
             if is_main:
                 print(f"preempted: checkpoint saved; exit {PREEMPTED_EXIT_CODE}", flush=True)
             return PREEMPTED_EXIT_CODE
-        from megatron_gspo.hf.export import export_hf_dir
-        from pipeline.scoring.tasks import write_byte_tokenizer
 
         hf_dir = Path(cfg.run.output_dir) / "hf"
         export_hf_dir(trainer.gpt, cfg.model, self.pg, hf_dir, tokenizer_dir=cfg.data.tokenizer_dir)

@@ -28,6 +28,7 @@ decides the command's own from the ranks' reports.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import signal
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Optional
 
 from launch import rank_status
+from megatron_gspo.bound_store import tcp_store
 
 LOG_DIR_ENV = "MEGATRON_GSPO_RANK_LOG_DIR"
 """Set by ``launch.local.ensure_ranks`` (where the ranks log); torchrun.log goes there too."""
@@ -86,11 +88,7 @@ def _bind_stores() -> None:
     """torchrun's master stores listen on the host they are given only (torch's would listen on
     every interface): the rendezvous backend's store (``--rdzv-endpoint``; "localhost" is
     127.0.0.1) and the shared store of the ranks (``--local-addr``)."""
-    import datetime
-
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, dynamic_rendezvous
-
-    from megatron_gspo.bound_store import tcp_store
 
     def rendezvous_store(host_name, port, world_size=None, is_master=False,
                          timeout=datetime.timedelta(seconds=300), wait_for_workers=True,

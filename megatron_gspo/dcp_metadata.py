@@ -41,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
 ALLOWED: dict[str, frozenset[str]] = {
     "torch.distributed.checkpoint.metadata": frozenset({
@@ -83,8 +85,6 @@ def read_metadata(path: str | Path):
     """The ``Metadata`` of ``path`` (a ``.metadata`` file), unpickled with the allow-list;
     :class:`UnsafeCheckpointError` naming the file if it names anything else or is not a
     ``Metadata``."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
     path = Path(path)
     try:
         with open(path, "rb") as f:
@@ -119,8 +119,6 @@ def check_torch_dist(directory: str | Path):
     """Vet every pickle of the torch_dist ``directory`` that torch / Megatron would unpickle
     without restriction (see the module docstring); returns its ``Metadata``. Raises
     :class:`UnsafeCheckpointError` naming the file (and the item) that is refused."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
     directory = Path(directory)
     metadata = read_metadata(directory / ".metadata")
     byte_keys = {k for k, md in (metadata.state_dict_metadata or {}).items()
@@ -149,9 +147,6 @@ def check_torch_dist(directory: str | Path):
 
 @functools.cache
 def _safe_reader_class():
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
     class SafeFileSystemReader(FileSystemReader):
         """torch's ``FileSystemReader`` whose ``read_metadata`` uses the allow-list."""
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo import cpu_compat
+from megatron_gspo.bound_store import check_reachable, tcp_store
 from megatron_gspo.config import ConfigError, ParallelConfig
 
 
@@ -143,7 +144,6 @@ def init_distributed(parallel: Optional[ParallelConfig] = None):
             # no torchrun agent hosts the store (srun, one process): rank 0 does, listening on
             # MASTER_ADDR only (env:// would listen on every interface); under torchrun the
             # ranks are the agent's clients (launch.torchrun_agent binds its stores)
-            from megatron_gspo.bound_store import check_reachable, tcp_store
 
             if rank == 0:  # the store listens on MASTER_ADDR: the other nodes must reach it
                 check_reachable(os.environ["MASTER_ADDR"], nodes=nodes_in_world())

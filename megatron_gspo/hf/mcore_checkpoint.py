@@ -46,6 +46,7 @@ write, as ``cp`` does.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import io
 import json
 import math
@@ -62,9 +63,13 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
+from torch.utils.serialization import config as serialization_config
 
 from megatron_gspo.config import ModelConfig
+from megatron_gspo.dcp_metadata import SafeFileSystemReader, UnsafeCheckpointError
 from megatron_gspo.hf.safetensors_io import CheckpointError
 
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
@@ -252,10 +257,12 @@ class _StreamingSavePlanner(SavePlanner):
 
     def __init__(self, tensors: Sequence[TensorWrite], objects: dict[str, bytes],
                  on_written: Optional[Callable[[int], None]] = None):
-        from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
-                                                           TensorProperties)
-        from torch.distributed.checkpoint.planner import (TensorWriteData, WriteItem,
-                                                          WriteItemType)
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata,
+            MetadataIndex,
+            TensorProperties,
+        )
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
         self._producers: dict = {}
         self._objects = objects
@@ -350,7 +357,6 @@ def write_checkpoint(out_dir: str | os.PathLike, tensors: Sequence[TensorWrite],
     planner = _StreamingSavePlanner(tensors, objects, on_written)
     # torch.save computes a CRC32 of every record, which halves its write speed, and torch.load
     # never verifies it (a corrupted record loads silently either way): skip it while we write.
-    from torch.utils.serialization import config as serialization_config
 
     compute_crc32 = serialization_config.save.compute_crc32
     serialization_config.save.compute_crc32 = False
@@ -404,8 +410,6 @@ class _RegionLoadPlanner(LoadPlanner):
         raise AssertionError("region reads are for tensors")
 
     def resolve_tensor(self, read_item):
-        from torch.distributed._shard._utils import narrow_tensor_by_index
-
         out = self.requests[read_item.dest_index.index][2]
         return narrow_tensor_by_index(out, read_item.dest_offsets, read_item.lengths)
 
@@ -414,8 +418,6 @@ class _RegionLoadPlanner(LoadPlanner):
 
 
 def _with_dest(item, request_index: int):
-    import dataclasses
-
     return dataclasses.replace(item, dest_index=dataclasses.replace(item.dest_index,
                                                                     index=request_index))
 
@@ -429,8 +431,6 @@ class McoreCheckpoint:
 
     def __init__(self, directory: str | os.PathLike):
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-        from megatron_gspo.dcp_metadata import SafeFileSystemReader, UnsafeCheckpointError
 
         self.directory = Path(directory)
         marker = self.directory / "metadata.json"
@@ -493,8 +493,6 @@ class McoreCheckpoint:
         """The key's metadata restricted to chunks that can overlap a region starting at
         ``offsets`` (stored chunks of one layer / expert are indexed by their leading offsets, so
         a per-expert read does not scan all L x E chunks)."""
-        import dataclasses
-
         md = self.tensors[key]
         index = self._chunks_by_lead.get(key)
         if index is None:
@@ -537,7 +535,6 @@ class McoreCheckpoint:
         write) is returned as loaded, without a copy; otherwise the overlaps of the stored chunks
         are copied into place (DCP's resharding arithmetic, ``create_read_items_for_chunk_list``).
         """
-        from torch.distributed._shard._utils import narrow_tensor_by_index
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
         from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -734,7 +731,6 @@ def save_model(gpt, ckpt_dir: str | os.PathLike, *, hf_config_dir: Optional[str 
                ) -> None:
     """Save this rank's model chunk with Megatron's dist_checkpointing (collective over all ranks);
     rank 0 copies config.json and the tokenizer files from ``hf_config_dir`` next to it."""
-    import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
     while hasattr(gpt, "module"):

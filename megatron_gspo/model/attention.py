@@ -54,6 +54,9 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_gspo.loss.context_parallel import segment_ids, zigzag_indices
@@ -199,8 +202,6 @@ def _masked_scores(q_qNGD, k_kND, lo_q, hi_q, k0: int, scale: float):
 def _sdpa_causal(q_QHD, k_KND, v_KND, cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of every sequence of the pack by PyTorch's fused SDPA (no CP), GQA
     native (``enable_gqa``: K/V heads are not repeated, and autograd saves them unrepeated)."""
-    import torch.nn.functional as F
-
     def sdpa(q, k, v, batch):  # [batch * L, heads, D] each -> [batch * L, H, Dv]
         def heads_first(x):
             return x.reshape(batch, -1, x.shape[1], x.shape[2]).transpose(1, 2)
@@ -320,8 +321,6 @@ class PackedCoreAttention(MegatronModule):
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
                  cp_comm_type: Optional[str] = None, pg_collection=None):
-        from megatron.core.transformer.enums import AttnMaskType
-
         super().__init__(config=config)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         unsupported = [
@@ -339,8 +338,6 @@ class PackedCoreAttention(MegatronModule):
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         if pg_collection is None:
-            from megatron.core.process_groups_config import ProcessGroupCollection
-
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.cp_group = pg_collection.cp
         head_dim = config.kv_channels
@@ -348,8 +345,6 @@ class PackedCoreAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        from megatron.core.transformer.enums import AttnMaskType
-
         if attention_bias is not None:
             raise ValueError("PackedCoreAttention: attention_bias is not supported")
         if attn_mask_type is not None and attn_mask_type != AttnMaskType.causal:

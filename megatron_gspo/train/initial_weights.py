@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_gspo.config import ModelConfig
+from megatron_gspo.hf.hf_config import check_model_config
+from megatron_gspo.hf.mcore_checkpoint import load_model
+from megatron_gspo.hf.safetensors_io import HFCheckpoint
 from megatron_gspo.model import gpt as policy
 
 
@@ -22,9 +25,6 @@ def is_mcore_checkpoint(path: str | Path) -> bool:
 
 def load_hf(gpt, model: ModelConfig, pg_collection, hf_dir: str | Path) -> None:
     """Load weights from a Hugging Face directory (checked against the model config first)."""
-    from megatron_gspo.hf.hf_config import check_model_config
-    from megatron_gspo.hf.safetensors_io import HFCheckpoint
-
     check_model_config(model, hf_dir)
     with HFCheckpoint(hf_dir) as ckpt:
         policy.load_hf_weights(gpt, model, pg_collection, ckpt.read)
@@ -33,9 +33,6 @@ def load_hf(gpt, model: ModelConfig, pg_collection, hf_dir: str | Path) -> None:
 def load_mcore(gpt, model: ModelConfig, ckpt_dir: str | Path) -> None:
     """Load a Megatron torch_dist checkpoint under this run's layout, whatever layout wrote it
     (its ``hf_config`` directory, when present, is checked against the model config)."""
-    from megatron_gspo.hf.hf_config import check_model_config
-    from megatron_gspo.hf.mcore_checkpoint import load_model
-
     hf_config = Path(ckpt_dir) / "hf_config"
     if hf_config.is_dir():
         check_model_config(model, hf_config)

@@ -16,8 +16,10 @@ token by token) that a calculator tool solves (``data.task: tool_addition``, the
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 EOS_ID = ord("\n")
 PAD_ID = 0
@@ -237,9 +239,6 @@ def write_sft_file(path, task, count: int, *, split: str = "train", start: int =
     """SFT data for a task as a JSONL file of ``{"prompt", "label"}`` rows (the reference
     response as the label: the carry trace and the answer for ``CarryAdditionTask``), readable
     with ``data.train_path`` and the default ``data.prompt_key`` / ``data.label_key``."""
-    import json
-    from pathlib import Path
-
     with Path(path).open("w") as out:
         for problem in task.problems(start, count, split=split):
             out.write(json.dumps({"prompt": problem.prompt, "label": problem.answer}) + "\n")
@@ -257,9 +256,6 @@ def write_byte_tokenizer(directory) -> None:
     The rollout servers and the sglang-router read the tokenizer from the model directory; this
     one matches ``encode`` / ``decode`` above for ASCII text, so no hub download is ever needed.
     """
-    import json
-    from pathlib import Path
-
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

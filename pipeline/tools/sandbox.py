@@ -42,6 +42,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from pipeline.scoring.rewards import RewardError, load_function, start_piped_worker
+
 ERROR_KINDS = ("timeout", "memory", "output_limit", "crash", "network", "error")
 """The reasons a tool call fails (``ToolOutcome.error``)."""
 
@@ -82,8 +84,6 @@ class ToolOutcome:
 
 def load_tools(specs: list[str]) -> dict[str, str]:
     """Tool name -> spec, each imported once here (``tools.functions[i]: ...`` on failure)."""
-    from pipeline.scoring.rewards import RewardError, load_function
-
     tools: dict[str, str] = {}
     for i, spec in enumerate(specs):
         try:
@@ -107,8 +107,6 @@ class _Worker:
     """One worker process and its pipes (owner side)."""
 
     def __init__(self, tools: dict[str, str], limits: ToolLimits):
-        from pipeline.scoring.rewards import start_piped_worker
-
         self.proc, self.inbox, self.outbox = start_piped_worker(
             "pipeline.tools.tool_worker",
             lambda fd_in, fd_out: [str(fd_in), str(fd_out), str(os.getpid()),

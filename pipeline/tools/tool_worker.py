@@ -38,9 +38,13 @@ import io
 import json
 import os
 import resource
+import socket
 import sys
 from multiprocessing.connection import Connection
 from typing import Any
+
+from megatron_gspo.lifetime import die_with_parent, shield_from_stop_signals
+from pipeline.scoring.rewards import RewardError, load_function
 
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
 
@@ -65,8 +69,6 @@ def _deny(*args: Any, **kwargs: Any) -> Any:
 
 def isolate_network() -> str:
     """Cut this process off the network; returns how ("namespace" or "python")."""
-    import socket
-
     for name in ("connect", "connect_ex", "bind", "sendto", "sendmsg", "listen"):
         setattr(socket.socket, name, _deny)
     for name in ("create_connection", "create_server", "getaddrinfo", "gethostbyname",
@@ -165,7 +167,6 @@ def run_call(functions: dict, name: str, arguments: Any, output_bytes: int) -> d
 def main(argv: list[str]) -> int:
     fd_in, fd_out, owner = int(argv[0]), int(argv[1]), int(argv[2])
     memory_mb, output_bytes, specs = int(argv[3]), int(argv[4]), argv[5:]
-    from megatron_gspo.lifetime import die_with_parent, shield_from_stop_signals
 
     die_with_parent()
     shield_from_stop_signals()
@@ -178,8 +179,6 @@ def main(argv: list[str]) -> int:
 
     def send(message: dict) -> None:
         outbox.send_bytes(json.dumps(message).encode())
-
-    from pipeline.scoring.rewards import RewardError, load_function
 
     functions = {}
     for spec in specs:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from launch.cli import build_parser, main
+from launch.cli import COMMAND_MODULES, build_parser, main
 
 # Freeze the CLI: adding or removing an option is a deliberate change of this list.
 EXPECTED_OPTIONS = {
@@ -51,6 +51,19 @@ def test_subcommands_and_their_options_are_frozen():
         sub = _subcommand(name)
         options = {s for a in sub._actions for s in a.option_strings if s.startswith("--")}
         assert options - {"--help"} == expected, name
+
+
+def test_each_command_alone_builds_the_same_parser_as_the_full_one():
+    """A named command imports only its own module (COMMAND_MODULES): the map covers every
+    command and each one alone gets the options it has in the full parser."""
+    full = next(a for a in build_parser()._actions if hasattr(a, "_name_parser_map")).choices
+    assert set(COMMAND_MODULES) == set(full)
+    for name, parser in full.items():
+        alone = next(a for a in build_parser(name)._actions
+                     if hasattr(a, "_name_parser_map")).choices
+        assert list(alone) == [name]
+        assert ({s for a in alone[name]._actions for s in a.option_strings}
+                == {s for a in parser._actions for s in a.option_strings}), name
 
 
 @pytest.mark.parametrize("command", sorted(EXPECTED_OPTIONS))
