@@ -34,7 +34,7 @@ from typing import Optional
 
 from launch import benign_warnings, local, rank_status
 from megatron_gspo.config import ConfigError
-from pipeline import relayed_errors
+from megatron_gspo.errors import is_input_error, one_line
 # Sub-command modules; each has add_parser(subparsers) and sets ``func(args, argv) -> int``.
 COMMANDS = ["launch.demo", "launch.train", "launch.sft", "launch.show_config", "launch.plot", "launch.serve", "launch.slurm",
             "launch.plan", "launch.calibrate_eps"]
@@ -87,9 +87,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         _report(console, command, f"configuration error: {err}")
         return 2
     except Exception as err:
-        if relayed_errors.is_input_error(err):  # bad input: the message names the file / field
-            relayed = isinstance(err, relayed_errors.RelayedError)  # "step N: ...: <Type>: ..."
-            _report(console, command, str(err) if relayed else f"{type(err).__name__}: {err}")
+        if is_input_error(err):  # bad input, by its type: the message names the file / field
+            _report(console, command, one_line(err))  # "step N: <phase>: <Type>: <message>"
             return 2
         if supervised:  # the traceback to the rank's log; the launcher shows the first one
             return _failed_under_launcher(console, err)

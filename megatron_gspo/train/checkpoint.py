@@ -86,13 +86,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo import mcore_compat
+from megatron_gspo.errors import InputError
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(RuntimeError, InputError):
     """A checkpoint that cannot be resumed from: damaged, partial, or missing a file this run
     needs. The message names the checkpoint and the file."""
 
@@ -103,6 +104,9 @@ class CheckpointDiskFull(OSError):
 
     def __init__(self, message: str, path: str | Path):
         super().__init__(errno.ENOSPC, message, str(path))
+
+    def __reduce__(self):  # pickled as it is built (it crosses ranks: megatron_gspo.collectives)
+        return type(self), (self.strerror, self.filename), self.__dict__
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
