@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import io
 import pickle
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -184,3 +185,42 @@ def _crash_mid_run_rank(rank: int, world: int) -> tuple[int, str]:
 def test_a_crash_on_rank_0_is_a_crash_on_every_rank():
     for code, text in run_on_ranks(2, _crash_mid_run_rank, timeout_s=120):
         assert code == 1 and text == "KeyError: 'step'", text
+
+
+def _library_sites_rank(rank: int, world: int, run_dir: str) -> dict:
+    """The library's and the launcher's own rank-0 checks, through on_rank0: the run lock
+    (``launch.run_lock.hold``) and the routing-replay row scatter (``scatter_rows``)."""
+    import torch
+
+    from launch.run_lock import hold
+    from megatron_gspo.train.row_scatter import scatter_rows
+
+    out = {}
+    if rank == 0:
+        (Path(run_dir) / "run.lock").mkdir(parents=True)  # a directory: the lock is unusable
+    try:
+        with hold(run_dir):
+            out["lock"] = "held"
+    except RunDirLocked as err:
+        out["lock"] = f"RunDirLocked: {err}"
+    full = torch.arange(12.0).reshape(4, 3) if rank == 0 else None
+    out["rows"] = scatter_rows(full, torch.tensor([3, rank]), (3,), torch.float32).tolist()
+    try:
+        scatter_rows(full, torch.tensor([4 + rank]), (3,), torch.float32)
+    except ValueError as err:
+        out["bad_rows"] = str(err)
+    try:
+        scatter_rows(full, torch.tensor([0]), (2,), torch.float32)
+    except ValueError as err:
+        out["bad_shape"] = str(err)
+    return out
+
+
+def test_the_run_lock_and_the_row_scatter_raise_rank_0s_error_on_every_rank(tmp_path):
+    results = run_on_ranks(2, _library_sites_rank, (str(tmp_path),), timeout_s=120)
+    for rank, out in enumerate(results):
+        assert out["lock"].startswith(f"RunDirLocked: run.output_dir: the lock file "
+                                      f"{tmp_path / 'run.lock'} is a directory"), out
+        assert out["rows"] == [[9.0, 10.0, 11.0], [3.0 * rank, 3.0 * rank + 1, 3.0 * rank + 2]]
+        assert out["bad_rows"] == "rank 0 asks for rows [4] of a tensor of 4 rows", out
+        assert out["bad_shape"] == "rows of shape (3,) to scatter, the ranks expect (2,)", out
