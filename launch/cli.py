@@ -25,6 +25,7 @@ use), printed as one line; 75 stopped by SIGTERM / SIGINT / SIGUSR1 after saving
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import sys
@@ -35,6 +36,8 @@ from typing import Optional
 from launch import benign_warnings, local, rank_status
 from megatron_gspo.config import ConfigError
 from megatron_gspo.errors import is_input_error, one_line
+from megatron_gspo.lifetime import die_with_parent
+
 # Sub-command modules; each has add_parser(subparsers) and sets ``func(args, argv) -> int``.
 COMMANDS = ["launch.demo", "launch.train", "launch.sft", "launch.show_config", "launch.plot", "launch.serve", "launch.slurm",
             "launch.plan", "launch.calibrate_eps"]
@@ -42,8 +45,6 @@ OPTIONAL_COMMANDS = ["launch.convert"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import importlib
-
     parser = argparse.ArgumentParser(
         prog="megatron-gspo", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -69,8 +70,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     benign_warnings.apply()
     supervised = rank_status.supervised()  # a rank whose launcher reports its outcome
     if supervised:
-        from megatron_gspo.lifetime import die_with_parent
-
         die_with_parent(signal.SIGTERM)  # torchrun gone: checkpoint and stop, as on a signal
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # a rank started by launch.local.ensure_ranks (torchrun -m launch.cli -- ...)
