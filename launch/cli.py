@@ -35,7 +35,9 @@ from typing import Optional
 
 from launch import benign_warnings, local, rank_status
 from megatron_gspo.config import ConfigError
-from pipeline import relayed_errors
+from megatron_gspo.errors import is_input_error, one_line
+from megatron_gspo.lifetime import die_with_parent
+
 # Sub-command modules; each has add_parser(subparsers) and sets ``func(args, argv) -> int``.
 COMMANDS = ["launch.demo", "launch.train", "launch.sft", "launch.show_config", "launch.plot", "launch.serve", "launch.slurm",
             "launch.plan", "launch.calibrate_eps"]
@@ -77,8 +79,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     benign_warnings.apply()
     supervised = rank_status.supervised()  # a rank whose launcher reports its outcome
     if supervised:
-        from megatron_gspo.lifetime import die_with_parent
-
         die_with_parent(signal.SIGTERM)  # torchrun gone: checkpoint and stop, as on a signal
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # a rank started by launch.local.ensure_ranks (torchrun -m launch.cli -- ...)
@@ -95,9 +95,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         _report(console, command, f"configuration error: {err}")
         return 2
     except Exception as err:
-        if relayed_errors.is_input_error(err):  # bad input: the message names the file / field
-            relayed = isinstance(err, relayed_errors.RelayedError)  # "step N: ...: <Type>: ..."
-            _report(console, command, str(err) if relayed else f"{type(err).__name__}: {err}")
+        if is_input_error(err):  # bad input, by its type: the message names the file / field
+            _report(console, command, one_line(err))  # "step N: <phase>: <Type>: <message>"
             return 2
         if supervised:  # the traceback to the rank's log; the launcher shows the first one
             return _failed_under_launcher(console, err)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from launch.session import Session
+from megatron_gspo.collectives import broadcast
 from megatron_gspo.config import Config, ConfigError
 
 if TYPE_CHECKING:
@@ -226,9 +227,8 @@ class RLSession(Session):
         on exit."""
         from pipeline.weights.push import WeightPusher
 
-        rank0_urls = [server_urls if self.is_main else None]
-        dist.broadcast_object_list(rank0_urls, src=0, group=self.control)
-        pusher = WeightPusher(rank0_urls[0], **weight_pusher_options(self.cfg.rollout, self.run_dir),
+        urls = broadcast(server_urls if self.is_main else None, group=self.control)
+        pusher = WeightPusher(urls, **weight_pusher_options(self.cfg.rollout, self.run_dir),
                               group=self.control)
         self.resources.callback(pusher.close)
         return pusher

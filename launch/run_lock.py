@@ -35,12 +35,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from megatron_gspo.errors import InputError
+
 LOCK_NAME = "run.lock"
 HEARTBEAT_S = 15.0
 STALE_AFTER_S = 120.0
 
 
-class RunDirLocked(RuntimeError):
+class RunDirLocked(RuntimeError, InputError):
     """``run.output_dir`` is in use by another live run (the message names it), or its lock file
     cannot be used at all (a directory in its place, an unwritable run directory: the message
     names the path)."""
@@ -235,22 +237,19 @@ class RunLock:
 
 @contextmanager
 def hold(run_dir: str | Path, *, group=None) -> Iterator[Optional[RunLock]]:
-    """Collective: rank 0 takes ``run_dir``'s lock for the ``with`` block; every rank raises
-    :class:`RunDirLocked` (the same message) when another live run holds it."""
-    import torch.distributed as dist
+    """Collective over ``group``: rank 0 takes ``run_dir``'s lock for the ``with`` block; every
+    rank raises :class:`RunDirLocked` (the same message) when another live run holds it."""
+    # torch only here: the launcher's preflight (check_free) imports this module without torch
+    from megatron_gspo.collectives import on_rank0
 
-    lock, outcome = None, None
-    if dist.get_rank() == 0:
-        try:
-            lock = RunLock(run_dir).acquire()
-            if lock.took_over:
-                print(f"run.output_dir: took over the stale lock of {lock.took_over}", flush=True)
-        except RunDirLocked as err:
-            outcome = str(err)
-    box = [outcome]
-    dist.broadcast_object_list(box, src=0, group=group)
-    if box[0] is not None:
-        raise RunDirLocked(box[0])
+    lock = None
+
+    def take() -> None:  # rank 0
+        nonlocal lock
+        lock = RunLock(run_dir).acquire()
+        if lock.took_over:
+            print(f"run.output_dir: took over the stale lock of {lock.took_over}", flush=True)
+    on_rank0(take, group=group)
     try:
         yield lock
     finally:

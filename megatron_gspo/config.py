@@ -37,12 +37,13 @@ from typing import Any, ClassVar, Literal, Optional
 
 import yaml
 
+from megatron_gspo.errors import InputError
 from megatron_gspo.loss.variants import SEQUENCE_RANGE, SPECS, Variant
 from megatron_gspo.yaml_load import MAX_SHOWN, YAMLLoadError, shown
 from megatron_gspo.yaml_load import load as load_yaml
 
 
-class ConfigError(ValueError):
+class ConfigError(ValueError, InputError):
     """An invalid configuration; the message names the field (``section.key``) and the fix."""
 
 

@@ -42,7 +42,7 @@ docstring lists what was read in 0.19.2's source and found to need nothing:
    unchanged.
 7. ``dist_checkpointing``: ``strategies/base.py`` is gone in 0.19 (the project never imported it);
    the ``torch_dist`` format, ``ShardedTensor`` / ``ShardedObject`` / ``ShardedTensorFactory`` and
-   ``filesystem_async._results_queue`` (which ``train/checkpoint.py`` sets to a queue that dies
+   ``filesystem_async._results_queue`` (which ``train/checkpoint/save.py`` sets to a queue that dies
    with the rank) are the same, but 0.19 stores the common (non-sharded) state as a
    ``ShardedObject`` named ``common_state`` inside the torch_dist files, where 0.16 wrote it to
    ``common.pt`` and reads only that (0.19 still reads ``common.pt``). Under 0.16,

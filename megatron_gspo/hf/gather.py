@@ -47,13 +47,14 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.errors import InputError
 from megatron_gspo.config import ModelConfig
 from megatron_gspo.hf.mapping import hf_param_names, hf_param_shapes
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
 
-class WeightSyncError(RuntimeError):
+class WeightSyncError(RuntimeError, InputError):
     """The ranks' weights cannot be gathered into full HF tensors (the plan failed)."""
 
 

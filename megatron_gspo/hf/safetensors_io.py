@@ -36,6 +36,8 @@ from typing import Iterable, Optional
 
 import torch
 
+from megatron_gspo.errors import InputError
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
@@ -49,7 +51,7 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ValueError, InputError):
     """A checkpoint on disk is missing, damaged or inconsistent; the message names the file."""
 
 

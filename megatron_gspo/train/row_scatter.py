@@ -15,6 +15,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.collectives import on_rank0
+
 
 def scatter_rows(full: Optional[torch.Tensor], needed: torch.Tensor, row_shape: tuple[int, ...],
                  dtype: torch.dtype, *, group=None) -> torch.Tensor:
@@ -29,20 +31,13 @@ def scatter_rows(full: Optional[torch.Tensor], needed: torch.Tensor, row_shape: 
     everyone: list = [None] * world if rank == 0 else None
     dist.gather_object(needed.tolist(), everyone, dst=0, group=group)
     shape = (len(needed), *row_shape)
+    # rank 0 checks before any send (a wrong shape must not leave the other ranks in recv)
+    on_rank0(_check, full, everyone, row_shape, group=group)
     if rank != 0:
-        # rank 0 says whether it can send (a wrong shape must not leave this rank in recv)
-        status = [None]
-        dist.broadcast_object_list(status, src=0, group=group)
-        if status[0] != "ok":
-            raise ValueError(status[0])
         out = torch.empty(shape, dtype=dtype)
         if out.numel():
             dist.recv(_bytes(out), src=_global(0, group), group=group)
         return out
-    problem = _check(full, everyone, row_shape)
-    dist.broadcast_object_list([problem or "ok"], src=0, group=group)
-    if problem:
-        raise ValueError(problem)
     full = full.to(dtype)
     for peer in range(1, world):
         rows = torch.tensor(everyone[peer], dtype=torch.long)
@@ -51,17 +46,18 @@ def scatter_rows(full: Optional[torch.Tensor], needed: torch.Tensor, row_shape: 
     return full[needed].clone()
 
 
-def _check(full: Optional[torch.Tensor], everyone: list, row_shape: tuple) -> Optional[str]:
+def _check(full: Optional[torch.Tensor], everyone: list, row_shape: tuple) -> None:
+    """Rank 0: a ValueError unless ``full`` has rows of ``row_shape`` and every row a rank names."""
     if full is None:
-        return "rank 0 holds no tensor to scatter"
+        raise ValueError("rank 0 holds no tensor to scatter")
     if tuple(full.shape[1:]) != tuple(row_shape):
-        return (f"rows of shape {tuple(full.shape[1:])} to scatter, the ranks expect "
-                f"{tuple(row_shape)}")
+        raise ValueError(f"rows of shape {tuple(full.shape[1:])} to scatter, the ranks expect "
+                         f"{tuple(row_shape)}")
     for peer, rows in enumerate(everyone):
         bad = [r for r in rows if not 0 <= r < full.shape[0]]
         if bad:
-            return f"rank {peer} asks for rows {bad[:8]} of a tensor of {full.shape[0]} rows"
-    return None
+            raise ValueError(f"rank {peer} asks for rows {bad[:8]} of a tensor of "
+                             f"{full.shape[0]} rows")
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
 
+from megatron_gspo.errors import InputError
+
 from pipeline.scoring.tasks import EOS_ID, TASKS, AdditionTask, CarryAdditionTask
 from pipeline.scoring.tasks import decode as byte_decode
 from pipeline.scoring.tasks import encode as byte_encode
@@ -43,7 +45,7 @@ TASK_TRAIN_SIZE = 1 << 20
 Messages = list[dict[str, str]]
 
 
-class DataError(ValueError):
+class DataError(ValueError, InputError):
     """A prompt file or a sampler state that cannot be used; the message says where and why."""
 
 

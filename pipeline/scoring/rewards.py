@@ -55,6 +55,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Protocol, Sequence
 
+from megatron_gspo.errors import InputError
+
 from pipeline.scoring.data import Prompt
 from pipeline.scoring.tasks import AdditionTask, CarryAdditionTask, Problem, ToolAdditionTask
 
@@ -62,7 +64,7 @@ if TYPE_CHECKING:
     from megatron_gspo.config import DataConfig, RewardConfig
 
 
-class RewardError(RuntimeError):
+class RewardError(RuntimeError, InputError):
     """A reward that could not be computed; the message names the sample or the service."""
 
 

@@ -372,20 +372,24 @@ def check_parity(ctx: LoopContext, trainer: Trainer, version: str) -> dict:
 
 def _parity_once(ctx: LoopContext, trainer: Trainer):
     """Collective: rank 0 has every server score the probes, every rank compares (the trainer
-    scores them: a collective)."""
-    status, served = run_on_rank0(ctx, lambda: ctx.parity.server_scores(
-        ctx.server_urls, ctx.client, ctx.stop_token_ids))
-    if status != "ok":
-        raise RuntimeError(f"parity probes: {served}")
+    scores them: a collective). An error on rank 0 is raised on every rank, as its type."""
+    try:
+        served = run_on_rank0(ctx, lambda: ctx.parity.server_scores(
+            ctx.server_urls, ctx.client, ctx.stop_token_ids))
+    except Exception as err:  # noqa: BLE001 - raised again, with where it happened
+        err.add_note("parity probes")
+        raise
     return ctx.parity.compare(served, trainer)
 
 
 def _pool_call(ctx: LoopContext, fn):
-    """``fn()`` on rank 0, its result on every rank; an error there raised on every rank alike."""
-    status, value = run_on_rank0(ctx, fn)
-    if status != "ok":
-        raise RuntimeError(f"rollout servers: {value}")
-    return value
+    """``fn()`` on rank 0, its result on every rank; an error there raised on every rank alike,
+    as its type (``megatron_gspo.collectives.on_rank0``)."""
+    try:
+        return run_on_rank0(ctx, fn)
+    except Exception as err:  # noqa: BLE001 - raised again, with where it happened
+        err.add_note("rollout servers")
+        raise
 
 
 def _sync_members(ctx: LoopContext) -> Optional[dict]:

@@ -17,47 +17,40 @@ from contextlib import nullcontext
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
-from pipeline import relayed_errors
-def broadcast(obj, group=None):
-    """Rank 0's ``obj`` on every rank."""
-    payload = [obj]
-    dist.broadcast_object_list(payload, src=0, group=group)
-    return payload[0]
-
-
-def run_on_rank0(ctx: Any, fn, *args):
-    """Run ``fn`` on rank 0 and broadcast ("ok", result) or ("error", its description:
-    :func:`pipeline.relayed_errors.describe`) to every rank, so that a failure there (a rollout
-    server gone) reaches all ranks instead of hanging them.
-
-    Meanwhile rank 0 may broadcast ``(RESYNC, version)`` (a rollout server died and came back:
-    ``ServerPool.wait_for_live``): every rank then runs ``ctx.resync(version)`` with it and waits
-    for the outcome again."""
-    outcome = None
-    if dist.get_rank() == 0:
-        with _resync_channel(ctx):
-            try:
-                outcome = ("ok", fn(*args))
-            except Exception as err:  # noqa: BLE001 - re-raised on every rank (or preempted)
-                outcome = ("error", relayed_errors.describe(err))
-    outcome = broadcast(outcome, ctx.control_group)
-    while outcome[0] == RESYNC:  # ranks other than 0
-        try:
-            ctx.resync(outcome[1])
-        except Exception:  # noqa: BLE001 - it fails on rank 0 alike, whose outcome says why
-            pass
-        outcome = broadcast(None, ctx.control_group)
-    return outcome
-
+from megatron_gspo.collectives import Outcome, broadcast, rank_world
+from megatron_gspo.errors import kind_of
 
 RESYNC = "resync"
 
 
+def run_on_rank0(ctx: Any, fn, *args):
+    """``fn(*args)`` on rank 0, its value on every rank, or the error it raised there raised on
+    every rank (as :func:`megatron_gspo.collectives.on_rank0`: the same type, or a
+    :class:`~megatron_gspo.errors.RemoteError`), so that a failure there (a rollout server gone)
+    reaches all ranks instead of hanging them.
+
+    Meanwhile rank 0 may broadcast ``(RESYNC, version)`` (a rollout server died and came back:
+    ``ServerPool.wait_for_live``): every rank then runs ``ctx.resync(version)`` with it and waits
+    for the outcome again."""
+    group = ctx.control_group
+    mine = None
+    if rank_world(group)[0] == 0:
+        with _resync_channel(ctx):
+            mine = Outcome.of(fn, *args)
+    shipped = broadcast(mine, group=group)
+    while isinstance(shipped, tuple) and shipped[0] == RESYNC:  # ranks other than 0
+        try:
+            ctx.resync(shipped[1])
+        except Exception:  # noqa: BLE001 - it fails on rank 0 alike, whose outcome says why
+            pass
+        shipped = broadcast(None, group=group)
+    return (mine if mine is not None else shipped).result()
+
+
 def _resync_channel(ctx: Any):
-    """Rank 0 in :func:`_on_main`: the pool's :class:`~pipeline.servers.pool.SyncChannel` open
-    (the other ranks wait for the outcome, so they can take part in a weight sync)."""
+    """Rank 0 in :func:`run_on_rank0`: the pool's :class:`~pipeline.servers.pool.SyncChannel`
+    open (the other ranks wait for the outcome, so they can take part in a weight sync)."""
     channel = getattr(ctx.servers, "channel", None)
     if channel is None or ctx.resync is None:
         return nullcontext()
@@ -67,30 +60,32 @@ def _resync_channel(ctx: Any):
         if device is not None:
             torch.cuda.set_device(device)
         version = ctx.weights_version
-        broadcast((RESYNC, version), ctx.control_group)
+        broadcast((RESYNC, version), group=ctx.control_group)
         ctx.resync(version)
     return channel.opened(request)
 
 
 class PhaseFailed(Exception):
-    """A phase failed on EVERY rank alike: rank 0's broadcast outcome (``error``: its
-    description, ``phase``: what was running), or a collective that raises the same error
-    everywhere (the weight sync; ``cause``: the collective's own error)."""
+    """A phase failed on EVERY rank alike with ``cause``: rank 0's error re-raised on every rank
+    (:func:`on_main`; ``phase``: what was running, ``on_rank0`` True), or a collective that raises
+    the same error everywhere (:func:`everywhere`, the weight sync). Without a ``cause``: the
+    ``message`` says what failed."""
 
     def __init__(self, message: str, cause: Optional[BaseException] = None, *,
-                 error: Optional[dict] = None, phase: Optional[str] = None):
+                 phase: Optional[str] = None, on_rank0: bool = False):
         super().__init__(message)
-        self.message, self.cause, self.error, self.phase = message, cause, error, phase
+        self.message, self.cause, self.phase, self.on_rank0 = message, cause, phase, on_rank0
 
 
 def on_main(ctx: Any, fn, *args, what: Optional[str] = None):
     """``fn(*args)`` on rank 0, its result on every rank; :class:`PhaseFailed` on every rank if
-    it raised there (the message prefixed by ``what``)."""
-    status, value = run_on_rank0(ctx, fn, *args)
-    if status == "ok":
-        return value
-    text = f"{value['type']}: {value['message']}"
-    raise PhaseFailed(f"{what}: {text}" if what else text, error=value, phase=what)
+    it raised there (the message prefixed by ``what``; ``cause``: the error, as its type)."""
+    try:
+        return run_on_rank0(ctx, fn, *args)
+    except Exception as err:  # noqa: BLE001 - the same error on every rank
+        text = f"{kind_of(err)}: {err}"
+        raise PhaseFailed(f"{what}: {text}" if what else text, err, phase=what,
+                          on_rank0=True) from err
 
 
 def everywhere(fn, *args, what: str):
@@ -98,4 +93,4 @@ def everywhere(fn, *args, what: str):
     try:
         return fn(*args)
     except Exception as err:  # noqa: BLE001 - the same error on every rank
-        raise PhaseFailed(f"{what}: {err}", cause=err) from err
+        raise PhaseFailed(f"{what}: {err}", err) from err

@@ -6,9 +6,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Optional
 
-from pipeline.step.rank0 import PhaseFailed
-from pipeline.relayed_errors import RelayedError
 from pipeline.signals import StopFlag
+from pipeline.step.rank0 import PhaseFailed
 
 class Preempted(Exception):
     """Stop requested (SIGTERM / SIGINT / SIGUSR1) and a consistent checkpoint was written."""
@@ -32,8 +31,9 @@ class StepGuard:
     * ``end(save_due=...)``: saves when due, at the last step, or when signalled; then stops if
       signalled (at the last step the run simply finishes).
 
-    A failure without a signal is an error on every rank: rank 0's error as a
-    :class:`~pipeline.relayed_errors.RelayedError` (``"step k: <phase>: <Type>: ..."``), or the
+    A failure without a signal is an error on every rank: rank 0's error, re-raised everywhere
+    as its own type (or a :class:`~megatron_gspo.errors.RemoteError`) with the note ``"step k:
+    <phase>"`` (``megatron_gspo.errors.one_line`` puts it before the message), or the
     collective's own exception. A step is never saved twice, nor is the step the run started
     from (its checkpoint exists; for step 0 a fresh start is the same). Anything but
     :class:`PhaseFailed` passes through untouched (it need not have happened on every rank, so
@@ -84,11 +84,12 @@ class StepGuard:
             raise Preempted(self.interrupted or "signal")
 
     def _error(self, failed: PhaseFailed) -> BaseException:
-        if failed.cause is not None:
-            return failed.cause
-        if failed.error is not None:  # rank 0's error, as a type on every rank
-            return RelayedError(step=self.step, phase=failed.phase, **failed.error)
-        return RuntimeError(f"step {self.step}: {failed.message}")
+        if failed.cause is None:
+            return RuntimeError(f"step {self.step}: {failed.message}")
+        if failed.on_rank0:  # rank 0's error, as a type on every rank: where it happened
+            failed.cause.add_note(f"step {self.step}: {failed.phase}" if failed.phase
+                                  else f"step {self.step}")
+        return failed.cause
 
     def _checkpoint(self, step: int, data_position: Optional[dict]) -> None:
         self._save(step, data_position)

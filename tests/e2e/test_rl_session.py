@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from launch.rl_session import run_training
 from megatron_gspo.config import load_config
+from megatron_gspo.errors import one_line
 
 cfg = load_config(sys.argv[1], sys.argv[2:])
 import pipeline.servers.pool as server_pool
@@ -42,7 +43,7 @@ try:
     run_training(cfg, resume=False)
     error = None
 except Exception as err:  # the loop's error, after the session's ExitStack has run
-    error = f"{type(err).__name__}: {err}"
+    error = one_line(err)
 alive = []
 for entry in Path("/proc").iterdir():
     if entry.name.isdigit() and int(entry.name) != os.getpid():
@@ -76,7 +77,8 @@ def test_a_failing_step_releases_the_servers_router_groups_and_signals(tmp_path)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(lines[0][len("RESULT "):])
-    assert result["error"].startswith("RelayedError: step 1: RewardError: "), result["error"]
+    # rank 0's error as its type, with where it happened (megatron_gspo.errors.one_line)
+    assert result["error"].startswith("step 1: RewardError: "), result["error"]
     assert "the reward service is down" in result["error"]
     # the server had started (it loaded run_dir/init_hf and logged) and the router with it
     assert (run_dir / "init_hf").is_dir() and len(list((run_dir / "logs").glob("*.log"))) >= 2

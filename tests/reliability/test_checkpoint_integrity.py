@@ -252,11 +252,11 @@ def _disk_worker(rank, world, cfg_dict, run_dir, real):
         if rank == 0:
             _fill(disk, leave=256 << 10)
     else:  # simulated: the filesystem reports 256 KiB free
-        ckpt.shutil.disk_usage = lambda p: real_usage(p)._replace(free=256 << 10)
+        shutil.disk_usage = lambda p: real_usage(p)._replace(free=256 << 10)
     dist.barrier()
     out["precheck"] = attempt(1)
     out["precheck_left"] = sorted(p.name for p in ckpt.checkpoint_root(run_dir).glob("*"))
-    ckpt.shutil.disk_usage = real_usage
+    shutil.disk_usage = real_usage
     dist.barrier()
     if rank == 0 and real:
         (disk / "filler").unlink()

@@ -4,7 +4,7 @@ When torchrun's killpg or Slurm's scancel / requeue signals every process of a r
 rank (which catches the signal) still needs its helpers to write the preemption checkpoint:
 
 * Megatron's checkpoint writer sends its forked writers' results through a multiprocessing
-  Manager (``train.checkpoint._writer_results_queue_dies_with_us``); it died of the signal and
+  Manager (``train.checkpoint.save._writer_results_queue_dies_with_us``); it died of the signal and
   the save raised ``BrokenPipeError``;
 * the rollout servers and the router (``pipeline.servers.cluster.LocalRolloutCluster``), which the
   rank stops itself afterwards.
@@ -28,10 +28,10 @@ STOP = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 WRITER_QUEUE = r'''
 import os, signal, sys, time
 from megatron.core.dist_checkpointing.strategies import filesystem_async
-from megatron_gspo.train import checkpoint
+from megatron_gspo.train.checkpoint import save
 
-checkpoint._writer_results_queue_dies_with_us()
-manager = checkpoint._writer_manager._process
+save._writer_results_queue_dies_with_us()
+manager = save._writer_manager._process
 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):
     os.kill(manager.pid, sig)
 time.sleep(1.0)

@@ -54,7 +54,8 @@ def test_an_input_error_after_the_ranks_start_is_one_message_and_exit_2(tmp_path
 
 
 def test_a_reward_error_in_the_step_0_evaluation_is_one_message_and_exit_2(tmp_path):
-    """Issue 22 item 4: the error crosses ranks as a type (pipeline/relayed_errors.py); the relayed
+    """Issue 22 item 4, issue 34 item 4: the error crosses ranks as its type
+    (megatron_gspo/collectives.py ``on_rank0``; the InputError marker of megatron_gspo/errors.py);
     "step 1: evaluation: RewardError: ..." used to miss the launcher's pattern: exit 1, traceback."""
     reward = tmp_path / "flaky_service.py"
     reward.write_text("def always_fails(prompt, response_ids, response_text):\n"

@@ -1,13 +1,13 @@
-"""Who checksums which checkpoint file (``megatron_gspo.train.checkpoint._my_share``): the rank that
-wrote it, so that right after a save every byte is hashed from the writer's own page cache and
-none is read back over the network; the metadata files on rank 0; every file exactly once, also
-when a checkpoint of a larger world is verified by a smaller one."""
+"""Who checksums which checkpoint file (``megatron_gspo.train.checkpoint.manifest._my_share``): the
+rank that wrote it, so that right after a save every byte is hashed from the writer's own page
+cache and none is read back over the network; the metadata files on rank 0; every file exactly
+once, also when a checkpoint of a larger world is verified by a smaller one."""
 
 from __future__ import annotations
 
 import pytest
 
-from megatron_gspo.train import checkpoint
+from megatron_gspo.train.checkpoint import manifest
 
 # the files of a 4-rank save (torch DCP's data files, two writer threads per rank; the RNG files)
 NAMES = sorted([*(f"model_optim/__{r}_{i}.distcp" for r in range(4) for i in range(2)),
@@ -19,8 +19,8 @@ NAMES = sorted([*(f"model_optim/__{r}_{i}.distcp" for r in range(4) for i in ran
 def _shares(monkeypatch, world: int) -> list[list[str]]:
     out = []
     for rank in range(world):
-        monkeypatch.setattr(checkpoint, "_rank_world", lambda group=None, r=rank: (r, world))
-        out.append(checkpoint._my_share(NAMES))
+        monkeypatch.setattr(manifest, "rank_world", lambda group=None, r=rank: (r, world))
+        out.append(manifest._my_share(NAMES))
     return out
 
 
@@ -30,9 +30,9 @@ def test_each_rank_hashes_the_files_it_wrote(monkeypatch):
         written = {n for n in NAMES if f"__{rank}_" in n or n == f"rank_{rank:05d}.pt"}
         meta = {n for n in NAMES if "__" not in n and not n.startswith("rank_")}
         assert set(share) == written | (meta if rank == 0 else set())
-    assert checkpoint.writer_rank("model_optim/__13_1.distcp") == 13
-    assert checkpoint.writer_rank("rank_00007.pt") == 7
-    assert checkpoint.writer_rank("model_optim/common.pt") is None
+    assert manifest.writer_rank("model_optim/__13_1.distcp") == 13
+    assert manifest.writer_rank("rank_00007.pt") == 7
+    assert manifest.writer_rank("model_optim/common.pt") is None
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])

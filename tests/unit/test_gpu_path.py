@@ -115,7 +115,7 @@ def test_rank_zero_broadcasts_travel_on_the_gloo_control_group_with_its_own_time
     results = run_on_ranks(2, _control_group_worker, (2.0, 4.0), timeout_s=120)
     for rank, r in enumerate(results):
         assert r["backend"] == "gloo" and r["timeout_s"] == 300.0
-        assert r["outcome"][0] == "ok" and torch.equal(r["outcome"][1]["batch"], torch.arange(3))
+        assert torch.equal(r["outcome"]["batch"], torch.arange(3))
         assert r["stopped"] is True  # rank 1's signal reached rank 0 through the control group
     # the receiving rank gives up on a group with a short (training-group) timeout
     assert results[1]["short"].startswith("timeout")

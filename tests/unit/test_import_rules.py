@@ -17,9 +17,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 # What pipeline/ may import from the training library: the typed config, the pure group-advantage
-# math, the variant registry, the trainer's input format and the child-process lifetime helper.
+# math, the variant registry, the trainer's input format, the child-process lifetime helper, the
+# error kinds and the cross-rank outcome protocol.
 PIPELINE_MAY_IMPORT = (
+    "megatron_gspo.collectives",
     "megatron_gspo.config",
+    "megatron_gspo.errors",
     "megatron_gspo.loss.advantages",
     "megatron_gspo.loss.variants",
     "megatron_gspo.train.batching",
@@ -99,13 +102,26 @@ def test_config_is_plain_python():
         if _top(module) in ("torch", "megatron", "pipeline", "launch"):
             return False
         return _top(module) != "megatron_gspo" or module.startswith(
-            ("megatron_gspo.loss.variants", "megatron_gspo.yaml_load"))
+            ("megatron_gspo.errors", "megatron_gspo.loss.variants", "megatron_gspo.yaml_load"))
 
     assert _violations([ROOT / "megatron_gspo" / "config.py"], allowed) == []
     # its YAML loader too: PyYAML and the standard library only
     assert _violations([ROOT / "megatron_gspo" / "yaml_load.py"],
                        lambda m: _top(m) not in ("torch", "megatron", "megatron_gspo", "pipeline",
                                                  "launch")) == []
+
+
+def test_errors_and_collectives_are_light():
+    """What pipeline/ and the config import of the library's error kinds and collectives: the
+    errors are plain Python; the collectives torch.distributed and the errors, no Megatron."""
+    assert _violations([ROOT / "megatron_gspo" / "errors.py"],
+                       lambda m: _top(m) not in ("torch", "megatron", "megatron_gspo", "pipeline",
+                                                 "launch")) == []
+    assert _violations([ROOT / "megatron_gspo" / "collectives.py"],
+                       lambda m: _top(m) not in ("megatron", "transformer_engine", "pipeline",
+                                                 "launch")
+                       and (_top(m) != "megatron_gspo" or m.startswith("megatron_gspo.errors"))
+                       ) == []
 
 
 @pytest.mark.parametrize("module,is_allowed", [("pipeline.generation.client", False), ("launch.cli", False),
