@@ -1131,8 +1131,9 @@ def validate_weight_sync(rollout: RolloutConfig, model: ModelConfig) -> None:
     """A delta sync compares bf16 bits: the wire dtype must be bfloat16."""
     wire = rollout.weight_sync.dtype or model.params_dtype
     _require(not rollout.weight_sync.delta or wire == "bfloat16",
-             f"rollout.weight_sync.delta: needs bf16 weights on the wire (rollout.weight_sync.dtype "
-             f"resolves to {wire}); set rollout.weight_sync.dtype: bfloat16")
+             "rollout.weight_sync.delta: needs bf16 weights on the wire "
+             f"(rollout.weight_sync.dtype resolves to {wire}); set rollout.weight_sync.dtype: "
+             "bfloat16")
 
 
 def validate_data_parallel(cfg: Config, data_parallel_size: int) -> None:

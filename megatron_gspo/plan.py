@@ -42,9 +42,9 @@ Besides the training ranks' GPU peak, the plan reports:
   each other rank receives only the rows it trains on, 1/dp of it
   (``RLTrainer.scatter_routed_experts``: raw bytes, no pickling); printed with its size also
   when replay is off;
-* per rollout-server GPU (``rollout.weight_sync.transport: distributed``): the NCCL buffers of the weight
-  update groups. ``pipeline.weights.push`` makes one update group per sending rank of the gather
-  (:func:`update_group_count`: ``rollout.weight_sync.senders``: one per node and pipeline stage,
+* per rollout-server GPU (``rollout.weight_sync.transport: distributed``): the NCCL buffers of
+  the weight update groups. ``pipeline.weights.distributed`` makes one update group per sending
+  rank of the gather (:func:`update_group_count`: ``rollout.weight_sync.senders``: one per node and pipeline stage,
   per stage, or per source rank, ``parallel.pipeline x parallel.expert``), and every SGLang
   GPU joins each of them; each is estimated at ``NCCL_UPDATE_GROUP_BYTES`` (below). NCCL
   allocates them with cudaMalloc outside PyTorch's caching allocator, i.e. outside SGLang's
@@ -70,10 +70,13 @@ numbers in docs/performance.md) and against published working layouts
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_gspo.config import Config, ConfigError, padded_vocab_size, pipeline_stage_layers
+from megatron_gspo.parallel import derive_layout
 
 GIB = float(1 << 30)
 
@@ -378,8 +381,8 @@ GPUS_PER_NODE = 8
 def update_group_count(cfg: Config, world_size: Optional[int] = None, *,
                        mode: Optional[str] = None) -> int:
     """The weight-update groups every SGLang GPU joins with ``rollout.weight_sync.transport:
-    distributed``:
-    one per sending rank (``pipeline.weights.push.WeightPusher._make_groups``), which
+    distributed``: one per sending rank
+    (``pipeline.weights.distributed.DistributedTransport._make_groups``), which
     ``rollout.weight_sync.senders`` chooses (``megatron_gspo.hf.gather.sender_ranks``):
 
     * ``rank``: ``hf.gather`` sends each HF tensor from the lowest rank holding it whole, else
@@ -405,9 +408,6 @@ def update_group_count(cfg: Config, world_size: Optional[int] = None, *,
 def _check_sizes(world_size, gpu_memory_gib, moe_imbalance) -> None:
     """Refuse zero / negative / NaN / infinite sizes (and non-numbers), naming the
     ``megatron-gspo plan`` flag."""
-    import math
-    import numbers
-
     if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) \
             or world_size < 1:
         raise ConfigError(f"--world-size: must be a positive integer (training ranks), "
@@ -431,8 +431,6 @@ def _communicators(layout) -> int:
 def plan_memory(cfg: Config, world_size: int, gpu_memory_gib: float, *, spec: str = "te",
                 device: str = "gpu", moe_imbalance: float = 1.0) -> MemoryPlan:
     """The memory plan of every pipeline stage of ``cfg`` on ``world_size`` training ranks."""
-    from megatron_gspo.parallel import derive_layout
-
     if spec not in ("te", "local"):
         raise ValueError(f"spec: 'te' or 'local', got {spec!r}")
     if device not in ("gpu", "cpu"):

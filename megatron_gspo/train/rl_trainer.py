@@ -344,7 +344,8 @@ class RLTrainer(CheckpointedTrainer):
             dtype = getattr(torch, rollout.weight_sync.dtype) if rollout.weight_sync.dtype else None
             senders = sender_ranks(rollout.weight_sync.resolved_senders(),
                                    self.pg.pp.rank())
-            self._hf_gather = HFGather(self.cfg.model, bucket_bytes=rollout.weight_sync.bucket_mb << 20,
+            self._hf_gather = HFGather(self.cfg.model,
+                                       bucket_bytes=rollout.weight_sync.bucket_mb << 20,
                                        dtype=dtype, senders=senders)
         return self._hf_gather.buckets(self.gpt, self.pg)
 

@@ -97,7 +97,8 @@ class Transport:
         goes to ``notes``)."""
 
     def reset(self) -> None:
-        """The servers changed (``WeightPusher.set_servers``): drop what was made for the old ones."""
+        """The servers changed (``WeightPusher.set_servers``): drop what was made for the old
+        ones."""
 
     def close(self) -> None:
         """The pusher closes: release what the transport holds."""

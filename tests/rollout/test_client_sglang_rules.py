@@ -74,8 +74,10 @@ def test_the_235b_recipe_passes_config(capsys):
 
 
 @pytest.mark.parametrize("sets, field", [
-    (["rollout.weight_sync.transport=distributed", "rollout.enable_dp_attention=false"], "rollout.dp_size"),
-    (["rollout.weight_sync.transport=tensor", "rollout.enable_dp_attention=false"], "rollout.dp_size"),
+    (["rollout.weight_sync.transport=distributed", "rollout.enable_dp_attention=false"],
+     "rollout.dp_size"),
+    (["rollout.weight_sync.transport=tensor", "rollout.enable_dp_attention=false"],
+     "rollout.dp_size"),
     (["rollout.enable_dp_attention=true", "rollout.dp_size=1"], "rollout.enable_dp_attention"),
 ])
 def test_a_layout_that_cannot_sync_is_refused_by_config(sets, field, capsys):

@@ -88,7 +88,8 @@ def test_parameter_counts_match_the_real_policy_on_every_rank(world, layouts):
             assert (dense, expert) == (rank_result["dense"], rank_result["expert"]), (name, rank_result)
             # the rollout servers join one update group per sending rank of the weight sync
             for mode, sources in rank_result["sources"].items():
-                moded = config_from_dict({**cfg_dict, "rollout": {"weight_sync": {"senders": mode}}})
+                moded = config_from_dict({**cfg_dict,
+                                          "rollout": {"weight_sync": {"senders": mode}}})
                 assert update_group_count(moded, world) == len(sources), (name, mode, sources)
             # one host: a sender per pipeline stage, the stage's lowest rank
             assert rank_result["sources"]["node"] == rank_result["sources"]["stage"]
@@ -389,8 +390,8 @@ def test_plan_reports_distributed_sync_groups_and_replay_on_in_host_memory(capsy
     import yaml
 
     cfg = copy.deepcopy(OLD_30B)
-    cfg["rollout"].update({"weight_sync": {"transport": "distributed"}, "mem_fraction_static": 0.8,
-                           "tp_size": 2})
+    cfg["rollout"].update({"weight_sync": {"transport": "distributed"},
+                           "mem_fraction_static": 0.8, "tp_size": 2})
     cfg["gspo"]["routing_replay"] = "rollout"  # no recompute here: replay is allowed
     path = tmp_path / "replay.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -404,7 +405,8 @@ def test_plan_reports_distributed_sync_groups_and_replay_on_in_host_memory(capsy
     assert "= 0.25 GiB per GPU" in line and "0.20 x 141 GiB = 28.2 GiB" in line
     per_rank = plan_memory(config_from_dict(
         {**cfg, "rollout": {**cfg["rollout"],
-                            "weight_sync": {"transport": "distributed", "senders": "rank"}}}), 16, 141)
+                            "weight_sync": {"transport": "distributed", "senders": "rank"}}}),
+        16, 141)
     (line,) = [l for l in per_rank.notes if l.startswith("rollout-server GPU")]
     assert "16 update group(s) (one per sending rank" in line and "= 2.00 GiB per GPU" in line
     replay = 2 * 256 * 10240 * 48 * 8

@@ -26,8 +26,8 @@ def fake_python(tmp_path, answer: str, code: int = 0):
 def test_a_mismatched_nccl_is_refused_naming_both_versions_and_the_field(tmp_path):
     python = fake_python(tmp_path, "2.21.5")
     with pytest.raises(ConfigError, match=r"rollout\.weight_sync\.transport: distributed puts the "
-                                          r"trainer \(NCCL 2\.27\.3\) and the SGLang servers \(.*NCCL "
-                                          r"2\.21\.5\)"):
+                                          r"trainer \(NCCL 2\.27\.3\) and the SGLang servers "
+                                          r"\(.*NCCL 2\.21\.5\)"):
         check_nccl_versions(DISTRIBUTED, trainer_version="2.27.3", sglang_python=python)
 
 
