@@ -94,7 +94,7 @@ def run_mode(mode: str, policy: Path, work: Path, args, seed: int) -> dict:
         sets = [f"run.output_dir={run_dir}", f"run.init_from={policy}", *MODES[mode],
                 f"rollout.max_staleness={args.max_staleness}",
                 "rollout.mode=external", f"rollout.router_url={cluster.router_url}",
-                f"rollout.weight_sync_dir={weights}", f"run.num_steps={args.steps}",
+                f"rollout.weight_sync.dir={weights}", f"run.num_steps={args.steps}",
                 f"run.eval_interval={args.steps}", "run.save_interval=0", f"run.seed={seed}"]
         t0 = time.monotonic()
         cli("train", "--config", "launch/configs/tiny_cpu.yaml",

@@ -581,7 +581,7 @@ class Smoke:
         run_dir = self.work / "train"
         base = [sys.executable, "-m", "launch.cli", "train", "--config", "launch/configs/tiny_cpu.yaml",
                 "--nproc", "1", "--set", f"run.output_dir={run_dir}", "--set", "parallel.expert=1",
-                "--set", "rollout.num_servers=1", "--set", "rollout.weight_sync=disk",
+                "--set", "rollout.num_servers=1", "--set", "rollout.weight_sync.transport=disk",
                 "--set", "run.global_batch_size=32", "--set", "run.eval_interval=0",
                 "--set", "run.save_interval=1", "--set", "rollout.deterministic=true"]
         base += ["--set", f"rollout.local_server_device={self.device}"]

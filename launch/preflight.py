@@ -235,14 +235,14 @@ def nccl_version_of(python: str, *, timeout_s: float = 120.0) -> Optional[str]:
 
 def check_nccl_versions(cfg: Config, *, trainer_version: Optional[str] = None,
                         sglang_python: Optional[str] = None) -> Optional[str]:
-    """``rollout.weight_sync: distributed``: the trainer's and the SGLang servers' NCCL must match
-    (major.minor): every update group has both in one communicator, and mismatched NCCL versions
-    there fail or hang at its first init, after the servers have loaded. The servers' version is
+    """``rollout.weight_sync.transport: distributed``: the trainer's and the SGLang servers' NCCL
+    must match (major.minor): every update group has both in one communicator, and mismatched
+    NCCL versions there fail or hang at its first init, after the servers have loaded. The servers' version is
     that of ``MGSPO_SGLANG_PYTHON``'s torch (the interpreter ``launch slurm`` starts SGLang with;
     slurm/Dockerfile gives SGLang its own environment). Returns a note (what was compared, or
     why nothing could be) for the console; raises ConfigError on a mismatch. ``trainer_version``
     / ``sglang_python``: this process's / the environment's when None."""
-    if cfg.rollout.weight_sync != "distributed":
+    if cfg.rollout.weight_sync.transport != "distributed":
         return None
     if trainer_version is None:
         import torch
@@ -260,11 +260,12 @@ def check_nccl_versions(cfg: Config, *, trainer_version: Optional[str] = None,
                 "its NCCL is not checked")
     if served.split(".")[:2] != trainer_version.split(".")[:2]:
         raise ConfigError(
-            f"rollout.weight_sync: distributed puts the trainer (NCCL {trainer_version}) and the "
-            f"SGLang servers ({python}: NCCL {served}) in one NCCL communicator per update group, "
-            "and NCCL versions that differ there fail or hang at its init; install the same "
-            f"nvidia-nccl version in both environments (pip install nvidia-nccl-cu12=={trainer_version} "
-            "in the SGLang one, or the other way round), or use rollout.weight_sync: disk")
+            f"rollout.weight_sync.transport: distributed puts the trainer (NCCL {trainer_version}) "
+            f"and the SGLang servers ({python}: NCCL {served}) in one NCCL communicator per "
+            "update group, and NCCL versions that differ there fail or hang at its init; install "
+            "the same nvidia-nccl version in both environments (pip install "
+            f"nvidia-nccl-cu12=={trainer_version} in the SGLang one, or the other way round), or "
+            "use rollout.weight_sync.transport: disk")
     return f"weight sync: NCCL {trainer_version} on the trainer, {served} on the SGLang servers"
 
 

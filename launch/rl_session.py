@@ -27,10 +27,11 @@ if TYPE_CHECKING:
 def weight_pusher_options(r, run_dir: Path) -> dict:
     """``WeightPusher``'s settings from the config's rollout section: every HTTP call of a sync is
     bounded by ``rollout.request_timeout_s`` (a 235B disk reload can take many minutes)."""
-    return dict(transport=r.weight_sync, shared_dir=r.weight_sync_dir or str(Path(run_dir) / "weights"),
-                master_address=r.weight_sync_master_address, verify=r.weight_sync_verify,
-                delta=r.weight_sync_delta, timeout_s=r.request_timeout_s,
-                full_every=r.weight_sync_full_every,
+    sync = r.weight_sync
+    return dict(transport=sync.transport, shared_dir=sync.dir or str(Path(run_dir) / "weights"),
+                master_address=sync.master_address, verify=sync.verify,
+                delta=sync.delta, timeout_s=r.request_timeout_s,
+                full_every=sync.full_every,
                 # full: requests in flight live through the update and continue on the new weights
                 pause_mode="retract" if r.async_ == "full" else "abort")
 
@@ -205,13 +206,13 @@ class RLSession(Session):
         server_args = (["--max-running-requests", "1", "--disable-radix-cache"]
                        if r.deterministic else [])
         server_args += ["--device", r.local_server_device]
-        if r.weight_sync == "tensor":  # SGLang's pickled payloads, loopback
+        if r.weight_sync.transport == "tensor":  # SGLang's pickled payloads, loopback
             server_args.append("--allow-pickled-tensors")
         if self.cfg.gspo.routing_replay == "rollout":  # the rollouts ask for routed experts
             server_args.append("--enable-return-routed-experts")
         # update_weights_from_disk reads only the disk sync's directory (and the served model);
         # made here, before the servers check their --weight-roots
-        roots = Path(r.weight_sync_dir or self.run_dir / "weights")
+        roots = Path(r.weight_sync.dir or self.run_dir / "weights")
         roots.mkdir(parents=True, exist_ok=True)
         server_args += ["--weight-roots", str(roots)]
         cluster = LocalRolloutCluster(model_path, r.num_servers, log_dir=self.run_dir / "logs",

@@ -136,7 +136,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "it); default 32. Weight-update bodies have --max-weight-update-mb")
     p.add_argument("--max-weight-update-mb", type=float, default=4096, metavar="MB",
                    help="largest body of update_weights_from_tensor / _distributed in MiB (a "
-                        "base64 bucket is 4/3 of rollout.weight_sync_bucket_mb); default 4096")
+                        "base64 bucket is 4/3 of rollout.weight_sync.bucket_mb); default 4096")
     p.add_argument("--max-json-depth", type=int, default=64, metavar="N",
                    help="deepest nesting of arrays / objects in a JSON body (deeper: HTTP 400, "
                         "checked before parsing); default 64")

@@ -246,8 +246,8 @@ def server_command(layout: JobLayout, seed: int, colocated: bool, *, rollout=Non
             cmd.append("--enable-return-routed-experts")
     else:
         # the local server loads weight updates only from its --weight-roots: the disk sync's
-        # shared directory (rollout.weight_sync_dir, default <run dir>/weights)
-        roots = (rollout.weight_sync_dir if rollout is not None and rollout.weight_sync_dir
+        # shared directory (rollout.weight_sync.dir, default <run dir>/weights)
+        roots = (rollout.weight_sync.dir if rollout is not None and rollout.weight_sync.dir
                  else "$MGSPO_RUN_DIR/weights")
         cmd = ['exec "$MGSPO_PYTHON" -m launch.cli serve --model-path "$MGSPO_MODEL_PATH"',
                "--host 0.0.0.0", port, seed_arg, f'--weight-roots "{roots}"']

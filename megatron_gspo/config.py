@@ -326,6 +326,74 @@ class GSPOConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class WeightSyncConfig:
+    """The section ``rollout.weight_sync``: how the trainer's weights reach the rollout servers
+    after each training phase (``pipeline.weights.push``)."""
+
+    transport: Literal["disk", "tensor", "distributed"] = "disk"
+    """safetensors shards on a shared filesystem, written by every sending rank in parallel
+    (``disk``: ``pipeline.weights.disk``); SGLang's update_weights_from_tensor with CUDA-IPC /
+    shared-memory handles, for servers on the trainer's node (``tensor``; the local server needs
+    --allow-pickled-tensors); or a broadcast group per sending rank with every GPU of every
+    server, flattened buckets (``distributed``: NCCL on GPUs, gloo on CPU)."""
+    senders: Literal["auto", "rank", "node", "stage"] = "auto"
+    """Which training ranks send the weights (``megatron_gspo.hf.gather.sender_ranks``): ``rank``:
+    every rank that holds a tensor whole (or a TP group's first rank) sends its own (pipeline x
+    expert senders; the disk transport's shards are written by all of them in parallel);
+    ``node``: one rank per node and pipeline stage sends what its node's ranks of that stage hold
+    (moved to it inside the node first); ``stage``: one rank per pipeline stage (slime's choice).
+    With ``transport: distributed`` each sender is one NCCL update group that every
+    rollout-server GPU joins, its buffers outside SGLang's mem_fraction_static (``megatron-gspo
+    plan`` counts them): fewer senders, fewer groups. ``auto``: ``node`` for ``distributed``,
+    ``rank`` for ``disk`` and ``tensor`` (:meth:`resolved_senders`)."""
+    dir: Optional[str] = None
+    """Shared directory for the disk transport (default: <run.output_dir>/weights)."""
+    bucket_mb: int = 512
+    """Upper bound of one weight bucket in MiB (each sending rank holds two buckets)."""
+    dtype: Optional[Literal["bfloat16", "float32"]] = None
+    """The dtype of the weights on the wire (the servers cast to their own); null: the
+    parameters' dtype (model.params_dtype)."""
+    master_address: Optional[str] = None
+    """distributed: the address the servers reach a sending rank's broadcast group at; null: the
+    address of that rank's own network interface that routes to the first server (right on
+    every node). Set it only when that route is not the one the servers can use back."""
+    verify: bool | Literal["auto"] = "auto"
+    """After every sync, compare each bucket's checksum reported by the servers (every TP rank)
+    with the trainer's; a mismatch fails the sync. Checksums are an extension that only the
+    project's local rollout server offers (negotiated through its ``/server_info``; real SGLang
+    has none): ``auto`` verifies wherever every server offers it and says once that it cannot
+    otherwise; ``true`` requires it (an error against SGLang); ``false`` never verifies."""
+    delta: bool = False
+    """bf16 delta sync: send, per tensor, only the elements whose bf16 bits changed since the last
+    sync (int32 index + value) when that is smaller, with a full sync every full_every syncs and
+    whenever a server's weight version is not the last one sent. Needs dtype: bfloat16 (or bf16
+    parameters), the tensor or distributed transport and the local rollout server (an extension
+    negotiated through its ``/server_info``; SGLang has no delta format, so the first sync to an
+    SGLang server stops with an error naming this field). Costs one bf16 copy of the weights on
+    the sending ranks."""
+    full_every: int = 10
+    """K: with delta, every K-th sync sends every tensor in full."""
+
+    FORMER_SCALAR: ClassVar[str] = "transport"
+    """The field that ``rollout.weight_sync: <plain value>`` used to set (refused, naming it)."""
+
+    def resolved_senders(self) -> str:
+        """``senders`` with ``auto`` resolved."""
+        if self.senders != "auto":
+            return self.senders
+        return "node" if self.transport == "distributed" else "rank"
+
+    def __post_init__(self) -> None:
+        _require(self.bucket_mb >= 1,
+                 f"rollout.weight_sync.bucket_mb: must be >= 1, got {self.bucket_mb}")
+        _require(self.full_every >= 1,
+                 f"rollout.weight_sync.full_every: must be >= 1, got {self.full_every}")
+        _require(not self.delta or self.transport in ("tensor", "distributed"),
+                 "rollout.weight_sync.delta: needs rollout.weight_sync.transport tensor or "
+                 f"distributed (got {self.transport}: a disk sync rewrites whole shards)")
+
+
+@dataclass(kw_only=True, slots=True)
 class RolloutConfig:
     """Sampling parameters and where the rollout servers are."""
 
@@ -355,50 +423,9 @@ class RolloutConfig:
     exact resume comparison needs). SGLang's counterpart is --enable-deterministic-inference."""
     eval_samples_per_prompt: int = 4
     """n: samples per held-out prompt; pass@1 is averaged over them."""
-    weight_sync: Literal["disk", "tensor", "distributed"] = "disk"
-    """How weights reach the servers after each training phase (``pipeline.weights.push``):
-    safetensors shards on a shared filesystem, written by every sending rank in parallel
-    (``disk``); SGLang's update_weights_from_tensor with CUDA-IPC / shared-memory handles, for
-    servers on the trainer's node (``tensor``; the local server needs --allow-pickled-tensors);
-    or a broadcast group per sending rank with every GPU of every server, flattened buckets
-    (``distributed``: NCCL on GPUs, gloo on CPU)."""
-    weight_sync_senders: Literal["auto", "rank", "node", "stage"] = "auto"
-    """Which training ranks send the weights (``megatron_gspo.hf.gather.sender_ranks``): ``rank``:
-    every rank that holds a tensor whole (or a TP group's first rank) sends its own (pipeline x
-    expert senders; the disk transport's shards are written by all of them in parallel);
-    ``node``: one rank per node and pipeline stage sends what its node's ranks of that stage hold
-    (moved to it inside the node first); ``stage``: one rank per pipeline stage (slime's choice).
-    With ``weight_sync: distributed`` each sender is one NCCL update group that every
-    rollout-server GPU joins, its buffers outside SGLang's mem_fraction_static (``megatron-gspo
-    plan`` counts them): fewer senders, fewer groups. ``auto``: ``node`` for ``distributed``,
-    ``rank`` for ``disk`` and ``tensor``."""
-    weight_sync_dir: Optional[str] = None
-    """Shared directory for disk sync (default: <run.output_dir>/weights)."""
-    weight_sync_bucket_mb: int = 512
-    """Upper bound of one weight bucket in MiB (each sending rank holds two buckets)."""
-    weight_sync_dtype: Optional[Literal["bfloat16", "float32"]] = None
-    """The dtype of the weights on the wire (the servers cast to their own); null: the
-    parameters' dtype (model.params_dtype)."""
-    weight_sync_master_address: Optional[str] = None
-    """distributed: the address the servers reach a sending rank's broadcast group at; null: the
-    address of that rank's own network interface that routes to the first server (right on
-    every node). Set it only when that route is not the one the servers can use back."""
-    weight_sync_verify: bool | Literal["auto"] = "auto"
-    """After every sync, compare each bucket's checksum reported by the servers (every TP rank)
-    with the trainer's; a mismatch fails the sync. Checksums are an extension that only the
-    project's local rollout server offers (negotiated through its ``/server_info``; real SGLang
-    has none): ``auto`` verifies wherever every server offers it and says once that it cannot
-    otherwise; ``true`` requires it (an error against SGLang); ``false`` never verifies."""
-    weight_sync_delta: bool = False
-    """bf16 delta sync: send, per tensor, only the elements whose bf16 bits changed since the last
-    sync (int32 index + value) when that is smaller, with a full sync every
-    weight_sync_full_every syncs and whenever a server's weight version is not the last one sent.
-    Needs weight_sync_dtype: bfloat16 (or bf16 parameters), the tensor or distributed transport
-    and the local rollout server (an extension negotiated through its ``/server_info``; SGLang
-    has no delta format, so the first sync to an SGLang server stops with an error naming this
-    field). Costs one bf16 copy of the weights on the sending ranks."""
-    weight_sync_full_every: int = 10
-    """K: with weight_sync_delta, every K-th sync sends every tensor in full."""
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """How the weights reach the servers after each training phase (the section
+    ``rollout.weight_sync``)."""
     max_concurrency: int = 512
     """Requests the trainer's rollout client keeps in flight at once (to the router, or to the
     servers directly). Keep it at least the rollout batch (prompts x group_size, capped by the
@@ -428,12 +455,12 @@ class RolloutConfig:
     """Data-parallel attention inside each server, rollout.dp_size attention groups (what large
     MoE servers use): SGLang 0.5.23's --attn-dp-size rollout.dp_size (its old spelling
     --enable-dp-attention --dp-size N resolves to the same). The server stays one data-parallel
-    replica, so every weight_sync transport works."""
+    replica, so every rollout.weight_sync.transport works."""
     dp_size: int = 1
     """With enable_dp_attention: the attention data-parallel size (divides rollout.tp_size).
     Without it: SGLang --dp-size, data-parallel replicas inside one server (each replica
     tp_size / dp_size GPUs); SGLang updates such a server's weights only from disk, so
-    weight_sync tensor / distributed need dp_size 1."""
+    rollout.weight_sync.transport tensor / distributed need dp_size 1."""
     cuda_graph_max_bs: Optional[int] = None
     """SGLang --cuda-graph-max-bs-decode: the largest decode batch captured in a CUDA graph."""
     async_: Literal["off", "one_step", "full"] = "off"
@@ -456,12 +483,9 @@ class RolloutConfig:
 
     YAML_KEYS: ClassVar[dict] = {"async": "async_"}
     """YAML key -> field name, where the two differ."""
-
-    def senders(self) -> str:
-        """weight_sync_senders with ``auto`` resolved."""
-        if self.weight_sync_senders != "auto":
-            return self.weight_sync_senders
-        return "node" if self.weight_sync == "distributed" else "rank"
+    MOVED_KEYS: ClassVar[dict] = {f"weight_sync_{name}": f"weight_sync.{name}" for name in (
+        "senders", "dir", "bucket_mb", "dtype", "master_address", "verify", "delta", "full_every")}
+    """Old YAML key -> its key now (refused, naming the new key)."""
 
     def __post_init__(self) -> None:
         _require(self.max_staleness >= 0,
@@ -490,13 +514,6 @@ class RolloutConfig:
         _require(self.top_k == -1 or self.top_k >= 1, f"rollout.top_k: must be -1 or >= 1, got {self.top_k}")
         _require(self.eval_samples_per_prompt >= 1,
                  f"rollout.eval_samples_per_prompt: must be >= 1, got {self.eval_samples_per_prompt}")
-        _require(self.weight_sync_bucket_mb >= 1,
-                 f"rollout.weight_sync_bucket_mb: must be >= 1, got {self.weight_sync_bucket_mb}")
-        _require(self.weight_sync_full_every >= 1,
-                 f"rollout.weight_sync_full_every: must be >= 1, got {self.weight_sync_full_every}")
-        _require(not self.weight_sync_delta or self.weight_sync in ("tensor", "distributed"),
-                 "rollout.weight_sync_delta: needs rollout.weight_sync tensor or distributed "
-                 f"(got {self.weight_sync}: a disk sync rewrites whole shards)")
         _require(self.max_new_tokens >= 1,
                  f"rollout.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
         _require(self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
@@ -508,12 +525,13 @@ class RolloutConfig:
         _require(not self.enable_dp_attention or self.dp_size > 1,
                  "rollout.enable_dp_attention: needs rollout.dp_size > 1 (the number of attention "
                  f"data-parallel groups), got {self.dp_size}")
-        _require(self.enable_dp_attention or self.dp_size == 1 or self.weight_sync == "disk",
+        transport = self.weight_sync.transport
+        _require(self.enable_dp_attention or self.dp_size == 1 or transport == "disk",
                  f"rollout.dp_size: {self.dp_size} data-parallel replicas per server (no "
                  "rollout.enable_dp_attention): SGLang updates such servers only from disk, not "
-                 f"with rollout.weight_sync {self.weight_sync} (its update_weights_from_"
-                 "distributed / _tensor require dp_size 1); use weight_sync: disk, or set "
-                 "rollout.enable_dp_attention: true for data-parallel attention")
+                 f"with rollout.weight_sync.transport {transport} (its update_weights_from_"
+                 "distributed / _tensor require dp_size 1); use rollout.weight_sync.transport: "
+                 "disk, or set rollout.enable_dp_attention: true for data-parallel attention")
         _require(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
                  f"rollout.cuda_graph_max_bs: must be >= 1, got {self.cuda_graph_max_bs}")
 
@@ -1112,10 +1130,11 @@ def validate_sft_context_parallel(parallel: ParallelConfig) -> None:
 
 def validate_weight_sync(rollout: RolloutConfig, model: ModelConfig) -> None:
     """A delta sync compares bf16 bits: the wire dtype must be bfloat16."""
-    wire = rollout.weight_sync_dtype or model.params_dtype
-    _require(not rollout.weight_sync_delta or wire == "bfloat16",
-             f"rollout.weight_sync_delta: needs bf16 weights on the wire (rollout.weight_sync_dtype "
-             f"resolves to {wire}); set rollout.weight_sync_dtype: bfloat16")
+    wire = rollout.weight_sync.dtype or model.params_dtype
+    _require(not rollout.weight_sync.delta or wire == "bfloat16",
+             "rollout.weight_sync.delta: needs bf16 weights on the wire "
+             f"(rollout.weight_sync.dtype resolves to {wire}); set rollout.weight_sync.dtype: "
+             "bfloat16")
 
 
 def validate_data_parallel(cfg: Config, data_parallel_size: int) -> None:
@@ -1229,7 +1248,14 @@ def _build(cls: type, data: Any, path: str) -> Any:
     if data is None:
         data = {}
     prefix = f"{path}." if path else ""
+    former = getattr(cls, "FORMER_SCALAR", None)
+    _require(isinstance(data, dict) or former is None or isinstance(data, (list, tuple)),
+             f"{path}: {shown(data)} is a plain value, but {path} is a section now; write "
+             f"{path}.{former}: {shown(data)}")
     _require(isinstance(data, dict), f"{path or 'config'}: expected a mapping, got {shown(data)}")
+    moved = getattr(cls, "MOVED_KEYS", {})
+    _require(not any(k in moved for k in data), "; ".join(
+        f"{prefix}{k}: moved to {prefix}{moved[k]}" for k in data if k in moved))
     hints = typing.get_type_hints(cls)
     names = {_yaml_key(cls, f.name): f.name for f in dataclasses.fields(cls)}
     unknown = [k for k in data if k not in names]

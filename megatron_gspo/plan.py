@@ -26,7 +26,7 @@ communication & runtime     CUDA context, NCCL communicators and Megatron's MoE 
                             nothing on CPU (gloo's buffers are negligible)
 weight-sync gather buffers  GPU: two flat buckets per sending rank (``megatron_gspo.hf.gather``:
                             sized by the largest bucket the rank sends, at most
-                            ``rollout.weight_sync_bucket_mb`` unless one tensor is larger), made
+                            ``rollout.weight_sync.bucket_mb`` unless one tensor is larger), made
                             at the first sync and held for the whole run
 ==========================  ==================================================================
 
@@ -42,9 +42,9 @@ Besides the training ranks' GPU peak, the plan reports:
   each other rank receives only the rows it trains on, 1/dp of it
   (``RLTrainer.scatter_routed_experts``: raw bytes, no pickling); printed with its size also
   when replay is off;
-* per rollout-server GPU (``rollout.weight_sync: distributed``): the NCCL buffers of the weight
-  update groups. ``pipeline.weights.push`` makes one update group per sending rank of the gather
-  (:func:`update_group_count`: ``rollout.weight_sync_senders``: one per node and pipeline stage,
+* per rollout-server GPU (``rollout.weight_sync.transport: distributed``): the NCCL buffers of
+  the weight update groups. ``pipeline.weights.distributed`` makes one update group per sending
+  rank of the gather (:func:`update_group_count`: ``rollout.weight_sync.senders``: one per node and pipeline stage,
   per stage, or per source rank, ``parallel.pipeline x parallel.expert``), and every SGLang
   GPU joins each of them; each is estimated at ``NCCL_UPDATE_GROUP_BYTES`` (below). NCCL
   allocates them with cudaMalloc outside PyTorch's caching allocator, i.e. outside SGLang's
@@ -70,10 +70,13 @@ numbers in docs/performance.md) and against published working layouts
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_gspo.config import Config, ConfigError, padded_vocab_size, pipeline_stage_layers
+from megatron_gspo.parallel import derive_layout
 
 GIB = float(1 << 30)
 
@@ -338,14 +341,14 @@ def micro_batches_per_step(cfg: Config, data_parallel: int) -> Optional[int]:
 
 
 def _wire_bytes(cfg: Config) -> int:
-    dtype = cfg.rollout.weight_sync_dtype or cfg.model.params_dtype
+    dtype = cfg.rollout.weight_sync.dtype or cfg.model.params_dtype
     return 2 if dtype == "bfloat16" else 4
 
 
 def gather_buffer_bytes(cfg: Config, stage: int) -> tuple[float, float]:
     """(bytes of ONE of the two flat buffers a sending rank of ``stage`` holds, its largest HF
     tensor in bytes). ``hf.gather._buffer_pool`` sizes both to the largest bucket the rank sends:
-    ``rollout.weight_sync_bucket_mb``, or a single larger tensor (a bucket holds at least one),
+    ``rollout.weight_sync.bucket_mb``, or a single larger tensor (a bucket holds at least one),
     at most everything the rank sends (its stage's tensors whole: TP shards gathered to it)."""
     m, p = cfg.model, cfg.parallel
     B = _wire_bytes(cfg)
@@ -356,7 +359,7 @@ def gather_buffer_bytes(cfg: Config, stage: int) -> tuple[float, float]:
         largest = max(largest, m.vocab_size * h)  # embed_tokens / lm_head (HF: unpadded)
     dense, expert = stage_params(cfg, stage)
     sent = (dense * p.tensor + expert * p.expert_tensor_size()) * B
-    bucket = cfg.rollout.weight_sync_bucket_mb * MIB
+    bucket = cfg.rollout.weight_sync.bucket_mb * MIB
     return min(sent, max(bucket, largest * B)), largest * B
 
 
@@ -372,14 +375,15 @@ def routing_replay_bytes(cfg: Config) -> tuple[float, str]:
 
 
 GPUS_PER_NODE = 8
-"""The planner's assumption for ``rollout.weight_sync_senders: node`` (H100 / H200 nodes)."""
+"""The planner's assumption for ``rollout.weight_sync.senders: node`` (H100 / H200 nodes)."""
 
 
 def update_group_count(cfg: Config, world_size: Optional[int] = None, *,
                        mode: Optional[str] = None) -> int:
-    """The weight-update groups every SGLang GPU joins with ``rollout.weight_sync: distributed``:
-    one per sending rank (``pipeline.weights.push.WeightPusher._make_groups``), which
-    ``rollout.weight_sync_senders`` chooses (``megatron_gspo.hf.gather.sender_ranks``):
+    """The weight-update groups every SGLang GPU joins with ``rollout.weight_sync.transport:
+    distributed``: one per sending rank
+    (``pipeline.weights.distributed.DistributedTransport._make_groups``), which
+    ``rollout.weight_sync.senders`` chooses (``megatron_gspo.hf.gather.sender_ranks``):
 
     * ``rank``: ``hf.gather`` sends each HF tensor from the lowest rank holding it whole, else
       the lowest holding a piece of it. Per pipeline stage that is one rank for the dense tensors
@@ -392,7 +396,7 @@ def update_group_count(cfg: Config, world_size: Optional[int] = None, *,
 
     ``mode``: that setting instead of the configuration's (resolved)."""
     p = cfg.parallel
-    mode = mode or cfg.rollout.senders()
+    mode = mode or cfg.rollout.weight_sync.resolved_senders()
     if mode == "stage" or (mode == "node" and world_size is None):
         return p.pipeline
     if mode == "node":
@@ -404,9 +408,6 @@ def update_group_count(cfg: Config, world_size: Optional[int] = None, *,
 def _check_sizes(world_size, gpu_memory_gib, moe_imbalance) -> None:
     """Refuse zero / negative / NaN / infinite sizes (and non-numbers), naming the
     ``megatron-gspo plan`` flag."""
-    import math
-    import numbers
-
     if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) \
             or world_size < 1:
         raise ConfigError(f"--world-size: must be a positive integer (training ranks), "
@@ -430,8 +431,6 @@ def _communicators(layout) -> int:
 def plan_memory(cfg: Config, world_size: int, gpu_memory_gib: float, *, spec: str = "te",
                 device: str = "gpu", moe_imbalance: float = 1.0) -> MemoryPlan:
     """The memory plan of every pipeline stage of ``cfg`` on ``world_size`` training ranks."""
-    from megatron_gspo.parallel import derive_layout
-
     if spec not in ("te", "local"):
         raise ValueError(f"spec: 'te' or 'local', got {spec!r}")
     if device not in ("gpu", "cpu"):
@@ -545,9 +544,9 @@ def plan_memory(cfg: Config, world_size: int, gpu_memory_gib: float, *, spec: st
             one, largest = gather_buffer_bytes(cfg, stage)
             items.append(Item("weight-sync gather buffers", 2 * one,
                               f"(2 x {one / MIB:.0f} MiB on a sending rank, held for the run: "
-                              f"rollout.weight_sync_bucket_mb {cfg.rollout.weight_sync_bucket_mb}"
+                              f"rollout.weight_sync.bucket_mb {cfg.rollout.weight_sync.bucket_mb}"
                               + (f", a {largest / MIB:.0f} MiB tensor" if largest > one * 0.999
-                                 and largest > cfg.rollout.weight_sync_bucket_mb * MIB else "")
+                                 and largest > cfg.rollout.weight_sync.bucket_mb * MIB else "")
                               + ")"))
         items.append(Item("communication & runtime", comm,
                           f"(CUDA context, NCCL x{_communicators(layout)} communicators, "
@@ -584,10 +583,11 @@ def plan_memory(cfg: Config, world_size: int, gpu_memory_gib: float, *, spec: st
 
 def _rollout_server_notes(cfg: Config, gpu_memory_gib: float,
                           world_size: Optional[int] = None) -> list[str]:
-    """Per SGLang GPU: the weight-update groups' NCCL buffers (``weight_sync: distributed``)."""
-    r, p = cfg.rollout, cfg.parallel
+    """Per SGLang GPU: the weight-update groups' NCCL buffers (``rollout.weight_sync.transport:
+    distributed``)."""
+    r, p, sync = cfg.rollout, cfg.parallel, cfg.rollout.weight_sync
     # what distributed would use: auto resolves to node there
-    mode = r.senders() if r.weight_sync == "distributed" or r.weight_sync_senders != "auto" \
+    mode = sync.resolved_senders() if sync.transport == "distributed" or sync.senders != "auto" \
         else "node"
     count = update_group_count(cfg, world_size, mode=mode)
     groups = NCCL_UPDATE_GROUP_BYTES * count
@@ -595,13 +595,13 @@ def _rollout_server_notes(cfg: Config, gpu_memory_gib: float,
                    f"{p.expert if cfg.model.num_experts else 1}",
            "stage": f"one per pipeline stage: {p.pipeline}",
            "node": f"one per node and pipeline stage, {GPUS_PER_NODE} GPUs per node"}[mode]
-    estimate = (f"{count} update group(s) ({why}; rollout.weight_sync_senders "
-                f"{r.weight_sync_senders}) x "
+    estimate = (f"{count} update group(s) ({why}; rollout.weight_sync.senders "
+                f"{sync.senders}) x "
                 f"{NCCL_UPDATE_GROUP_BYTES / MIB:.0f} MiB NCCL buffers (NCCL_BUFFSIZE "
                 f"{NCCL_BUFFSIZE / MIB:.0f} MiB x {NCCL_CHANNELS} channels x 2) = "
                 f"{groups / GIB:.2f} GiB")
-    if r.weight_sync != "distributed":
-        return [f"rollout-server GPU: no weight-update groups (weight_sync {r.weight_sync}); "
+    if sync.transport != "distributed":
+        return [f"rollout-server GPU: no weight-update groups (weight_sync {sync.transport}); "
                 f"weight_sync distributed would add {estimate} per SGLang GPU, outside "
                 "mem_fraction_static"]
     fraction = r.mem_fraction_static

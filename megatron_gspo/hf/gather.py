@@ -238,7 +238,7 @@ def _build_plan(pieces, model_cfg: ModelConfig, dtype: torch.dtype, bucket_bytes
 
 def sender_ranks(mode: str, pipeline_rank: int) -> Optional[list[int]]:
     """Collective (the default group): rank -> the rank that sends its tensors to the rollout
-    servers, for ``rollout.weight_sync_senders``: ``rank`` -> None (every source rank sends its
+    servers, for ``rollout.weight_sync.senders``: ``rank`` -> None (every source rank sends its
     own: one update group per source); ``stage`` -> the lowest rank of its pipeline stage;
     ``node`` -> the lowest rank on the same host and pipeline stage (no byte crosses a node or a
     stage inside the trainer, and every server GPU joins one update group per node-stage)."""
@@ -247,7 +247,7 @@ def sender_ranks(mode: str, pipeline_rank: int) -> Optional[list[int]]:
     if mode == "rank":
         return None
     if mode not in ("stage", "node"):
-        raise ValueError(f"weight_sync_senders {mode!r}: expected rank, stage or node")
+        raise ValueError(f"rollout.weight_sync.senders {mode!r}: expected rank, stage or node")
     key = (socket.gethostname() if mode == "node" else "", pipeline_rank)
     keys: list = [None] * dist.get_world_size()
     dist.all_gather_object(keys, key)

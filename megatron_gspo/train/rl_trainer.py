@@ -335,16 +335,17 @@ class RLTrainer(CheckpointedTrainer):
     def hf_buckets(self):
         """Collective: the live policy as a stream of full Hugging Face tensor buckets
         (``megatron_gspo.hf.gather.BucketStream``) on their sending ranks; every rank iterates it
-        to the end. Bucket size ``rollout.weight_sync_bucket_mb``, dtype
-        ``rollout.weight_sync_dtype``; the plan and the buffers are made once and kept."""
+        to the end. Bucket size ``rollout.weight_sync.bucket_mb``, dtype
+        ``rollout.weight_sync.dtype``; the plan and the buffers are made once and kept."""
         if getattr(self, "_hf_gather", None) is None:
             from megatron_gspo.hf.gather import HFGather, sender_ranks
 
             rollout = self.cfg.rollout
-            dtype = getattr(torch, rollout.weight_sync_dtype) if rollout.weight_sync_dtype else None
-            senders = sender_ranks(rollout.senders(),
+            dtype = getattr(torch, rollout.weight_sync.dtype) if rollout.weight_sync.dtype else None
+            senders = sender_ranks(rollout.weight_sync.resolved_senders(),
                                    self.pg.pp.rank())
-            self._hf_gather = HFGather(self.cfg.model, bucket_bytes=rollout.weight_sync_bucket_mb << 20,
+            self._hf_gather = HFGather(self.cfg.model,
+                                       bucket_bytes=rollout.weight_sync.bucket_mb << 20,
                                        dtype=dtype, senders=senders)
         return self._hf_gather.buckets(self.gpt, self.pg)
 

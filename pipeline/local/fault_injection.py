@@ -4,7 +4,7 @@
 weight update (any ``/update_weights_from_*`` call answered 200), add Gaussian noise to every
 floating-point weight: ``w += R * rms(w) * N(0, 1)`` elementwise, from a generator seeded by
 ``--random-seed`` and a counter (reproducible). The update itself and its answer are untouched,
-so the trainer's weight sync succeeds as usual (with ``rollout.weight_sync_verify: false``: the
+so the trainer's weight sync succeeds as usual (with ``rollout.weight_sync.verify: false``: the
 per-bucket checksums are those of the received weights, computed before the noise, but a later
 sync's checksums would show it), and only the watchdog (``pipeline/weights/parity.py``) can tell that
 the server does not serve the trainer's policy. Never use it for anything else.

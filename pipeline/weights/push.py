@@ -11,7 +11,10 @@ collective the pusher iterates to the end on every rank)::
 A bucket (duck-typed: ``index``, ``count``, ``source``, ``names``, ``shapes``, ``dtype``,
 ``nbytes``, ``flat``, ``named_tensors()``) is what ``megatron_gspo.hf.gather`` yields: full HF
 tensors in SGLang's flattened layout, on the bucket's source rank. Each source rank sends its own
-buckets; nothing funnels through rank 0. Wire formats: :mod:`pipeline.weights.transport`.
+buckets; nothing funnels through rank 0. Wire formats: :mod:`pipeline.weights.transport`. What
+differs between the three transports (the interface: :mod:`pipeline.weights.interface`) is in
+one module each: :mod:`pipeline.weights.disk`, :mod:`pipeline.weights.tensor`,
+:mod:`pipeline.weights.distributed`; the pusher chooses one in its constructor.
 
 One push follows SGLang 0.5.23's contract (docs/sglang_protocol.md, "Weight updates"):
 
@@ -53,10 +56,10 @@ One push follows SGLang 0.5.23's contract (docs/sglang_protocol.md, "Weight upda
 (the default) checks buckets where every server can report checksums and says once that it
 cannot elsewhere; ``verify=True`` requires it. **Checks** (``verify``): for every bucket the
 server reports a checksum of the tensors it now holds, per TP rank
-(``weight_transport.bucket_checksum``), compared with the trainer's own, which the gather
+(``transport.bucket_checksum``), compared with the trainer's own, which the gather
 computes per tensor as it assembles it (``BucketStream.tensor_hook``). **Delta** (``delta``,
 bf16 only): after a full push the sources keep the bytes they sent; later pushes send, per
-tensor, only the changed elements when that is smaller (``weight_transport.delta_encode``), and
+tensor, only the changed elements when that is smaller (``transport.delta_encode``), and
 a full push every ``full_every`` pushes or whenever a server's weight version (``/model_info``) is
 not the one last pushed (a restarted server).
 
@@ -68,9 +71,7 @@ rank raises the same :class:`WeightPushError`, naming the server and the call th
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import logging
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,7 +82,12 @@ import torch.distributed as dist
 
 from pipeline.generation import client as rollout
 from pipeline.weights import transport as wt
-Transport = Literal["disk", "tensor", "distributed"]
+from pipeline.weights.disk import DiskTransport
+from pipeline.weights.distributed import DistributedTransport
+from pipeline.weights.interface import Transport, all_gather, broadcast_from_rank0, guard
+from pipeline.weights.tensor import TensorTransport
+
+TransportName = Literal["disk", "tensor", "distributed"]
 LOCAL_SERVER = "megatron-gspo local rollout server"  # its /server_info "implementation"
 EXTENSIONS_KEY = "megatron_gspo_extensions"  # /server_info: the extensions a local server offers
 EXTENSIONS_HEADER = "X-Megatron-Gspo-Extensions"  # a request's negotiated extensions
@@ -140,18 +146,27 @@ class SyncStats:
                 "paused_s": float(self.phases.get("paused_s", 0.0))}
 
 
+def offered_extensions(info: dict) -> set[str]:
+    """The extensions a server's ``/server_info`` offers (none unless it is the local server)."""
+    if info.get("implementation") != LOCAL_SERVER:
+        return set()
+    return {str(e) for e in (info.get(EXTENSIONS_KEY) or [])}
+
+
 class WeightPusher:
     """Pushes bucket streams to rollout servers; see the module docstring. Every rank holds one
     with the same arguments; ``group`` carries the small control messages (None: the default).
 
-    ``master_address``: the address the servers reach a source rank's update group at; None: the
-    address of the source's own interface that routes to the first server. ``timeout_s``: every
-    HTTP call of a push (``rollout.request_timeout_s``: a large disk reload can take minutes).
-    ``pause_mode``: ``abort`` or ``retract`` (SGLang's ``in_place`` keeps the paused requests' KV,
-    so SGLang refuses the flush the new weights need: refused here).
+    ``transport``: ``disk`` (needs ``shared_dir``; ``keep_versions`` directories stay),
+    ``tensor`` or ``distributed`` (``master_address``: the address the servers reach a source
+    rank's update group at; None: the address of the source's own interface that routes to the
+    first server; ``backend``: the groups' backend). ``timeout_s``: every HTTP call of a push
+    (``rollout.request_timeout_s``: a large disk reload can take minutes). ``pause_mode``:
+    ``abort`` or ``retract`` (SGLang's ``in_place`` keeps the paused requests' KV, so SGLang
+    refuses the flush the new weights need: refused here).
     """
 
-    def __init__(self, server_urls: Sequence[str], *, transport: Transport = "disk",
+    def __init__(self, server_urls: Sequence[str], *, transport: TransportName = "disk",
                  shared_dir: Optional[str | Path] = None, pause_mode: str = "abort",
                  timeout_s: float = 600.0, master_address: Optional[str] = None,
                  group_name: str = "megatron_gspo_weights", backend: Optional[str] = None,
@@ -167,9 +182,17 @@ class WeightPusher:
             raise ValueError(f"verify {verify!r}: expected true, false or 'auto'")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
-        if transport == "disk" and shared_dir is None:
-            raise ValueError("transport 'disk' needs shared_dir (a filesystem the servers read)")
-        if delta and transport == "disk":
+        # The one choice of the transport: nothing below asks which one it is.
+        self._transport: Transport
+        if transport == "disk":
+            self._transport = DiskTransport(self, shared_dir=shared_dir,
+                                            keep_versions=keep_versions, spare_name=group_name)
+        elif transport == "tensor":
+            self._transport = TensorTransport(self)
+        else:
+            self._transport = DistributedTransport(self, master_address=master_address,
+                                                   group_name=group_name, backend=backend)
+        if delta and not self._transport.supports_delta:
             raise ValueError("delta pushes need transport 'distributed' or 'tensor'")
         if full_every < 1:
             raise ValueError(f"full_every: must be >= 1, got {full_every}")
@@ -177,41 +200,23 @@ class WeightPusher:
             raise ValueError("no rollout servers to push to")
         self.server_urls = [u.rstrip("/") for u in server_urls]
         self.transport = transport
-        self.shared_dir = Path(shared_dir) if shared_dir is not None else None
         self.pause_mode = pause_mode
         self.timeout_s = timeout_s
-        self.master_address = master_address
-        self.group_name = group_name
-        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        self.keep_versions = keep_versions
         self.delta, self.full_every, self.verify = delta, full_every, verify
         self.group = group
-        self._tp: Optional[list[int]] = None  # per server
+        self.tp: Optional[list[int]] = None
+        """Per server, its TP size (``/server_info``, read at each push's start)."""
+        self.verify_now = False
+        """This push verifies checksums (negotiated)."""
+        self.pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=_POOL_PER_SERVER * len(self.server_urls) + 4)
         self._infos: dict[str, dict] = {}  # url -> its /server_info (read once per server)
         self._ext: list[str] = []  # per server: the extensions this push negotiated ("" = none)
-        self._verify_now = False  # this push verifies checksums (negotiated)
         self._said_unverified = False
-        self._session_open = False  # rank 0: a weight-update session is open on the servers
-        self._update_group = None  # this rank's (a source's) update group
-        self._group_made = False
-        self._written: list[Path] = []
-        self._spare: Optional[Path] = None  # disk: a retired version's directory, to overwrite
+        self._paused_at = 0.0  # rank 0: when this push paused the servers
         self._base: dict[int, torch.Tensor] = {}  # delta: bucket index -> the bytes last sent
         self._pushes = 0
         self._last_ok: Optional[str] = None  # the version of the last successful push
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=_POOL_PER_SERVER * len(self.server_urls) + 4)
-
-    # ------------------------------------------------------------------ collectives (control)
-    def _broadcast(self, obj):
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
-
-    def _all_gather(self, obj) -> list:
-        out = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
 
     # ------------------------------------------------------------------ public
     def push(self, stream, version: str) -> SyncStats:
@@ -225,28 +230,26 @@ class WeightPusher:
         # 1. pause, server info, full or delta
         begin = None
         if rank == 0:
-            begin = self._guard(self._begin, stream, stats)
-        error, info = self._broadcast(begin)
+            begin = guard(self._begin, stream, stats)
+        error, info = broadcast_from_rank0(begin, self.group)
         if error is None:
-            self._tp, full = info["tp"], info["full"]
-            self._ext, self._verify_now = info["ext"], info["verify"]
+            self.tp, full = info["tp"], info["full"]
+            self._ext, self.verify_now = info["ext"], info["verify"]
             stats.delta = not full
             stats.phases.update(info["phases"])
         else:
             full = True
-        # 2. update groups (first push)
-        if error is None and self.transport == "distributed" and not self._group_made:
-            t0 = time.perf_counter()
-            error = self._make_groups(stream.sources)
-            stats.phases["init_groups_s"] = time.perf_counter() - t0
+        # 2. what the transport needs before the first bucket (update groups: first push)
+        if error is None:
+            error = self._transport.connect(stream.sources, stats)
         # 3. the buckets (the trainer's checksum summed per tensor during the gather, in cache)
-        if error is None and self._verify_now and hasattr(stream, "tensor_hook"):
+        if error is None and self.verify_now and hasattr(stream, "tensor_hook"):
             stream.tensor_hook = _tensor_sums
         mine: dict[int, dict] = {}  # bucket index -> {"checksum", "shard", "wire"}
         local_error = self._send_all(stream, version, full, mine, stats) if error is None \
             else self._drain(stream)
-        outcomes = self._all_gather((local_error, mine, stats.seconds_gather,
-                                     stats.seconds_send))
+        outcomes = all_gather((local_error, mine, stats.seconds_gather, stats.seconds_send),
+                              self.group)
         errors = [e for e, _, _, _ in outcomes if e is not None]
         error = error or (errors[0] if errors else None)
         buckets = {b: v for _, m, _, _ in outcomes for b, v in m.items()}
@@ -261,10 +264,10 @@ class WeightPusher:
         end = None
         if rank == 0:
             end = error if error is not None else \
-                self._guard(self._end, version, buckets, stats, stream)[0]
+                guard(self._end, version, buckets, stats, stream)[0]
             if end is not None:
                 end = self._recover(end)
-        final = self._broadcast((end, stats.verified_buckets, stats.phases))
+        final = broadcast_from_rank0((end, stats.verified_buckets, stats.phases), self.group)
         if final[0] is not None:
             self._last_ok = None
             self._base.clear()
@@ -277,28 +280,10 @@ class WeightPusher:
         return stats
 
     def close(self) -> None:
-        """Destroy the update groups (server side first, then this rank's); remove the disk
-        transport's spare directory (the versions it wrote stay)."""
-        self._destroy_groups()
-        if self._spare is not None:
-            shutil.rmtree(self._spare, ignore_errors=True)
-            self._spare = None
-        self._pool.shutdown(wait=True)
-
-    def _destroy_groups(self) -> None:
-        """Tear down the update groups on the servers (a dead one does not answer: nothing to
-        undo there) and on this rank; the next push makes them again."""
-        if self._update_group is not None:
-            name = self._my_group_name()
-            for url in self.server_urls:
-                try:
-                    rollout.control(url, "/destroy_weights_update_group", {"group_name": name},
-                                    timeout_s=self.timeout_s)
-                except rollout.RolloutError:
-                    pass
-            wt.destroy_group(self._update_group)
-            self._update_group = None
-        self._group_made = False
+        """Release what the transport holds (the update groups, server side first, then this
+        rank's; the disk transport's spare directory - the versions it wrote stay)."""
+        self._transport.close()
+        self.pool.shutdown(wait=True)
 
     def set_servers(self, server_urls: Sequence[str], *, renewed: Sequence[str] = ()) -> None:
         """Push to ``server_urls`` from the next push on (``pipeline.servers.pool``: a dead server
@@ -312,38 +297,40 @@ class WeightPusher:
             raise ValueError("no rollout servers to push to")
         if urls == self.server_urls and not renewed:
             return
-        self._destroy_groups()
+        self._transport.reset()
         for url in set(self.server_urls) - set(urls) | {u.rstrip("/") for u in renewed}:
             self._infos.pop(url, None)
-        self.server_urls, self._tp = urls, None
+        self.server_urls, self.tp = urls, None
         self._last_ok = None
         self._base.clear()
         workers = _POOL_PER_SERVER * len(urls) + 4
-        if workers > self._pool._max_workers:
-            self._pool.shutdown(wait=True)
-            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
+        if workers > self.pool._max_workers:
+            self.pool.shutdown(wait=True)
+            self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
 
-    # ------------------------------------------------------------------ helpers
-    @staticmethod
-    def _guard(fn, *args):
-        """(None, result) or (message, None): failures travel to every rank."""
-        try:
-            return None, fn(*args)
-        except Exception as err:  # noqa: BLE001 - re-raised on every rank
-            return f"{type(err).__name__}: {err}", None
-
-    def _each_server(self, fn) -> list:
-        futures = [self._pool.submit(fn, url) for url in self.server_urls]
+    # ------------------------------------------------------------------ for the transports
+    def each_server(self, fn) -> list:
+        """``fn(url)`` for every server, concurrently; the results in server order."""
+        futures = [self.pool.submit(fn, url) for url in self.server_urls]
         return [f.result() for f in futures]
 
-    def _my_group_name(self) -> str:
-        return f"{self.group_name}_r{dist.get_rank()}"
-
-    def _headers(self, server_index: int) -> Optional[dict]:
+    def headers(self, server_index: int) -> Optional[dict]:
         """The negotiation header of a request to server ``server_index`` (None: plain SGLang)."""
         ext = self._ext[server_index] if server_index < len(self._ext) else ""
         return {EXTENSIONS_HEADER: ext} if ext else None
 
+    def check(self, url: str, what: str, answer, expected: str) -> None:
+        """Raise unless every TP rank's checksum of ``what`` in ``answer`` is ``expected``."""
+        got = answer.get("checksums") if isinstance(answer, dict) else None
+        if not got:
+            raise ValueError(f"{url}: no checksum of {what} in the answer, although the server "
+                             "offered checksums and the request negotiated them")
+        bad = [i for i, c in enumerate(got) if c != expected]
+        if bad:
+            raise ValueError(f"{url}: {what}: checksum of TP rank(s) {bad} is {got[bad[0]]}, the "
+                             f"trainer sent {expected}")
+
+    # ------------------------------------------------------------------ steps 1 and 4 (rank 0)
     def _server_info(self, url: str) -> dict:
         """``/server_info`` of ``url``, read once (again after ``set_servers`` renews it)."""
         if url not in self._infos:
@@ -351,30 +338,23 @@ class WeightPusher:
             self._infos[url] = info if isinstance(info, dict) else {}
         return self._infos[url]
 
-    @staticmethod
-    def offered_extensions(info: dict) -> set[str]:
-        """The extensions a server's ``/server_info`` offers (none unless it is the local server)."""
-        if info.get("implementation") != LOCAL_SERVER:
-            return set()
-        return {str(e) for e in (info.get(EXTENSIONS_KEY) or [])}
-
     def _negotiate(self, infos: list[dict]) -> tuple[list[str], bool]:
         """Per server, the extensions this push uses; whether it verifies checksums."""
-        offered = [self.offered_extensions(i) for i in infos]
+        offered = [offered_extensions(i) for i in infos]
         lacking = lambda ext: [u for u, o in zip(self.server_urls, offered) if ext not in o]  # noqa: E731
         if self.delta and lacking("delta"):
-            raise ValueError(f"rollout.weight_sync_delta: {lacking('delta')} offer no delta pushes "
+            raise ValueError(f"rollout.weight_sync.delta: {lacking('delta')} offer no delta pushes "
                              "(only the project's local rollout server does; SGLang has no delta "
-                             "format): set rollout.weight_sync_delta: false")
+                             "format): set rollout.weight_sync.delta: false")
         verify = bool(self.verify) and not lacking("checksums")
         if self.verify is True and not verify:
-            raise ValueError(f"rollout.weight_sync_verify: {lacking('checksums')} cannot report "
+            raise ValueError(f"rollout.weight_sync.verify: {lacking('checksums')} cannot report "
                              "bucket checksums (only the project's local rollout server does): "
-                             "set rollout.weight_sync_verify: auto or false")
+                             "set rollout.weight_sync.verify: auto or false")
         if self.verify == "auto" and not verify and not self._said_unverified:
             self._said_unverified = True
             msg = (f"weight sync: {lacking('checksums')} report no bucket checksums, so the "
-                   "pushed weights are not verified (rollout.weight_sync_verify: auto)")
+                   "pushed weights are not verified (rollout.weight_sync.verify: auto)")
             log.warning(msg)
             print(msg, flush=True)
         ext = []
@@ -386,64 +366,50 @@ class WeightPusher:
 
     def _begin(self, stream, stats: SyncStats) -> dict:
         t0 = self._paused_at = time.perf_counter()
-        self._each_server(lambda u: rollout.control(u, "/pause_generation",
-                                                    {"mode": self.pause_mode},
-                                                    timeout_s=self.timeout_s))
-        infos = self._each_server(self._server_info)
+        self.each_server(lambda u: rollout.control(u, "/pause_generation",
+                                                   {"mode": self.pause_mode},
+                                                   timeout_s=self.timeout_s))
+        infos = self.each_server(self._server_info)
         phases = {"pause_s": time.perf_counter() - t0}
         tp = []
         for url, info in zip(self.server_urls, infos):
-            if self.transport != "disk" and int(info.get("dp_size") or 1) != 1:
-                raise ValueError(
-                    f"{url}: rollout.weight_sync {self.transport}: the server runs "
-                    f"{info.get('dp_size')} data-parallel replicas (dp_size), and SGLang updates "
-                    "weights from a group or from tensors only with dp_size 1; use "
-                    "rollout.weight_sync: disk, or data-parallel attention (attn_dp_size)")
-            if self.transport == "distributed" and int(info.get("pp_size") or 1) != 1:
-                raise ValueError(f"{url}: rollout.weight_sync distributed: servers with pp_size "
-                                 f"{info.get('pp_size')} > 1 are not supported (their update-group "
-                                 "ranks are not tp_rank + rank_offset); use disk")
+            self._transport.check_server(url, info)
             tp.append(int(info.get("tp_size") or 1))
         ext, verify = self._negotiate(infos)
         full = True
         if self.delta:
             if stream.dtype.itemsize != 2:
-                raise ValueError(f"rollout.weight_sync_delta: needs 16-bit weights on the wire "
-                                 f"(got {stream.dtype}); set rollout.weight_sync_dtype: bfloat16")
-            versions = self._each_server(lambda u: (rollout.control(
+                raise ValueError(f"rollout.weight_sync.delta: needs 16-bit weights on the wire "
+                                 f"(got {stream.dtype}); set rollout.weight_sync.dtype: bfloat16")
+            versions = self.each_server(lambda u: (rollout.control(
                 u, "/model_info", method="GET", timeout_s=self.timeout_s) or {}).get(
                 "weight_version"))
             full = (self._pushes % self.full_every == 0 or self._last_ok is None
                     or any(v != self._last_ok for v in versions))
-        if self.transport != "disk":  # 0.5.23: tensor / distributed updates only in a session
-            self._session_open = True
-            self._each_server(lambda u: rollout.control(u, "/begin_weight_update",
-                                                        {"selector": "all"},
-                                                        timeout_s=self.timeout_s))
-        if self.transport == "disk":
-            tmp = self._version_dir(stats.weight_version, tmp=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            if self._spare is not None and self._spare.is_dir():
-                # The retired version's files are overwritten in place (wt.write_shard): their
-                # pages are reused, not allocated and zeroed again on every push.
-                self._spare.rename(tmp)
-            else:
-                tmp.mkdir(parents=True)
-            self._spare = None
+        self._transport.begin(stats.weight_version)
         return {"tp": tp, "full": full, "phases": phases, "ext": ext, "verify": verify}
+
+    def _end(self, version: str, buckets: dict, stats: SyncStats, stream) -> None:
+        self._transport.end(version, buckets, stats, stream)
+        t0 = time.perf_counter()
+        self.each_server(lambda u: rollout.control(u, "/update_weight_version",
+                                                   {"new_version": version,
+                                                    "abort_all_requests": False},
+                                                   timeout_s=self.timeout_s))
+        # abort and retract alike: the radix cache holds KV of the old weights (0.5.23 lets a
+        # paused engine flush with retracted requests waiting; they are recomputed on continue).
+        self.each_server(lambda u: rollout.flush_cache(u, timeout_s=self.timeout_s))
+        self.each_server(lambda u: rollout.control(u, "/continue_generation", {},
+                                                   timeout_s=self.timeout_s))
+        stats.phases["flush_continue_s"] = time.perf_counter() - t0
+        # what generation waited: from the pause request to the last server's continue
+        stats.phases["paused_s"] = time.perf_counter() - self._paused_at
 
     def _recover(self, error: str) -> str:
         """Rank 0, after a failed step: close the session, resume generation on every server that
         answers; returns ``error`` with what recovery could not do."""
-        notes = []
-        if self._session_open:
-            self._session_open = False
-            for url in self.server_urls:
-                try:
-                    rollout.control(url, "/end_weight_update", {}, timeout_s=min(self.timeout_s, 60))
-                except rollout.RolloutError as err:
-                    if "no weight-update session is open" not in str(err):
-                        notes.append(f"closing the session failed: {err}")
+        notes: list[str] = []
+        self._transport.recover(notes)
         for url in self.server_urls:
             try:
                 rollout.control(url, "/continue_generation", {}, timeout_s=min(self.timeout_s, 60))
@@ -453,40 +419,7 @@ class WeightPusher:
                 "push is a full one)") if not notes else "; " + "; ".join(notes)
         return error + tail
 
-    def _make_groups(self, sources: list[int]) -> Optional[str]:
-        """One update group per source rank, made one after the other (collective)."""
-        error = None
-        rank = dist.get_rank()
-        world = 1 + sum(self._tp)
-        offsets = [1 + sum(self._tp[:i]) for i in range(len(self._tp))]
-        for src in sources:
-            if rank == src and error is None:
-                error, _ = self._guard(self._make_group, world, offsets)
-            errors = [e for e in self._all_gather(error) if e is not None]
-            if errors:
-                return errors[0]
-        self._group_made = True
-        return None
-
-    def _make_group(self, world: int, offsets: list[int]) -> None:
-        address = self.master_address or wt.routable_address(self.server_urls[0])
-        port = wt.free_port(address)
-        name = self._my_group_name()
-        body = lambda i: {"master_address": address, "master_port": port,  # noqa: E731
-                          "rank_offset": offsets[i], "world_size": world, "group_name": name,
-                          "backend": self.backend}
-        # Each server's call blocks until the whole group has joined: issue them concurrently.
-        futures = [self._pool.submit(rollout.control, u, "/init_weights_update_group", body(i),
-                                     timeout_s=self.timeout_s)
-                   for i, u in enumerate(self.server_urls)]
-        try:
-            self._update_group = wt.new_update_group(address, port, 0, world, group_name=name,
-                                                     backend=self.backend,
-                                                     timeout_s=self.timeout_s)
-        finally:
-            for f in futures:
-                f.result()
-
+    # ------------------------------------------------------------------ step 3 (every rank)
     def _drain(self, stream) -> None:
         for _ in stream:  # keep the collective gather going on every rank
             pass
@@ -497,9 +430,9 @@ class WeightPusher:
         """Iterate the stream; send this rank's buckets. Returns this rank's first error."""
         rank = dist.get_rank()
         meta = stream.meta
-        turns = self.transport == "distributed"
+        turns = self._transport.takes_turns
         error: Optional[str] = None
-        pending: list = []  # distributed: (index, finish) of buckets whose answers are not in
+        pending: list = []  # (index, finish) of buckets whose answers are not in
 
         def settle(keep: int) -> None:
             nonlocal error
@@ -546,21 +479,13 @@ class WeightPusher:
         buffer is done when this returns (the gather reuses it for a later bucket)."""
         named = bucket.named_tensors()
         parts = getattr(bucket, "parts", None)
-        if not self._verify_now:
+        if not self.verify_now:
             checksum = None
         elif parts is not None and len(parts) == len(bucket.names):
             checksum = _Done(wt.checksum_digest(parts))
         else:
-            checksum = self._pool.submit(wt.bucket_checksum, named)
+            checksum = self.pool.submit(wt.bucket_checksum, named)
         entry = {"shard": None, "wire": bucket.nbytes, "verified": 0, "checksum": None}
-        if self.transport == "disk":
-            entry["shard"] = self._shard_name(bucket)
-            layout, _ = wt.flat_layout(bucket.names, [bucket.dtype] * len(bucket.names),
-                                       bucket.shapes)
-            wt.write_shard(self._version_dir(version, tmp=True) / entry["shard"], layout,
-                           bucket.flat[: bucket.nbytes].cpu())
-            entry["checksum"] = checksum.result() if checksum else None
-            return lambda: entry
         wire, wire_flat, is_delta = named, bucket.flat[: bucket.nbytes], False
         if self.delta:
             base = self._base.get(bucket.index)
@@ -568,28 +493,12 @@ class WeightPusher:
                 wire, is_delta = self._delta_entries(bucket, base), True
                 wire_flat = self._as_flat(wire)
         extra = {"delta": True} if is_delta else {}
-        if self.transport == "tensor":
-            if wire_flat.device.type == "cpu":
-                wt.share_cpu_tensor(wire_flat)
-            layout, _ = wt.flat_layout([n for n, _ in wire], [t.dtype for _, t in wire],
-                                       [t.shape for _, t in wire])
-            views = wt.unflatten(wire_flat, layout)
-            answers = [self._pool.submit(self._post_tensor, u, views, i, extra)
-                       for i, u in enumerate(self.server_urls)]
-        else:
-            body = {"names": [n for n, _ in wire], "dtypes": [wt.dtype_name(t.dtype) for _, t in wire],
-                    "shapes": [list(t.shape) for _, t in wire], "group_name": self._my_group_name(),
-                    "flush_cache": False, "abort_all_requests": False,
-                    "load_format": "flattened_bucket", **extra}
-            answers = [self._pool.submit(rollout.control, u, "/update_weights_from_distributed",
-                                         body, timeout_s=self.timeout_s, headers=self._headers(i))
-                       for i, u in enumerate(self.server_urls)]
-            device = "cuda" if self.backend == "nccl" else "cpu"
-            wt.broadcast(self._update_group, wire_flat.to(device), 0)
-        if self.transport == "tensor":  # the server reads our shared memory until it answers
-            answers = [a.result() for a in answers]
+        answers = self._transport.send(bucket, version, wire, wire_flat, extra, entry)
         entry["wire"] = int(wire_flat.numel())
         expected = checksum.result() if checksum is not None else None
+        if answers is None:  # the servers answer at the end (disk): checked there
+            entry["checksum"] = expected
+            return lambda: entry
         if self.delta:  # what the server will hold (a failed push drops every base)
             base = self._base.get(bucket.index)
             if base is None:
@@ -606,19 +515,10 @@ class WeightPusher:
             if expected is not None:
                 entry["checksum"] = expected
                 for url, answer in zip(self.server_urls, got):
-                    self._check(url, f"bucket {bucket.index}", answer, expected)
+                    self.check(url, f"bucket {bucket.index}", answer, expected)
                 entry["verified"] = 1
             return entry
         return finish
-
-    def _post_tensor(self, url: str, views, server_index: int, extra: dict):
-        # One MultiprocessingSerializer entry per TP rank of this server, each serialized on its
-        # own (as SGLang's Engine does), so each rank opens its own handles.
-        payloads = [wt.serialize_tensors(views) for _ in range(self._tp[server_index])]
-        body = {"serialized_named_tensors": payloads, "load_format": None, "flush_cache": False,
-                "abort_all_requests": False, **extra}
-        return rollout.control(url, "/update_weights_from_tensor", body, timeout_s=self.timeout_s,
-                               headers=self._headers(server_index))
 
     def _delta_entries(self, bucket, base: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """The bucket as deltas against ``base`` where smaller; int32 entries first, so every
@@ -639,77 +539,3 @@ class WeightPusher:
     def _as_flat(named) -> torch.Tensor:
         return torch.cat([t.reshape(-1).view(torch.uint8) for _, t in named]) if len(named) > 1 \
             else named[0][1].reshape(-1).view(torch.uint8)
-
-    def _check(self, url: str, what: str, answer, expected: str) -> None:
-        got = answer.get("checksums") if isinstance(answer, dict) else None
-        if not got:
-            raise ValueError(f"{url}: no checksum of {what} in the answer, although the server "
-                             "offered checksums and the request negotiated them")
-        bad = [i for i, c in enumerate(got) if c != expected]
-        if bad:
-            raise ValueError(f"{url}: {what}: checksum of TP rank(s) {bad} is {got[bad[0]]}, the "
-                             f"trainer sent {expected}")
-
-    def _shard_name(self, bucket) -> str:
-        return f"model-{bucket.index + 1:05d}-of-{bucket.count:05d}.safetensors"
-
-    def _version_dir(self, version: str, *, tmp: bool = False) -> Path:
-        return self.shared_dir / (f"weights_v{version}" + (".tmp" if tmp else ""))
-
-    def _end(self, version: str, buckets: dict, stats: SyncStats, stream) -> None:
-        if self.transport == "disk":
-            tmp, final = self._version_dir(version, tmp=True), self._version_dir(version)
-            weight_map = {}
-            for b, meta in buckets.items():
-                weight_map.update({n: meta["shard"] for n in stream.meta[b].names})
-            shards = set(weight_map.values())
-            for leftover in tmp.iterdir():  # a recycled directory's files this push did not write
-                if leftover.name not in shards:
-                    leftover.unlink()
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(
-                {"metadata": {"total_size": stats.bytes}, "weight_map": weight_map}, indent=1))
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-            t0 = time.perf_counter()
-            body = {"model_path": str(final), "flush_cache": False, "abort_all_requests": False}
-            answers = self._each_server(lambda u: rollout.control(
-                u, "/update_weights_from_disk", body, timeout_s=self.timeout_s,
-                headers=self._headers(self.server_urls.index(u))))
-            stats.phases["load_from_disk_s"] = time.perf_counter() - t0
-            loads = [float(((a or {}).get("timings") or {}).get("load_s", 0.0)) for a in answers]
-            if any(loads):
-                stats.phases["server_load_s"] = max(loads)
-            if self._verify_now:
-                for url, answer in zip(self.server_urls, answers):
-                    per_file = (answer or {}).get("checksums") or {}
-                    for b, meta in buckets.items():
-                        self._check(url, meta["shard"], {"checksums": per_file.get(meta["shard"])},
-                                    meta["checksum"])
-                stats.verified_buckets = len(buckets)
-            self._written.append(final)
-            while len(self._written) > self.keep_versions:
-                retired = self._written.pop(0)
-                if self._spare is None and retired.is_dir():  # kept for the next push's files
-                    self._spare = self.shared_dir / f".{self.group_name}_spare"
-                    shutil.rmtree(self._spare, ignore_errors=True)
-                    retired.rename(self._spare)
-                else:
-                    shutil.rmtree(retired, ignore_errors=True)
-        else:
-            self._each_server(lambda u: rollout.control(u, "/end_weight_update", {},
-                                                        timeout_s=self.timeout_s))
-            self._session_open = False
-        t0 = time.perf_counter()
-        self._each_server(lambda u: rollout.control(u, "/update_weight_version",
-                                                    {"new_version": version,
-                                                     "abort_all_requests": False},
-                                                    timeout_s=self.timeout_s))
-        # abort and retract alike: the radix cache holds KV of the old weights (0.5.23 lets a
-        # paused engine flush with retracted requests waiting; they are recomputed on continue).
-        self._each_server(lambda u: rollout.flush_cache(u, timeout_s=self.timeout_s))
-        self._each_server(lambda u: rollout.control(u, "/continue_generation", {},
-                                                    timeout_s=self.timeout_s))
-        stats.phases["flush_continue_s"] = time.perf_counter() - t0
-        # what generation waited: from the pause request to the last server's continue
-        stats.phases["paused_s"] = time.perf_counter() - self._paused_at

@@ -51,14 +51,22 @@ import hashlib
 import io
 import ipaddress
 import json
+import os
 import pickle
 import socket
 import struct
 import urllib.parse
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+import torch.multiprocessing.reductions  # noqa: F401 - registers torch's reducers (serialize_tensors)
+from safetensors.torch import load, save
+from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper,
+                                                _world, default_pg_timeout, rendezvous)
 
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                "float64": torch.float64, "uint8": torch.uint8, "int64": torch.int64,
@@ -183,15 +191,11 @@ def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 def encode_named_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     """base64(safetensors bytes) of ``named`` (CPU, contiguous copies)."""
-    from safetensors.torch import save
-
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in named}
     return base64.b64encode(save(tensors)).decode("ascii")
 
 
 def decode_named_tensors(payload: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load
-
     try:
         raw = base64.b64decode(payload, validate=True)
     except (ValueError, TypeError) as err:
@@ -219,10 +223,6 @@ def serialize_tensors(obj) -> str:
     CPU tensors must already live in shared memory of the ``file_system`` strategy
     (:func:`share_cpu_tensor`), or ForkingPickler would move them there on every call.
     """
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing.reductions  # noqa: F401 - registers torch's reducers
-
     buf = io.BytesIO()
     ForkingPickler(buf).dump(obj)
     return base64.b64encode(buf.getvalue()).decode("ascii")
@@ -231,8 +231,6 @@ def serialize_tensors(obj) -> str:
 def share_cpu_tensor(t: torch.Tensor) -> torch.Tensor:
     """Move ``t``'s storage into shared memory an unrelated process can open (once; a storage
     already shared this way is left alone)."""
-    import torch.multiprocessing as tmp
-
     if t.device.type != "cpu" or t.is_shared():
         return t
     if tmp.get_sharing_strategy() != "file_system":
@@ -284,10 +282,6 @@ def init_custom_process_group(backend=None, init_method=None, timeout=None, worl
     (``sglang.srt.utils.common.init_custom_process_group`` in 0.5.23, Apache-2.0, itself copied
     from PyTorch and OpenRLHF): the same rendezvous, prefix stores and helper, so both sides
     write and read the same store keys."""
-    from torch.distributed.distributed_c10d import (Backend, PrefixStore,
-                                                    _new_process_group_helper, _world,
-                                                    default_pg_timeout, rendezvous)
-
     assert (store is None) or (init_method is None), "Cannot specify both init_method and store."
     if store is not None:
         assert world_size > 0, "world_size must be positive if using store"
@@ -329,8 +323,6 @@ def new_update_group(address: str, port: int, rank: int, world_size: int, *, gro
         return init_custom_process_group(
             backend=backend, init_method=tcp_init_method(address, port), timeout=timeout,
             world_size=world_size, rank=rank, group_name=group_name)
-    from torch.distributed.distributed_c10d import PrefixStore
-
     # what tcp:// rendezvous does on rank 0 (a store, its timeout, the group's prefix), bound
     store = bound_store(address, port, world_size, timeout)
     return init_custom_process_group(
@@ -342,8 +334,6 @@ def bound_store(address: str, port: int, world_size: int, timeout: datetime.time
     """A master ``TCPStore`` listening on ``address``:``port`` only: torch's own listens on all
     interfaces whatever host it is given, so the socket is bound here and handed over
     (``master_listen_fd``). Waits, like rendezvous, for the ``world_size - 1`` other ranks."""
-    import torch.distributed as dist
-
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -361,8 +351,6 @@ def bound_store(address: str, port: int, world_size: int, timeout: datetime.time
 
 
 def destroy_group(group) -> None:
-    import torch.distributed as dist
-
     try:
         dist.destroy_process_group(group)
     except (ValueError, RuntimeError, AssertionError):
@@ -388,8 +376,6 @@ def free_port(address: str) -> int:
 
 def broadcast(group, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False):
     """Broadcast on ``group`` (a group's own rank numbers); returns the work if ``async_op``."""
-    import torch.distributed as dist
-
     opts = dist.BroadcastOptions()
     opts.rootRank = src
     work = group.broadcast([tensor], opts)
@@ -461,9 +447,7 @@ def write_shard(path: str | Path, layout, flat: torch.Tensor) -> None:
 
     An existing file at ``path`` is overwritten in place (no truncation first, then cut to the
     new size): on tmpfs or a page-cached filesystem its pages are reused instead of allocated
-    and zeroed again (``WeightPusher`` recycles the files of the version it retires)."""
-    import os
-
+    and zeroed again (``pipeline.weights.disk`` recycles the files of the version it retires)."""
     header = {name: {"dtype": _ST_DTYPES[dtype], "shape": list(shape),
                      "data_offsets": [start, end]} for name, dtype, shape, start, end in layout}
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -480,8 +464,6 @@ def write_shard(path: str | Path, layout, flat: torch.Tensor) -> None:
 
 
 def _pwrite_all(fd: int, data, offset: int) -> None:
-    import os
-
     view = memoryview(data).cast("B")
     done = 0
     while done < len(view):

@@ -64,7 +64,7 @@ for name, overrides in json.loads(sys.argv[2]):
 def test_watchdog_passes_a_faithful_server_and_stops_a_perturbed_one(tmp_path):
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
-    common = ["parallel.expert=1", "rollout.num_servers=1", "rollout.weight_sync_verify=false",
+    common = ["parallel.expert=1", "rollout.num_servers=1", "rollout.weight_sync.verify=false",
               "run.global_batch_size=16", "run.micro_batch_size=8", "run.num_steps=2",
               "run.eval_interval=0", "run.save_interval=0", "parity.enabled=true",
               "parity.num_probes=4", f"parity.max_gap_mean={THRESHOLD}",

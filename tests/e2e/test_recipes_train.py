@@ -141,7 +141,7 @@ def test_recipe_trains_two_steps_against_sglang_conformant_servers(name, tiny_ch
              for a in shlex.split(f)]
     if name == "qwen3_235b_a22b":
         assert "--attn-dp-size" in flags  # data-parallel attention servers, as the recipe runs
-    weights = run_dir / "weights"  # rollout.weight_sync_dir's default: the disk sync's root
+    weights = run_dir / "weights"  # rollout.weight_sync.dir's default: the disk sync's root
     weights.mkdir(parents=True)
     cluster = LocalRolloutCluster(hf_dir, num_servers, log_dir=tmp_path / "servers",
                                   server_args=["--no-extensions", "--weight-roots", str(weights),

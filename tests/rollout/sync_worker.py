@@ -185,7 +185,7 @@ def run_layout(rank: int, world_size: int, parallel_section: dict, hf_dir: str,
                bucket_bytes: int, senders: str = "rank"):
     """One training layout: random policy weights -> each transport -> every TP rank of every
     server holds exactly the trainer's full weights; the pusher verified every bucket.
-    ``senders``: rollout.weight_sync_senders (``hf.gather.sender_ranks``)."""
+    ``senders``: rollout.weight_sync.senders (``hf.gather.sender_ranks``)."""
     par = ParallelConfig(**parallel_section)
     pg = parallel.initialize(par)
     model_cfg = model_config_from_hf(hf_dir)

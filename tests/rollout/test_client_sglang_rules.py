@@ -54,13 +54,13 @@ def test_weight_versions_absent_and_malformed():
 def test_the_pusher_takes_the_configured_timeout(tmp_path):
     """Defect 7: every weight-sync call is bounded by rollout.request_timeout_s (it was a fixed
     600 s whatever the config said)."""
-    cfg = config_from_dict({"rollout": {"request_timeout_s": 1800.0, "weight_sync": "tensor",
-                                        "weight_sync_verify": False}})
+    cfg = config_from_dict({"rollout": {"request_timeout_s": 1800.0,
+                                        "weight_sync": {"transport": "tensor", "verify": False}}})
     options = weight_pusher_options(cfg.rollout, tmp_path)
     assert options["timeout_s"] == 1800.0
     assert options["transport"] == "tensor" and options["verify"] is False
     assert options["shared_dir"] == str(tmp_path / "weights")
-    assert config_from_dict({}).rollout.weight_sync_verify == "auto"  # never an error vs SGLang
+    assert config_from_dict({}).rollout.weight_sync.verify == "auto"  # never an error vs SGLang
 
 
 def test_the_235b_recipe_passes_config(capsys):
@@ -74,8 +74,10 @@ def test_the_235b_recipe_passes_config(capsys):
 
 
 @pytest.mark.parametrize("sets, field", [
-    (["rollout.weight_sync=distributed", "rollout.enable_dp_attention=false"], "rollout.dp_size"),
-    (["rollout.weight_sync=tensor", "rollout.enable_dp_attention=false"], "rollout.dp_size"),
+    (["rollout.weight_sync.transport=distributed", "rollout.enable_dp_attention=false"],
+     "rollout.dp_size"),
+    (["rollout.weight_sync.transport=tensor", "rollout.enable_dp_attention=false"],
+     "rollout.dp_size"),
     (["rollout.enable_dp_attention=true", "rollout.dp_size=1"], "rollout.enable_dp_attention"),
 ])
 def test_a_layout_that_cannot_sync_is_refused_by_config(sets, field, capsys):
@@ -89,9 +91,11 @@ def test_dp_attention_servers_sync_with_every_transport():
     """Defect 2: SGLang restricts only data-parallel REPLICAS (dp_size > 1 without dp-attention)
     to disk updates; dp-attention servers take every transport."""
     for transport in ("disk", "tensor", "distributed"):
-        cfg = load_config(RECIPE_235B, overrides=[f"rollout.weight_sync={transport}"])
+        cfg = load_config(RECIPE_235B, overrides=[f"rollout.weight_sync.transport={transport}"])
         assert cfg.rollout.enable_dp_attention and cfg.rollout.dp_size == 4
-    replicas = config_from_dict({"rollout": {"tp_size": 8, "dp_size": 4, "weight_sync": "disk"}})
+    replicas = config_from_dict({"rollout": {"tp_size": 8, "dp_size": 4,
+                                             "weight_sync": {"transport": "disk"}}})
     assert replicas.rollout.dp_size == 4
     with pytest.raises(ConfigError, match="rollout.dp_size: 4 data-parallel replicas"):
-        config_from_dict({"rollout": {"tp_size": 8, "dp_size": 4, "weight_sync": "distributed"}})
+        config_from_dict({"rollout": {"tp_size": 8, "dp_size": 4,
+                                       "weight_sync": {"transport": "distributed"}}})

@@ -113,7 +113,7 @@ def test_every_layout_syncs_checksum_verified(layout, model_dir, servers, shared
 @pytest.mark.parametrize("senders", ["node", "stage"])
 def test_one_sender_per_node_or_stage_syncs_the_same_weights(senders, model_dir, servers,
                                                              shared_root):
-    """rollout.weight_sync_senders node / stage: EP2 (two sending ranks, two update groups per
+    """rollout.weight_sync.senders node / stage: EP2 (two sending ranks, two update groups per
     server GPU with ``rank``) sends everything from rank 0 - one host, one stage - through one
     update group; every TP rank of both servers holds exactly the trainer's weights."""
     world, section = LAYOUTS["EP2"]

@@ -20,7 +20,7 @@ import os
 import subprocess
 import sys
 import types
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Optional
 
@@ -185,7 +185,7 @@ def test_replicas_memory_saver_and_routed_experts_flags(programs, tmp_path):
                        gpus_per_node=8, server="sglang", server_tp=4, server_tasks_per_node=2,
                        nodes_per_server=1, num_servers=2)
     replicas = _rollout_like(rollout, tp_size=4, dp_size=2, enable_dp_attention=False,
-                             weight_sync="disk")
+                             weight_sync=replace(rollout.weight_sync, transport="disk"))
     body = server_command(layout, 7, True, rollout=replicas, routed_experts=True)
     program, argv = task_argv(body, tmp_path, procid=1, localid=1)
     got = programs.accepts(program, argv)

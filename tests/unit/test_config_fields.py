@@ -31,10 +31,18 @@ NOT_A_USE = {"__post_init__", "_require", "_to_plain", "_type_name", "_coerce", 
 
 
 def config_fields() -> list[tuple[str, str]]:
+    """(section, field) of every field, nested sections' too (``rollout.weight_sync``, ``dir``)."""
     out = []
+
+    def walk(path: str, section) -> None:
+        for f in dataclasses.fields(section):
+            out.append((path, f.name))
+            value = getattr(section, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(f"{path}.{f.name}", value)
+
     for section in dataclasses.fields(Config):
-        for f in dataclasses.fields(section.default_factory()):
-            out.append((section.name, f.name))
+        walk(section.name, section.default_factory())
     return out
 
 

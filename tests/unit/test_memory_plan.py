@@ -59,7 +59,7 @@ def _count_worker(rank, world, cfg_dicts):
         from megatron_gspo.hf.gather import HFGather, sender_ranks
 
         sources = {}
-        for mode in ("rank", "stage", "node"):  # rollout.weight_sync_senders
+        for mode in ("rank", "stage", "node"):  # rollout.weight_sync.senders
             gather = HFGather(cfg.model, senders=sender_ranks(mode, pg.pp.rank()))
             gather.local_pieces(gpt, pg)  # the weight sync's plan (collective)
             sources[mode] = sorted({b.source for b in gather.plan.buckets})
@@ -88,7 +88,8 @@ def test_parameter_counts_match_the_real_policy_on_every_rank(world, layouts):
             assert (dense, expert) == (rank_result["dense"], rank_result["expert"]), (name, rank_result)
             # the rollout servers join one update group per sending rank of the weight sync
             for mode, sources in rank_result["sources"].items():
-                moded = config_from_dict({**cfg_dict, "rollout": {"weight_sync_senders": mode}})
+                moded = config_from_dict({**cfg_dict,
+                                          "rollout": {"weight_sync": {"senders": mode}}})
                 assert update_group_count(moded, world) == len(sources), (name, mode, sources)
             # one host: a sender per pipeline stage, the stage's lowest rank
             assert rank_result["sources"]["node"] == rank_result["sources"]["stage"]
@@ -332,10 +333,10 @@ def test_plan_on_the_recipes_reports_sync_buffers_update_groups_and_routing_repl
     stages = par.get("pipeline", 1)
     assert sum(line.startswith("stage ") for line in out) == stages
 
-    # gather buffers: 2 x the largest bucket a rank sends; buckets of weight_sync_bucket_mb
+    # gather buffers: 2 x the largest bucket a rank sends; buckets of weight_sync.bucket_mb
     # unless one tensor is larger: the (unpadded) embedding / lm_head, bf16, on the end stages
     embedding = m["vocab_size"] * m["hidden_size"] * 2
-    bucket = rollout.get("weight_sync_bucket_mb", 512) * MIB
+    bucket = rollout.get("weight_sync", {}).get("bucket_mb", 512) * MIB
     assert embedding > bucket  # both recipes: the end stages hold a larger tensor than a bucket
     gathers = [_gib(line, "weight-sync gather buffers") for line in out
                if "weight-sync gather buffers" in line]
@@ -355,7 +356,7 @@ def test_plan_on_the_recipes_reports_sync_buffers_update_groups_and_routing_repl
             "launch/configs/qwen3_235b_a22b.yaml": "3.94 GB"}[recipe] in line
 
     # update groups on every SGLang GPU, 128 MiB each: weight_sync distributed would send from
-    # one rank per node and stage (weight_sync_senders auto): pipeline x nodes per stage (8 GPUs
+    # one rank per node and stage (weight_sync.senders auto): pipeline x nodes per stage (8 GPUs
     # a node), not one per sending rank (pipeline x expert: the 16 / 64)
     assert stages * par["expert"] == {"launch/configs/qwen3_30b_a3b.yaml": 16,
                                       "launch/configs/qwen3_235b_a22b.yaml": 64}[recipe]
@@ -363,7 +364,7 @@ def test_plan_on_the_recipes_reports_sync_buffers_update_groups_and_routing_repl
     assert groups == {"launch/configs/qwen3_30b_a3b.yaml": 2,
                       "launch/configs/qwen3_235b_a22b.yaml": 8}[recipe]
     (line,) = [l for l in out if l.startswith("rollout-server GPU")]
-    assert rollout["weight_sync"] == "disk" and "would add" in line
+    assert rollout["weight_sync"]["transport"] == "disk" and "would add" in line
     assert f"{groups} update group(s) (one per node and pipeline stage" in line
     assert f"= {groups * 128 * MIB / GIB:.2f} GiB" in line
 
@@ -389,8 +390,8 @@ def test_plan_reports_distributed_sync_groups_and_replay_on_in_host_memory(capsy
     import yaml
 
     cfg = copy.deepcopy(OLD_30B)
-    cfg["rollout"].update({"weight_sync": "distributed", "mem_fraction_static": 0.8,
-                           "tp_size": 2})
+    cfg["rollout"].update({"weight_sync": {"transport": "distributed"},
+                           "mem_fraction_static": 0.8, "tp_size": 2})
     cfg["gspo"]["routing_replay"] = "rollout"  # no recompute here: replay is allowed
     path = tmp_path / "replay.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -398,12 +399,14 @@ def test_plan_reports_distributed_sync_groups_and_replay_on_in_host_memory(capsy
                                      "--gpu-memory-gib", "141"])
     assert code == 0, "\n".join(out)
     (line,) = [l for l in out if l.startswith("rollout-server GPU")]
-    # 16 ranks, one stage, 8 GPUs a node: one sender per node (weight_sync_senders auto)
+    # 16 ranks, one stage, 8 GPUs a node: one sender per node (weight_sync.senders auto)
     assert line.startswith("rollout-server GPU (weight_sync distributed, 2 GPU(s) per server): "
                            "2 update group(s) (one per node and pipeline stage")
     assert "= 0.25 GiB per GPU" in line and "0.20 x 141 GiB = 28.2 GiB" in line
     per_rank = plan_memory(config_from_dict(
-        {**cfg, "rollout": {**cfg["rollout"], "weight_sync_senders": "rank"}}), 16, 141)
+        {**cfg, "rollout": {**cfg["rollout"],
+                            "weight_sync": {"transport": "distributed", "senders": "rank"}}}),
+        16, 141)
     (line,) = [l for l in per_rank.notes if l.startswith("rollout-server GPU")]
     assert "16 update group(s) (one per sending rank" in line and "= 2.00 GiB per GPU" in line
     replay = 2 * 256 * 10240 * 48 * 8

@@ -12,7 +12,7 @@ import pytest
 from launch.preflight import check_nccl_versions, nccl_version_of
 from megatron_gspo.config import ConfigError, config_from_dict
 
-DISTRIBUTED = config_from_dict({"rollout": {"weight_sync": "distributed"}})
+DISTRIBUTED = config_from_dict({"rollout": {"weight_sync": {"transport": "distributed"}}})
 
 
 def fake_python(tmp_path, answer: str, code: int = 0):
@@ -25,9 +25,9 @@ def fake_python(tmp_path, answer: str, code: int = 0):
 
 def test_a_mismatched_nccl_is_refused_naming_both_versions_and_the_field(tmp_path):
     python = fake_python(tmp_path, "2.21.5")
-    with pytest.raises(ConfigError, match=r"rollout\.weight_sync: distributed puts the trainer "
-                                          r"\(NCCL 2\.27\.3\) and the SGLang servers \(.*NCCL "
-                                          r"2\.21\.5\)"):
+    with pytest.raises(ConfigError, match=r"rollout\.weight_sync\.transport: distributed puts the "
+                                          r"trainer \(NCCL 2\.27\.3\) and the SGLang servers "
+                                          r"\(.*NCCL 2\.21\.5\)"):
         check_nccl_versions(DISTRIBUTED, trainer_version="2.27.3", sglang_python=python)
 
 

@@ -1,0 +1,132 @@
+"""The ``distributed`` transport: a broadcast group per source rank with every GPU of every server.
+
+First push (and after the servers change): each source rank builds its own update group with
+every GPU of every server, one source after the other (a server joins one group at a time):
+world ``1 + sum(tp_size)``, server i at ``rank_offset`` 1 + the TP sizes before it, the source
+rank is rank 0, its address routable from the servers (``transport.init_custom_process_group``).
+Per bucket: ``/update_weights_from_distributed`` (``load_format: flattened_bucket``) to every
+server, then one broadcast of the flat bucket (NCCL on GPUs, gloo on CPU). The sources take
+turns bucket by bucket (``takes_turns``): no two sources' broadcasts are ever pending at once.
+Inside a weight-update session (:class:`SessionTransport`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.distributed as dist
+
+from pipeline.generation import client as rollout
+from pipeline.weights import transport as wt
+from pipeline.weights.interface import SessionTransport, all_gather, guard
+
+if TYPE_CHECKING:
+    from pipeline.weights.push import SyncStats, WeightPusher
+
+
+class DistributedTransport(SessionTransport):
+    """``master_address``: the address the servers reach a source rank's update group at; None:
+    the address of the source's own interface that routes to the first server.
+    ``group_name``: the groups' name prefix (``{group_name}_r{rank}``). ``backend``: the
+    groups' backend (None: nccl with CUDA, gloo without)."""
+
+    takes_turns = True
+
+    def __init__(self, pusher: WeightPusher, *, master_address: Optional[str], group_name: str,
+                 backend: Optional[str]):
+        super().__init__(pusher)
+        self.master_address = master_address
+        self.group_name = group_name
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self._update_group = None  # this rank's (a source's) update group
+        self._group_made = False
+
+    def my_group_name(self) -> str:
+        return f"{self.group_name}_r{dist.get_rank()}"
+
+    def check_server(self, url: str, info: dict) -> None:
+        super().check_server(url, info)
+        if int(info.get("pp_size") or 1) != 1:
+            raise ValueError(f"{url}: rollout.weight_sync.transport distributed: servers with "
+                             f"pp_size {info.get('pp_size')} > 1 are not supported (their "
+                             "update-group ranks are not tp_rank + rank_offset); use disk")
+
+    def connect(self, sources: list[int], stats: SyncStats) -> Optional[str]:
+        """The update groups, on the first push (and after :meth:`reset`)."""
+        if self._group_made:
+            return None
+        t0 = time.perf_counter()
+        error = self._make_groups(sources)
+        stats.phases["init_groups_s"] = time.perf_counter() - t0
+        return error
+
+    def _make_groups(self, sources: list[int]) -> Optional[str]:
+        """One update group per source rank, made one after the other (collective)."""
+        error = None
+        rank = dist.get_rank()
+        tp = self.pusher.tp
+        world = 1 + sum(tp)
+        offsets = [1 + sum(tp[:i]) for i in range(len(tp))]
+        for src in sources:
+            if rank == src and error is None:
+                error, _ = guard(self._make_group, world, offsets)
+            errors = [e for e in all_gather(error, self.pusher.group) if e is not None]
+            if errors:
+                return errors[0]
+        self._group_made = True
+        return None
+
+    def _make_group(self, world: int, offsets: list[int]) -> None:
+        p = self.pusher
+        address = self.master_address or wt.routable_address(p.server_urls[0])
+        port = wt.free_port(address)
+        name = self.my_group_name()
+        body = lambda i: {"master_address": address, "master_port": port,  # noqa: E731
+                          "rank_offset": offsets[i], "world_size": world, "group_name": name,
+                          "backend": self.backend}
+        # Each server's call blocks until the whole group has joined: issue them concurrently.
+        futures = [p.pool.submit(rollout.control, u, "/init_weights_update_group", body(i),
+                                 timeout_s=p.timeout_s)
+                   for i, u in enumerate(p.server_urls)]
+        try:
+            self._update_group = wt.new_update_group(address, port, 0, world, group_name=name,
+                                                     backend=self.backend, timeout_s=p.timeout_s)
+        finally:
+            for f in futures:
+                f.result()
+
+    def send(self, bucket, version: str, wire, wire_flat: torch.Tensor, extra: dict,
+             entry: dict) -> list:
+        p = self.pusher
+        body = {"names": [n for n, _ in wire], "dtypes": [wt.dtype_name(t.dtype) for _, t in wire],
+                "shapes": [list(t.shape) for _, t in wire], "group_name": self.my_group_name(),
+                "flush_cache": False, "abort_all_requests": False,
+                "load_format": "flattened_bucket", **extra}
+        answers = [p.pool.submit(rollout.control, u, "/update_weights_from_distributed", body,
+                                 timeout_s=p.timeout_s, headers=p.headers(i))
+                   for i, u in enumerate(p.server_urls)]
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        wt.broadcast(self._update_group, wire_flat.to(device), 0)
+        return answers
+
+    def reset(self) -> None:
+        """Tear down the update groups on the servers (a dead one does not answer: nothing to
+        undo there) and on this rank; the next push makes them again."""
+        if self._update_group is not None:
+            p = self.pusher
+            name = self.my_group_name()
+            for url in p.server_urls:
+                try:
+                    rollout.control(url, "/destroy_weights_update_group", {"group_name": name},
+                                    timeout_s=p.timeout_s)
+                except rollout.RolloutError:
+                    pass
+            wt.destroy_group(self._update_group)
+            self._update_group = None
+        self._group_made = False
+
+    def close(self) -> None:
+        """Destroy the update groups (server side first, then this rank's)."""
+        self.reset()
