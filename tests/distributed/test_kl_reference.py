@@ -25,7 +25,7 @@ from megatron_gspo import parallel
 from megatron_gspo.config import config_from_dict
 from megatron_gspo.hf.hf_config import model_config_from_hf
 from megatron_gspo.hf.mapping import hf_param_shapes
-from megatron_gspo.model import gpt as policy
+from megatron_gspo.hf import rank_pieces
 from megatron_gspo.train.batching import rl_batch
 from megatron_gspo.train.rl_trainer import RLTrainer
 from pipeline.scoring.tasks import PAD_ID
@@ -56,7 +56,7 @@ def _worker(rank, world, cfg_dict, batches):
     trainer = RLTrainer(cfg, pg, init_hf_dir=cfg.run.init_from)
 
     def pieces(model):
-        return [(p, t.clone()) for p, t in policy.local_hf_pieces(model, cfg.model, pg)]
+        return [(p, t.clone()) for p, t in rank_pieces.local_hf_pieces(model, cfg.model, pg)]
 
     first = trainer.train_rollout(batches[0], 1)
     after_first = pieces(trainer.gpt)

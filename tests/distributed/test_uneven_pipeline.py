@@ -17,6 +17,7 @@ from megatron_gspo.hf.export import export_hf_dir
 from megatron_gspo.hf.hf_config import model_config_from_hf
 from megatron_gspo.hf.mcore_checkpoint import load_model
 from megatron_gspo.hf.safetensors_io import HFCheckpoint
+from megatron_gspo.hf import rank_pieces
 from megatron_gspo.model import gpt as policy
 from tests.distributed import convert_worker
 from tests.distributed.spawn import run_on_ranks
@@ -57,7 +58,7 @@ def _export_worker(rank, world, parallel_section, hf_dir, mcore_dir, out_root):
     model_cfg = model_config_from_hf(hf_dir)
     gpt = policy.build_model(model_cfg, par, pg)
     layers = len(gpt.decoder.layers)
-    offset = policy.rank_layout(gpt, model_cfg, pg).layer_offset
+    offset = rank_pieces.rank_layout(gpt, model_cfg, pg).layer_offset
     load_model(gpt, mcore_dir)
     export_hf_dir(gpt, model_cfg, pg, f"{out_root}/from_mcore")
     with torch.no_grad():
