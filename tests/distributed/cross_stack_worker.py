@@ -21,7 +21,7 @@ from megatron_gspo.hf.mapping import hf_param_shapes
 from megatron_gspo.hf import rank_pieces
 from megatron_gspo.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tests.distributed.layouts import assemble, tiny_config
-from tests.distributed.spawn import run_on_ranks
+from bench.spawn import run_on_ranks
 from tests.distributed.test_checkpoint import _fresh, _step
 
 CONFIG = tiny_config({"expert": 2})

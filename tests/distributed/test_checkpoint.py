@@ -19,7 +19,7 @@ from megatron_gspo.train.train_step import build_train_state, global_unit_count,
 from megatron_gspo.train.batching import split_for_rank
 from pipeline.scoring.tasks import PAD_ID, AdditionTask
 from tests.distributed.layouts import assemble, tiny_config
-from tests.distributed.spawn import run_on_ranks
+from bench.spawn import run_on_ranks
 
 
 def _step(state, cfg, pg, step):

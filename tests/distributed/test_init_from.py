@@ -13,8 +13,8 @@ from megatron_gspo.hf.mapping import hf_param_shapes
 from megatron_gspo.hf.hf_config import model_config_from_hf
 from megatron_gspo.train.rl_trainer import RLTrainer
 from tests.distributed.layouts import assemble
-from tests.distributed.spawn import run_on_ranks
-from tests.hf_tiny import build_hf_model, load_safetensors_dir, save_hf_model
+from bench.spawn import run_on_ranks
+from bench.hf_tiny import build_hf_model, load_safetensors_dir, save_hf_model
 
 
 def _worker(rank, world, cfg_dict, source):

@@ -30,8 +30,8 @@ from megatron_gspo.train.batching import rl_batch
 from megatron_gspo.train.rl_trainer import RLTrainer
 from pipeline.scoring.tasks import PAD_ID
 from tests.distributed.layouts import assemble
-from tests.distributed.spawn import run_on_ranks
-from tests.hf_tiny import build_hf_model, load_safetensors_dir, save_hf_model
+from bench.spawn import run_on_ranks
+from bench.hf_tiny import build_hf_model, load_safetensors_dir, save_hf_model
 
 KL_COEF, TEMPERATURE, SEQ = 0.5, 0.7, 16
 # the oracle in float64: transformers' eager expert loop (its grouped GEMM has no float64 kernel)

@@ -20,8 +20,8 @@ from megatron_gspo.hf.safetensors_io import HFCheckpoint
 from megatron_gspo.hf import rank_pieces
 from megatron_gspo.model import gpt as policy
 from tests.distributed import convert_worker
-from tests.distributed.spawn import run_on_ranks
-from tests.hf_tiny import build_hf_model, hf_log_probs, load_safetensors_dir, random_batch, save_hf_model
+from bench.spawn import run_on_ranks
+from bench.hf_tiny import build_hf_model, hf_log_probs, load_safetensors_dir, random_batch, save_hf_model
 
 UNEVEN = {"first2": {"pipeline": 2, "num_layers_in_first_pipeline_stage": 2},
           "last2": {"pipeline": 2, "num_layers_in_last_pipeline_stage": 2}}

@@ -39,7 +39,7 @@ from megatron_gspo.hf.mapping import hf_param_shapes
 from megatron_gspo.hf import rank_pieces
 from megatron_gspo.train import checkpoint as ckpt
 from tests.distributed.layouts import assemble, tiny_config
-from tests.distributed.spawn import run_on_ranks
+from bench.spawn import run_on_ranks
 from tests.distributed.test_checkpoint import _fresh, _step  # the same tiny SFT step
 
 

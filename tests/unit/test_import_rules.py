@@ -101,6 +101,11 @@ def test_hf_interop_never_imports_the_model():
                        lambda m: not m.startswith("megatron_gspo.model")) == []
 
 
+def test_bench_never_imports_tests():
+    """The benchmarks' helpers (``bench.spawn``, ``bench.hf_tiny``) live in bench/; tests import them."""
+    assert _violations(_modules("bench"), lambda m: _top(m) != "tests") == []
+
+
 def test_config_is_plain_python():
     def allowed(module: str) -> bool:
         if _top(module) in ("torch", "megatron", "pipeline", "launch"):
