@@ -38,7 +38,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_gspo.loss.context_parallel import make_sequence_reduce  # noqa: E402
-from tests.distributed.spawn import run_on_ranks  # noqa: E402
+from bench.spawn import run_on_ranks  # noqa: E402
 
 STATS_PER_SEQUENCE = 2  # GSPO: [token count, log-ratio sum]
 FLOAT_BYTES = 4

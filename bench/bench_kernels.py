@@ -29,6 +29,7 @@ Prints markdown tables (docs/performance.md, "CPU kernels of the RL step").
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import sys
@@ -40,6 +41,16 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.bench_packing import make_batch  # noqa: E402
+from bench.spawn import run_on_ranks  # noqa: E402
+from megatron_gspo import parallel  # noqa: E402
+from megatron_gspo.config import config_from_dict  # noqa: E402
+from megatron_gspo.train.rl_trainer import RLTrainer  # noqa: E402
+from pipeline.generation.client import RolloutClient, SamplingParams  # noqa: E402
+from pipeline.local.engine import EngineRequest, LocalEngine  # noqa: E402
+from pipeline.local.protocol import Sampling  # noqa: E402
+from pipeline.servers.cluster import LocalRolloutCluster  # noqa: E402
 
 MODEL = dict(num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2,
              head_dim=32, num_experts=16, moe_router_topk=2, moe_ffn_hidden_size=128)
@@ -65,7 +76,7 @@ def best(fn, repeats: int, clock=time.process_time) -> float:
 
 
 def attention_rows(args) -> list[tuple[str, float]]:
-    from megatron_gspo.model.attention import causal_attention
+    from megatron_gspo.model.attention import causal_attention  # imports megatron.core
 
     lengths = lengths_of(args)
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
@@ -90,12 +101,7 @@ def attention_rows(args) -> list[tuple[str, float]]:
 
 
 def _train_worker(rank, world, cfg_dict, batch, repeats, kernel):
-    import functools
-
-    import megatron_gspo.model.attention as attention
-    from megatron_gspo import parallel
-    from megatron_gspo.config import config_from_dict
-    from megatron_gspo.train.rl_trainer import RLTrainer
+    import megatron_gspo.model.attention as attention  # imports megatron.core
 
     torch.set_num_threads(1)
     if kernel != "auto":  # PackedCoreAttention calls the module's causal_attention
@@ -110,9 +116,6 @@ def _train_worker(rank, world, cfg_dict, batch, repeats, kernel):
 
 
 def train_rows(args) -> list[tuple[str, float]]:
-    from bench.bench_packing import make_batch
-    from tests.distributed.spawn import run_on_ranks
-
     lengths = lengths_of(args)
     batch = make_batch(lengths, 256, args.seed)
     cfg = {"model": {**MODEL, "vocab_size": 256, "max_position_embeddings": 4096},
@@ -154,9 +157,6 @@ def _requests(args, rows: int):
 def decode_rows(args, model_dir: Path) -> list[tuple[str, float, int]]:
     from transformers import DynamicCache
 
-    from pipeline.local.engine import EngineRequest, LocalEngine
-    from pipeline.local.protocol import Sampling
-
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
     engine = LocalEngine(str(model_dir), random_seed=0)
@@ -189,9 +189,6 @@ def decode_rows(args, model_dir: Path) -> list[tuple[str, float, int]]:
 
 
 def concurrency_rows(args, model_dir: Path) -> list[tuple[str, float, int]]:
-    from pipeline.generation.client import RolloutClient, SamplingParams
-    from pipeline.servers.cluster import LocalRolloutCluster
-
     prompts, lengths = _requests(args, 16)
     requests = [(f"p{p}-s{s}", prompts[p],
                  SamplingParams(max_new_tokens=random.Random(p * 8 + s).randint(args.min_len,

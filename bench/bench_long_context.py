@@ -38,8 +38,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megatron_gspo.train.batching import rl_batch  # noqa: E402
-from tests.distributed.spawn import run_on_ranks  # noqa: E402
+from bench.spawn import run_on_ranks  # noqa: E402
+from megatron_gspo import parallel  # noqa: E402
+from megatron_gspo.config import config_from_dict  # noqa: E402
+from megatron_gspo.model import gpt as policy  # noqa: E402
+from megatron_gspo.train.batching import (add_logit_index, packed_micro_batches,  # noqa: E402
+                                          response_counts, rl_batch)
+from megatron_gspo.train.rl_loss import make_gspo_loss_fn, make_log_prob_fn  # noqa: E402
+from megatron_gspo.train.rl_trainer import RLTrainer  # noqa: E402
+from megatron_gspo.train.train_step import build_train_state, forward_backward, train_step  # noqa: E402
 
 MIB = 1 << 20
 
@@ -72,10 +79,6 @@ def make_batch(num_sequences: int, prompt: int, response: int, vocab: int, seed:
 
 
 def _cp_worker(rank, world, cfg_dict, batch):
-    from megatron_gspo import parallel
-    from megatron_gspo.config import config_from_dict
-    from megatron_gspo.train.rl_trainer import RLTrainer
-
     torch.set_num_threads(1)
     cfg = config_from_dict(cfg_dict)
     pg = parallel.initialize(cfg.parallel, seed=cfg.run.seed)
@@ -93,12 +96,6 @@ def _cp_worker(rank, world, cfg_dict, batch):
 
 def _logits_worker(rank, world, cfg_dict, batch, response_only):
     """One GSPO forward/backward + step through the low-level path (with or without logit_index)."""
-    from megatron_gspo import parallel
-    from megatron_gspo.config import config_from_dict
-    from megatron_gspo.model import gpt as policy
-    from megatron_gspo.train.batching import add_logit_index, packed_micro_batches, response_counts
-    from megatron_gspo.train.rl_loss import make_gspo_loss_fn, make_log_prob_fn
-    from megatron_gspo.train.train_step import build_train_state, forward_backward, train_step
 
     torch.set_num_threads(1)
     cfg = config_from_dict(cfg_dict)

@@ -38,8 +38,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench.spawn import run_on_ranks  # noqa: E402
+from megatron_gspo import parallel  # noqa: E402
+from megatron_gspo.config import config_from_dict  # noqa: E402
 from megatron_gspo.train.batching import rl_batch  # noqa: E402
-from tests.distributed.spawn import run_on_ranks  # noqa: E402
+from megatron_gspo.train.rl_trainer import RLTrainer  # noqa: E402
 
 SIZES = {
     # the CPU demo's policy (launch/configs/tiny_cpu.yaml)
@@ -73,10 +76,6 @@ def make_batch(lengths: list[int], vocab: int, seed: int) -> dict:
 
 
 def _worker(rank, world, cfg_dict, batch, repeats):
-    from megatron_gspo import parallel
-    from megatron_gspo.config import config_from_dict
-    from megatron_gspo.train.rl_trainer import RLTrainer
-
     torch.set_num_threads(1)
     cfg = config_from_dict(cfg_dict)
     pg = parallel.initialize(cfg.parallel, seed=cfg.run.seed)

@@ -43,8 +43,18 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.spawn import run_on_ranks  # noqa: E402
+from megatron_gspo import parallel  # noqa: E402
+from megatron_gspo.config import ParallelConfig  # noqa: E402
+from megatron_gspo.hf.gather import HFGather  # noqa: E402
+from megatron_gspo.hf.hf_config import model_config_from_hf  # noqa: E402
+from megatron_gspo.model import gpt as policy  # noqa: E402
+from pipeline.servers.cluster import LocalRolloutCluster  # noqa: E402
+from pipeline.weights.push import WeightPusher  # noqa: E402
 
 SIZES = {  # name -> (hidden, layers, experts, moe intermediate, vocab)
     "small": (256, 4, 16, 256, 8192),
@@ -101,15 +111,6 @@ def _dir_mb(path: str) -> float:
 
 def bench_worker(rank: int, world: int, section: dict, hf_dir: str, url: str, shared: str,
                  repeats: int, bucket_bytes: int):
-    import torch.distributed as dist
-
-    from megatron_gspo import parallel
-    from megatron_gspo.config import ParallelConfig
-    from megatron_gspo.hf.gather import HFGather
-    from megatron_gspo.hf.hf_config import model_config_from_hf
-    from megatron_gspo.model import gpt as policy
-    from pipeline.weights.push import WeightPusher
-
     par = ParallelConfig(**section)
     pg = parallel.initialize(par)
     control = dist.new_group(backend="gloo")
@@ -198,9 +199,6 @@ def main() -> None:
     ap.add_argument("--bucket-mib", type=int, default=64)
     ap.add_argument("--json", help="also write the raw results here")
     args = ap.parse_args()
-
-    from pipeline.servers.cluster import LocalRolloutCluster
-    from tests.distributed.spawn import run_on_ranks
 
     results = []
     # The disk transport's "shared filesystem": tmpfs where there is one (on one machine the

@@ -550,7 +550,7 @@ class Smoke:
         from megatron_gspo.model import gpt as policy
         from megatron_gspo.train.rl_loss import make_log_prob_fn
         from megatron_gspo.train.train_step import build_train_state, forward_backward
-        from tests.hf_tiny import build_hf_model, hf_log_probs, random_batch, save_hf_model
+        from bench.hf_tiny import build_hf_model, hf_log_probs, random_batch, save_hf_model
 
         hf_model = build_hf_model("gqa2_untied", seed=5)
         hf_dir = save_hf_model(hf_model, self.work / "convert" / "hf")

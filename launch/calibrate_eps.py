@@ -73,8 +73,8 @@ def calibration_config(cfg: Config, out: str) -> Config:
     """The session's configuration: one update per rollout batch (the first mini-batch's is fed
     alone), no warmup, the calibration's own run directory."""
     if cfg.gspo.variant in OWN_RANGE_VARIANTS:
-        raise ConfigError(f"gspo.variant: {cfg.gspo.variant} has a range of its own (cispo_eps_*, "
-                          "sapo_tau_*, gmpo_log_eps_*), not the sequence clip range; "
+        raise ConfigError(f"gspo.variant: {cfg.gspo.variant} has a range of its own (gspo.cispo.*, "
+                          "gspo.sapo.*, gspo.gmpo.*), not the sequence clip range; "
                           "calibrate-eps calibrates the sequence clip range of gspo, gspo_token, "
                           "token_ratio_seq_clip, seq_ratio_unnormalized and luspo")
     if clips_token_ratio(cfg.gspo.variant):

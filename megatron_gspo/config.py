@@ -38,7 +38,8 @@ from typing import Any, ClassVar, Literal, Optional
 import yaml
 
 from megatron_gspo.errors import InputError
-from megatron_gspo.loss.variants import SEQUENCE_RANGE, SPECS, Variant
+from megatron_gspo.loss.variants import (SEQUENCE_RANGE, SPECS, CispoParams, GmpoParams,
+                                         SapoParams, Variant)
 from megatron_gspo.yaml_load import MAX_SHOWN, YAMLLoadError, shown
 from megatron_gspo.yaml_load import load as load_yaml
 
@@ -206,6 +207,12 @@ class ParallelConfig:
 class GSPOConfig:
     """The loss and the RL step (docs/gspo_math.md)."""
 
+    # the flat keys of the variants' parameters before they got sections of their own
+    MOVED_KEYS: ClassVar[dict[str, str]] = {
+        "cispo_eps_low": "cispo.eps_low", "cispo_eps_high": "cispo.eps_high",
+        "sapo_tau_pos": "sapo.tau_pos", "sapo_tau_neg": "sapo.tau_neg",
+        "gmpo_log_eps_low": "gmpo.log_eps_low", "gmpo_log_eps_high": "gmpo.log_eps_high"}
+
     variant: Variant = "gspo"
     """One of ``megatron_gspo.loss.variants.VARIANTS`` (names and meaning in that registry)."""
     eps_low: float = 3e-4
@@ -217,22 +224,15 @@ class GSPOConfig:
     seq_ratio_token_clip: ``variants.TOKEN_RATIO_CLIP_VARIANTS``); the others use eps_low."""
     token_eps_high: float = 0.28
     """Token clip range, high side (see token_eps_low)."""
-    cispo_eps_low: float = 1.0
-    """cispo: the IS weight w_it is clipped to [1 - cispo_eps_low, 1 + cispo_eps_high] before it
-    is detached. 1.0: no lower bound (MiniMax-M1 sets the low side "to a large value" and tunes
-    only the high side)."""
-    cispo_eps_high: float = 4.0
-    """cispo: the high side of the IS weight's clip (4.0: weights up to 5, ScaleRL's CISPO)."""
-    sapo_tau_pos: float = 1.0
-    """sapo: the gate's temperature on tokens with a positive advantage (SAPO paper: 1.0)."""
-    sapo_tau_neg: float = 1.05
-    """sapo: the gate's temperature on the other tokens (SAPO paper: 1.05; larger: negative
-    updates fade faster off-policy)."""
-    gmpo_log_eps_low: float = 0.4
-    """gmpo: each token's log-ratio is clipped to [-gmpo_log_eps_low, gmpo_log_eps_high] (PPO's
-    min per token, by the sign of A_i) before the geometric mean (GMPO paper: (e^-0.4, e^0.4))."""
-    gmpo_log_eps_high: float = 0.4
-    """gmpo: the high side of the log-space clip (see gmpo_log_eps_low)."""
+    cispo: CispoParams = field(default_factory=CispoParams)
+    """cispo's own clip range of the IS weight: ``gspo.cispo.eps_low`` (in (0, 1]; 1.0, the
+    default: no lower bound) and ``gspo.cispo.eps_high`` (4.0) (``variants.CispoParams``)."""
+    sapo: SapoParams = field(default_factory=SapoParams)
+    """sapo's gate temperatures: ``gspo.sapo.tau_pos`` (1.0) and ``gspo.sapo.tau_neg`` (1.05)
+    (``variants.SapoParams``)."""
+    gmpo: GmpoParams = field(default_factory=GmpoParams)
+    """gmpo's own clip range in log space: ``gspo.gmpo.log_eps_low`` and ``gspo.gmpo.log_eps_high``
+    (0.4 / 0.4) (``variants.GmpoParams``)."""
     group_size: int = 8
     """G: responses sampled per prompt."""
     normalize_std: bool = True
@@ -292,12 +292,12 @@ class GSPOConfig:
         for name in ("eps_low", "eps_high", "token_eps_low", "token_eps_high"):
             value = getattr(self, name)
             _require(0 < value < 1, f"gspo.{name}: must be in (0, 1), got {value}")
-        _require(0 < self.cispo_eps_low <= 1,
-                 f"gspo.cispo_eps_low: must be in (0, 1] (1: no lower bound), got {self.cispo_eps_low}")
-        for name in ("cispo_eps_high", "sapo_tau_pos", "sapo_tau_neg", "gmpo_log_eps_low",
-                     "gmpo_log_eps_high"):
-            value = getattr(self, name)
-            _require(value > 0 and math.isfinite(value), f"gspo.{name}: must be > 0, got {value}")
+        _require(0 < self.cispo.eps_low <= 1,
+                 f"gspo.cispo.eps_low: must be in (0, 1] (1: no lower bound), got {self.cispo.eps_low}")
+        for section, name in (("cispo", "eps_high"), ("sapo", "tau_pos"), ("sapo", "tau_neg"),
+                              ("gmpo", "log_eps_low"), ("gmpo", "log_eps_high")):
+            value = getattr(getattr(self, section), name)
+            _require(value > 0 and math.isfinite(value), f"gspo.{section}.{name}: must be > 0, got {value}")
         _require(self.group_size >= 2,
                  f"gspo.group_size: must be >= 2 for group-relative advantages, got {self.group_size}")
         _require(self.kl_coef >= 0, f"gspo.kl_coef: must be >= 0, got {self.kl_coef}")
@@ -319,10 +319,20 @@ class GSPOConfig:
     def clip_range(self) -> tuple[float, float]:
         """(eps_low, eps_high) for the configured variant: the token range for the variants that
         clip the per-token ratio w_it, the sequence range for the others (gspo_token included:
-        its tokens' ratios have the value s_i); cispo's and gmpo's own (gmpo: log space); sapo
-        has no clip (the sequence range is returned and unused)."""
-        low, high = SPECS[self.variant].eps_fields or SEQUENCE_RANGE
-        return getattr(self, low), getattr(self, high)
+        its tokens' ratios have the value s_i); cispo's and gmpo's own, from their sections
+        (gmpo: log space); sapo has no clip (the sequence range is returned and unused)."""
+        values = []
+        for dotted in SPECS[self.variant].eps_fields or SEQUENCE_RANGE:  # e.g. "cispo.eps_low"
+            value = self
+            for name in dotted.split("."):
+                value = getattr(value, name)
+            values.append(value)
+        return values[0], values[1]
+
+    def variant_params(self) -> Any:
+        """``gspo_loss``'s ``params`` for the configured variant: the section named after it when
+        the registry gives the variant a params class (``VariantSpec.params``: sapo's), else None."""
+        return None if SPECS[self.variant].params is None else getattr(self, self.variant)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -1258,6 +1268,9 @@ def _build(cls: type, data: Any, path: str) -> Any:
         f"{prefix}{k}: moved to {prefix}{moved[k]}" for k in data if k in moved))
     hints = typing.get_type_hints(cls)
     names = {_yaml_key(cls, f.name): f.name for f in dataclasses.fields(cls)}
+    moved = [k for k in data if k in getattr(cls, "MOVED_KEYS", {})]
+    if moved:  # ``MOVED_KEYS``: old key -> its new place, dotted, within the same section
+        raise ConfigError("; ".join(f"{prefix}{k}: moved; write {prefix}{cls.MOVED_KEYS[k]}" for k in moved))
     unknown = [k for k in data if k not in names]
     if unknown:
         raise ConfigError("; ".join(

@@ -10,8 +10,8 @@ Collective over the default group: every rank builds the same stream and iterate
             bucket.named_tensors()   # [(hf name, view into bucket.flat)], valid until the next one
 
 **Plan** (collective, once per :class:`HFGather`; the layout does not change during a run). Every
-rank lists its weights as HF pieces with the one mapping (``model.local_hf_pieces`` ->
-``hf_mapping.pieces_for``, the code conversion uses) and all-gathers the piece keys (HF name index
+rank lists its weights as HF pieces with the one mapping (``hf.rank_pieces.local_hf_pieces`` ->
+``hf.mapping.pieces_for``, the code conversion uses) and all-gathers the piece keys (HF name index
 + region: a few ints per piece). Then, on every rank alike:
 
 * each HF tensor gets a **source** rank: the lowest rank that holds it whole, if one does (every
@@ -50,6 +50,7 @@ import torch.distributed as dist
 from megatron_gspo.errors import InputError
 from megatron_gspo.config import ModelConfig
 from megatron_gspo.hf.mapping import hf_param_names, hf_param_shapes
+from megatron_gspo.hf.rank_pieces import local_hf_pieces
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
@@ -145,8 +146,6 @@ class _Plan:
 
 
 def _local_pieces(gpt, model_cfg, pg_collection):
-    from megatron_gspo.model.gpt import local_hf_pieces
-
     if isinstance(gpt, (list, tuple)):
         if len(gpt) != 1:
             raise NotImplementedError("weight sync of virtual-pipeline model chunks")

@@ -83,7 +83,9 @@ decision depends only on s_i and the token's own ratio / advantage sign, e.g. fo
     sum_{t: A_it > 0} PPO(s_it, A_it) = clip(s_i) sg[P_i]  if s_i > 1 + eps_high,  else sg[s_i] P_i
     P_i = sum_{t: A_it > 0} A_it exp(lp_it - sg[lp_it])     (value sum A_it, gradient A_it per token)
 so EVERY variant, optional terms included, makes exactly ONE ``sequence_reduce`` call
-(``sequence_log_ratio`` also makes one).
+(``sequence_log_ratio`` also makes one). Each variant's local sums and its J_i from the reduced
+sums are the two functions of its ``megatron_gspo.loss.terms.TERMS`` entry; this module has no
+per-variant branch beyond the registry's properties (``variants.SPECS``).
 
 Numerics: log-ratios are clamped to [-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT] = [-20, 20] just before
 each exp (log s_i, log S_i, per-token log w_it, the k3 argument). exp(20) = 4.9e8 is far outside
@@ -96,10 +98,14 @@ the loss or the gradient. Half-precision inputs are computed in float32.
 
 import math
 from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from megatron_gspo.loss.advantages import group_advantages
+from megatron_gspo.loss.terms import TERMS
+from megatron_gspo.loss.terms.common import LOG_RATIO_LIMIT, SequenceInputs, TokenInputs
 from megatron_gspo.loss.variants import (SEQUENCE_CLIP_VARIANTS, SPECS, TOKEN_CLIP_VARIANTS,
                                          TOKEN_NORMALIZED_VARIANTS, TOKEN_RATIO_CLIP_VARIANTS,
                                          VARIANTS, Variant)
@@ -115,10 +121,6 @@ __all__ = [
     "gspo_loss",
     "sequence_log_ratio",
 ]
-
-# The variant names and their two properties (cut unit, clipped ratio) live in one registry.
-
-LOG_RATIO_LIMIT = 20.0
 
 SequenceReduce = Callable[[Tensor], Tensor]
 
@@ -164,8 +166,7 @@ def gspo_loss(
     entropy_coef: float = 0.0,
     rollout_log_probs: Tensor | None = None,
     mismatch_cap: float | None = None,
-    sapo_tau_pos: float = 1.0,
-    sapo_tau_neg: float = 1.05,
+    params: Any = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (and ablation) policy loss; formulas, variants and the CP decomposition in the module docstring.
 
@@ -181,8 +182,10 @@ def gspo_loss(
             token of row i still gets A_i).
         response_mask: ``[B, T]``, True (or non-zero) on response tokens; prompt and padding are
             False. Values of the other tensors outside the mask are ignored (may be NaN/inf).
-        eps_low, eps_high: clip range ``[1 - eps_low, 1 + eps_high]`` for the variant's cut unit.
-        variant: one of ``VARIANTS``.
+        eps_low, eps_high: clip range ``[1 - eps_low, 1 + eps_high]`` for the variant's cut unit
+            (``GSPOConfig.clip_range`` picks it: the sequence or the token range, or cispo's /
+            gmpo's own; gmpo's is in log space, sapo ignores it).
+        variant: one of ``VARIANTS``; its per-token term and J_i are ``terms.TERMS[variant]``.
         loss_denominator: D. None divides by the local N (rows with a response token); the
             distributed caller passes the number of sequences of the whole mini-batch.
         sequence_reduce: called exactly once on the ``[B, K]`` tensor of local per-sequence sums
@@ -198,7 +201,10 @@ def gspo_loss(
             per token, the log-prob the token was sampled with, whichever weight version that was)
             and the cap C of the detached weight ``m_i = min(exp(mean_t(old - rollout)), C)``
             multiplying J_i (the decoupled objective's behaviour weight, module docstring).
-        sapo_tau_pos, sapo_tau_neg: sapo's gate temperatures (tokens with A_it > 0 / the others).
+        params: the variant's parameters besides its clip range, an instance of
+            ``variants.SPECS[variant].params`` (sapo: ``SapoParams``, its gate temperatures for
+            tokens with A_it > 0 / the others); None: that class's defaults. The variants without
+            such a class take None only.
 
     Returns:
         ``(loss, metrics)``: scalar loss; ``metrics`` maps names to detached 0-d tensors (means
@@ -229,8 +235,10 @@ def gspo_loss(
             ``mismatch_capped_frac`` (fraction with exp(mean) > cap),
             ``mismatch_log_prob_abs_diff_mean`` (token-mean of |old - rollout|)
     """
+    params = _variant_params(variant, params)
     _check_options(variant, eps_low, eps_high, loss_denominator, ref_log_probs, kl_coef, entropy, entropy_coef,
-                   rollout_log_probs, mismatch_cap, sapo_tau_pos, sapo_tau_neg)
+                   rollout_log_probs, mismatch_cap, params)
+    term = TERMS[variant]
     dtype = _compute_dtype(log_probs)
     is_response_token_BT = _response_mask(response_mask, log_probs.shape)
     for name, tensor in (("old_log_probs", old_log_probs), ("ref_log_probs", ref_log_probs), ("entropy", entropy),
@@ -254,8 +262,8 @@ def gspo_loss(
     }
     if advantages_B is None and variant in SEQUENCE_CLIP_VARIANTS:
         local_sums["advantage_sum"] = advantages_BT.sum(-1)
-    local_sums |= _variant_token_sums(variant, log_probs_BT, log_ratio_BT, advantages_BT, is_response_token_BT,
-                                      eps_low, eps_high, sapo_tau_pos, sapo_tau_neg)
+    tokens = TokenInputs(log_probs_BT, log_ratio_BT, advantages_BT, is_response_token_BT)
+    local_sums |= term.token_sums(tokens, eps_low, eps_high, params)
     if ref_log_probs is not None:
         ref_minus_log_probs_BT = masked(ref_log_probs.detach()) - log_probs_BT
         ref_minus_log_probs_BT = ref_minus_log_probs_BT.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
@@ -279,8 +287,8 @@ def gspo_loss(
     if advantages_B is None and variant in SEQUENCE_CLIP_VARIANTS:
         advantages_B = sums["advantage_sum"] / num_tokens_safe_B
 
-    objective_B, cut_counts = _variant_objective(variant, sums, log_ratio_seq_B, advantages_B, num_tokens_safe_B,
-                                                 eps_low, eps_high)
+    sequences = SequenceInputs(sums, log_ratio_seq_B, advantages_B, num_tokens_safe_B)
+    objective_B, cut_counts = term.objective(sequences, eps_low, eps_high)
 
     mismatch_weight_B = torch.ones_like(num_tokens_B)
     if rollout_log_probs is not None:
@@ -317,21 +325,8 @@ def gspo_loss(
         }
         metrics |= _masked_stats("response_length", num_tokens_B, is_nonempty_B)
         metrics |= _masked_stats("log_ratio_seq", log_ratio_seq_B, is_nonempty_B, with_std=True)
-        cut_stats = SPECS[variant].cut_stats
-        if cut_stats == "sequence":
-            is_cut_low_B, is_cut_high_B = cut_counts
-            metrics["clip_frac_low"] = (is_cut_low_B & is_nonempty_B).sum() / num_nonempty
-            metrics["clip_frac_high"] = (is_cut_high_B & is_nonempty_B).sum() / num_nonempty
-            metrics["clip_frac"] = metrics["clip_frac_low"] + metrics["clip_frac_high"]
-        elif cut_stats == "none":  # sapo: the soft gate's weights instead
-            metrics["sapo_gate_weight_mean"] = sums["gate_weight_sum"].sum() / num_tokens.clamp(min=1.0)
-            metrics["sapo_gate_weight_low_frac"] = (sums["num_low_gate_tokens"].sum()
-                                                    / num_tokens.clamp(min=1.0))
-        else:
-            num_cut_low_B, num_cut_high_B = cut_counts
-            metrics["token_clip_frac_low"] = num_cut_low_B.sum() / num_tokens.clamp(min=1.0)
-            metrics["token_clip_frac_high"] = num_cut_high_B.sum() / num_tokens.clamp(min=1.0)
-            metrics["token_clip_frac"] = metrics["token_clip_frac_low"] + metrics["token_clip_frac_high"]
+        metrics |= _cut_metrics(SPECS[variant].cut_stats, cut_counts, sums, is_nonempty_B, num_nonempty,
+                                num_tokens)
         if ref_log_probs is not None:
             metrics["kl_mean"] = _masked_mean(sums["kl_sum"] / num_tokens_safe_B, is_nonempty_B)
         if entropy is not None:
@@ -346,177 +341,6 @@ def gspo_loss(
             metrics["mismatch_log_prob_abs_diff_mean"] = sums["rollout_abs_diff_sum"].sum() / num_tokens.clamp(min=1.0)
         metrics = {name: value.detach().to(dtype) for name, value in metrics.items()}
     return loss, metrics
-
-
-# ---------------------------------------------------------------------------------------------
-# Per-variant pieces. `_variant_token_sums` builds the local per-sequence sums (linear in the
-# tokens, so they can be summed across ranks); `_variant_objective` turns the reduced sums into J_i.
-# ---------------------------------------------------------------------------------------------
-
-
-def _variant_token_sums(
-    variant: str,
-    log_probs_BT: Tensor,
-    log_ratio_BT: Tensor,
-    advantages_BT: Tensor,
-    is_response_token_BT: Tensor,
-    eps_low: float,
-    eps_high: float,
-    sapo_tau_pos: float = 1.0,
-    sapo_tau_neg: float = 1.05,
-) -> dict[str, Tensor]:
-    """Local ``[B]`` sums over response tokens that the variant's J_i needs besides n_i and sum(lp - old)."""
-    # value 1, gradient 1 w.r.t. lp_it: "pi_theta(y_it) / sg[pi_theta(y_it)]"
-    unit_weight_BT = torch.exp(log_probs_BT - log_probs_BT.detach())
-
-    def masked_sum(values_BT: Tensor, is_included_BT: Tensor = is_response_token_BT) -> Tensor:
-        return torch.where(is_included_BT, values_BT, 0.0).sum(-1)
-
-    if variant in ("gspo", "seq_ratio_unnormalized"):
-        return {}
-    if variant == "gspo_token":
-        # All tokens share the ratio value s_i, so whether token t is cut depends only on the sign
-        # of A_it; split by sign and keep the sums linear (module docstring).
-        is_positive_BT = is_response_token_BT & (advantages_BT > 0)
-        is_negative_BT = is_response_token_BT & (advantages_BT < 0)
-        return {
-            "positive_advantage_sum": masked_sum(advantages_BT * unit_weight_BT, is_positive_BT),
-            "negative_advantage_sum": masked_sum(advantages_BT * unit_weight_BT, is_negative_BT),
-            "num_positive_advantage_tokens": is_positive_BT.sum(-1).to(log_ratio_BT.dtype).detach(),
-            "num_negative_advantage_tokens": is_negative_BT.sum(-1).to(log_ratio_BT.dtype).detach(),
-        }
-
-    if variant == "luspo":
-        return {}
-    if variant == "gmpo":
-        # PPO's min per token in log space, by the sign of the (per-sequence) advantage: a
-        # positive-advantage token is cut above eps_high, a negative one below -eps_low; a cut
-        # token keeps the clamped value and no gradient
-        is_cut_high_BT = is_response_token_BT & (advantages_BT > 0) & (log_ratio_BT > eps_high)
-        is_cut_low_BT = is_response_token_BT & (advantages_BT < 0) & (log_ratio_BT < -eps_low)
-        clipped_BT = torch.where(is_cut_low_BT | is_cut_high_BT,
-                                 log_ratio_BT.clamp(-eps_low, eps_high).detach(), log_ratio_BT)
-        return {"clipped_log_ratio_sum": masked_sum(clipped_BT),
-                "num_cut_low_tokens": is_cut_low_BT.sum(-1).to(log_ratio_BT.dtype).detach(),
-                "num_cut_high_tokens": is_cut_high_BT.sum(-1).to(log_ratio_BT.dtype).detach()}
-
-    token_ratio_BT = torch.exp(log_ratio_BT.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
-    if variant == "token_ratio_seq_clip":
-        return {"token_ratio_sum": masked_sum(token_ratio_BT)}
-    if variant == "sapo":
-        # f(w) = (4 / tau) sigmoid(tau (w - 1)): value f(w) A, gradient 4 sigma (1 - sigma) w A grad lp
-        taus = [torch.tensor(t, dtype=log_ratio_BT.dtype, device=log_ratio_BT.device)
-                for t in (sapo_tau_pos, sapo_tau_neg)]
-        tau_BT = torch.where(advantages_BT > 0, *taus)
-        gate_BT = torch.sigmoid(tau_BT * (token_ratio_BT - 1.0))
-        weight_BT = (4.0 * gate_BT * (1.0 - gate_BT)).detach()
-        return {"token_objective_sum": masked_sum(4.0 / tau_BT * gate_BT * advantages_BT),
-                "gate_weight_sum": masked_sum(weight_BT),
-                "num_low_gate_tokens": masked_sum((weight_BT < 0.5).to(log_ratio_BT.dtype))}
-    if variant == "cispo":
-        # sg[clip(w)] A_it grad lp_it: value clip(w) A (the unit weight), no token dropped; the
-        # clip is of the IS weight, on both sides whatever the advantage's sign
-        is_low_BT = is_response_token_BT & (token_ratio_BT < 1.0 - eps_low)
-        is_high_BT = is_response_token_BT & (token_ratio_BT > 1.0 + eps_high)
-        weight_BT = _clip(token_ratio_BT, eps_low, eps_high).detach()
-        return {"token_objective_sum": masked_sum(weight_BT * advantages_BT * unit_weight_BT),
-                "num_cut_low_tokens": is_low_BT.sum(-1).to(log_ratio_BT.dtype).detach(),
-                "num_cut_high_tokens": is_high_BT.sum(-1).to(log_ratio_BT.dtype).detach()}
-
-    # token-clip variants: the cut decision is per token, by its own w_it and A_it
-    is_cut_low_BT, is_cut_high_BT = _ppo_cut(token_ratio_BT, advantages_BT, eps_low, eps_high)
-    is_cut_low_BT = is_cut_low_BT & is_response_token_BT
-    is_cut_high_BT = is_cut_high_BT & is_response_token_BT
-    is_cut_BT = is_cut_low_BT | is_cut_high_BT
-    cut_counts = {
-        "num_cut_low_tokens": is_cut_low_BT.sum(-1).to(log_ratio_BT.dtype).detach(),
-        "num_cut_high_tokens": is_cut_high_BT.sum(-1).to(log_ratio_BT.dtype).detach(),
-    }
-    if variant == "grpo":
-        objective_BT = _ppo_objective(token_ratio_BT, advantages_BT, is_cut_BT, eps_low, eps_high)
-        return {"token_objective_sum": masked_sum(objective_BT)} | cut_counts
-    if variant == "seq_ratio_token_clip":
-        # uncut tokens: sg[s_i] * exp(lp - sg[lp]) * A_it, and sg[s_i] factors out of the sum
-        return {
-            "uncut_advantage_sum": masked_sum(advantages_BT * unit_weight_BT, is_response_token_BT & ~is_cut_BT),
-            "cut_objective_sum": masked_sum(_clip(token_ratio_BT, eps_low, eps_high).detach() * advantages_BT,
-                                            is_cut_BT),
-        } | cut_counts
-    raise AssertionError(variant)  # unreachable: variant validated by _check_options
-
-
-def _variant_objective(
-    variant: str,
-    sums: dict[str, Tensor],
-    log_ratio_seq_B: Tensor,
-    advantages_B: Tensor | None,
-    num_tokens_safe_B: Tensor,
-    eps_low: float,
-    eps_high: float,
-) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-    """J_i ``[B]`` from the reduced sums, and the cut statistics.
-
-    The cut statistics are ``(is_cut_low_B, is_cut_high_B)`` bools for sequence-clip variants,
-    ``(num_cut_low_tokens_B, num_cut_high_tokens_B)`` for token-clip variants.
-    """
-    seq_ratio_B = torch.exp(log_ratio_seq_B.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
-
-    if variant in ("gspo", "seq_ratio_unnormalized", "luspo"):  # luspo: n_i J_i, in gspo_loss
-        if variant == "seq_ratio_unnormalized":
-            seq_ratio_B = torch.exp(sums["log_ratio_sum"].clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
-        is_cut_low_B, is_cut_high_B = _ppo_cut(seq_ratio_B, advantages_B, eps_low, eps_high)
-        objective_B = _ppo_objective(seq_ratio_B, advantages_B, is_cut_low_B | is_cut_high_B, eps_low, eps_high)
-        return objective_B, (is_cut_low_B, is_cut_high_B)
-
-    if variant == "token_ratio_seq_clip":
-        is_cut_low_B, is_cut_high_B = _ppo_cut(seq_ratio_B, advantages_B, eps_low, eps_high)
-        uncut_B = advantages_B * sums["token_ratio_sum"] / num_tokens_safe_B
-        cut_B = _clip(seq_ratio_B, eps_low, eps_high).detach() * advantages_B
-        return torch.where(is_cut_low_B | is_cut_high_B, cut_B, uncut_B), (is_cut_low_B, is_cut_high_B)
-
-    if variant == "gspo_token":
-        # positive-advantage tokens are cut when s_i > 1 + eps_high, negative ones when s_i < 1 - eps_low
-        is_cut_high_B = seq_ratio_B > 1.0 + eps_high
-        is_cut_low_B = seq_ratio_B < 1.0 - eps_low
-        clipped_ratio_B = _clip(seq_ratio_B, eps_low, eps_high).detach()
-        positive_sum_B, negative_sum_B = sums["positive_advantage_sum"], sums["negative_advantage_sum"]
-        positive_B = torch.where(is_cut_high_B, clipped_ratio_B * positive_sum_B.detach(),
-                                 seq_ratio_B.detach() * positive_sum_B)
-        negative_B = torch.where(is_cut_low_B, clipped_ratio_B * negative_sum_B.detach(),
-                                 seq_ratio_B.detach() * negative_sum_B)
-        objective_B = (positive_B + negative_B) / num_tokens_safe_B
-        num_cut_low_tokens_B = is_cut_low_B * sums["num_negative_advantage_tokens"]
-        num_cut_high_tokens_B = is_cut_high_B * sums["num_positive_advantage_tokens"]
-        return objective_B, (num_cut_low_tokens_B.detach(), num_cut_high_tokens_B.detach())
-
-    if variant == "gmpo":
-        log_mean_B = (sums["clipped_log_ratio_sum"] / num_tokens_safe_B).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-        return (advantages_B * torch.exp(log_mean_B),
-                (sums["num_cut_low_tokens"].detach(), sums["num_cut_high_tokens"].detach()))
-    if variant == "sapo":
-        return sums["token_objective_sum"] / num_tokens_safe_B, None
-    cut_counts = (sums["num_cut_low_tokens"].detach(), sums["num_cut_high_tokens"].detach())
-    if variant in ("grpo", "cispo"):  # cispo: gspo_loss multiplies by n_i (token normalisation)
-        return sums["token_objective_sum"] / num_tokens_safe_B, cut_counts
-    if variant == "seq_ratio_token_clip":
-        uncut_B = seq_ratio_B.detach() * sums["uncut_advantage_sum"]
-        objective_B = (uncut_B + sums["cut_objective_sum"]) / num_tokens_safe_B
-        return objective_B, cut_counts
-    raise AssertionError(variant)  # unreachable: variant validated by _check_options
-
-
-def _clip(ratio: Tensor, eps_low: float, eps_high: float) -> Tensor:
-    return ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-
-
-def _ppo_cut(ratio: Tensor, advantage: Tensor, eps_low: float, eps_high: float) -> tuple[Tensor, Tensor]:
-    """``(is_cut_low, is_cut_high)``: (A < 0 and r < 1 - eps_low), (A > 0 and r > 1 + eps_high)."""
-    return (advantage < 0) & (ratio < 1.0 - eps_low), (advantage > 0) & (ratio > 1.0 + eps_high)
-
-
-def _ppo_objective(ratio: Tensor, advantage: Tensor, is_cut: Tensor, eps_low: float, eps_high: float) -> Tensor:
-    """``min(r A, clip(r) A)``: the constant ``clip(r) A`` where cut, ``r A`` (with gradient) elsewhere."""
-    return torch.where(is_cut, _clip(ratio, eps_low, eps_high).detach() * advantage, ratio * advantage)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -565,18 +389,29 @@ def _split_advantages(
     return None, advantages_BT
 
 
-def _check_options(variant, eps_low, eps_high, loss_denominator, ref_log_probs, kl_coef, entropy, entropy_coef,
-                   rollout_log_probs, mismatch_cap, sapo_tau_pos=1.0, sapo_tau_neg=1.05) -> None:
+def _variant_params(variant: str, params: Any) -> Any:
+    """``params`` checked against the variant's ``VariantSpec.params``; None -> its defaults."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; valid variants: {', '.join(VARIANTS)}")
+    expected = SPECS[variant].params
+    if params is None:
+        return None if expected is None else expected()
+    if expected is None or not isinstance(params, expected):
+        wanted = "None (it has no parameters besides its clip range)" if expected is None else expected.__name__
+        raise ValueError(f"variant {variant!r} takes params {wanted}, got {type(params).__name__}")
+    return params
+
+
+def _check_options(variant, eps_low, eps_high, loss_denominator, ref_log_probs, kl_coef, entropy, entropy_coef,
+                   rollout_log_probs, mismatch_cap, params) -> None:
+    term = TERMS[variant]
     # cispo: eps_low = 1 is no lower bound; gmpo: a log-space range, any eps_low >= 0
-    low_limit = {"cispo": 1.0, "gmpo": math.inf}.get(variant)
-    low_ok = 0.0 <= eps_low < 1.0 if low_limit is None else 0.0 <= eps_low <= low_limit
+    low_ok = (0.0 <= eps_low < 1.0 if term.eps_low_limit is None else 0.0 <= eps_low <= term.eps_low_limit)
     if not low_ok or not (eps_high >= 0.0):
         raise ValueError(f"need 0 <= eps_low < 1 (cispo: <= 1; gmpo: any, log space) and eps_high >= 0, "
                          f"got eps_low={eps_low}, eps_high={eps_high}")
-    if variant == "sapo" and not (sapo_tau_pos > 0 and sapo_tau_neg > 0):
-        raise ValueError(f"sapo needs sapo_tau_pos > 0 and sapo_tau_neg > 0, got {sapo_tau_pos}, {sapo_tau_neg}")
+    if term.check_params is not None:
+        term.check_params(params)
     if loss_denominator is not None and not loss_denominator > 0:
         raise ValueError(f"loss_denominator={loss_denominator} must be > 0 (the number of sequences of the mini-batch)")
     if kl_coef != 0.0 and ref_log_probs is None:
@@ -595,6 +430,28 @@ def _reduce_sequence_sums(sums_BK: Tensor, sequence_reduce: SequenceReduce | Non
     if reduced_BK.shape != sums_BK.shape:
         raise ValueError(f"sequence_reduce returned shape {tuple(reduced_BK.shape)}, expected {tuple(sums_BK.shape)}")
     return reduced_BK
+
+
+def _cut_metrics(cut_stats: str, cut_counts, sums: dict[str, Tensor], is_nonempty_B: Tensor,
+                 num_nonempty: Tensor, num_tokens: Tensor) -> dict[str, Tensor]:
+    """The clip metrics by ``VariantSpec.cut_stats``: fractions of sequences or of tokens cut, or
+    (sapo, no clip) its soft gate's weights."""
+    metrics = {}
+    if cut_stats == "sequence":
+        is_cut_low_B, is_cut_high_B = cut_counts
+        metrics["clip_frac_low"] = (is_cut_low_B & is_nonempty_B).sum() / num_nonempty
+        metrics["clip_frac_high"] = (is_cut_high_B & is_nonempty_B).sum() / num_nonempty
+        metrics["clip_frac"] = metrics["clip_frac_low"] + metrics["clip_frac_high"]
+    elif cut_stats == "none":  # sapo: the soft gate's weights instead
+        metrics["sapo_gate_weight_mean"] = sums["gate_weight_sum"].sum() / num_tokens.clamp(min=1.0)
+        metrics["sapo_gate_weight_low_frac"] = (sums["num_low_gate_tokens"].sum()
+                                                / num_tokens.clamp(min=1.0))
+    else:
+        num_cut_low_B, num_cut_high_B = cut_counts
+        metrics["token_clip_frac_low"] = num_cut_low_B.sum() / num_tokens.clamp(min=1.0)
+        metrics["token_clip_frac_high"] = num_cut_high_B.sum() / num_tokens.clamp(min=1.0)
+        metrics["token_clip_frac"] = metrics["token_clip_frac_low"] + metrics["token_clip_frac_high"]
+    return metrics
 
 
 def _masked_mean(values_B: Tensor, is_included_B: Tensor) -> Tensor:

@@ -1,7 +1,9 @@
-"""The registry of loss variants: names, meaning, and the two properties the code acts on (no torch).
+"""The registry of loss variants: names, meaning, parameters, and the two properties the code acts on.
 
-The formulas are in :mod:`megatron_gspo.loss.gspo` (and docs/gspo_math.md). Each variant is
-described by two independent properties, and each has exactly one name here:
+No torch here: the formulas are in :mod:`megatron_gspo.loss.gspo` (and docs/gspo_math.md), each
+variant's per-token term and per-sequence objective in its family's module of
+:mod:`megatron_gspo.loss.terms` (``terms.TERMS`` has one entry per name of this table). Each
+variant is described by two independent properties, and each has exactly one name here:
 
 * ``cut_unit``: what PPO's clipping cuts, the whole sequence or one token. "Token-clip variant"
   means ``cut_unit == "token"`` everywhere in this project (:data:`TOKEN_CLIP_VARIANTS`): those
@@ -16,6 +18,12 @@ described by two independent properties, and each has exactly one name here:
 The two differ for ``gspo_token``: its cut unit is the token (per-token advantages), but every
 token's ratio has the value ``s_i``, so it clips with the sequence range. Before this registry the
 word "token-clip" meant the first property in the loss and the second in the config.
+
+A variant's parameters besides the shared ranges are dataclasses here, each the type of the config
+section named after the variant (``gspo.cispo``, ``gspo.sapo``, ``gspo.gmpo``): cispo's and gmpo's
+hold their own clip range (``eps_fields`` names those fields, ``GSPOConfig.clip_range`` returns
+them, the loss gets them as its ``eps_low, eps_high``); sapo's hold its gate temperatures, which the
+loss takes as ``gspo_loss(..., params=SapoParams(...))`` (``VariantSpec.params``).
 
 This module is imported by :mod:`megatron_gspo.config` (which must not import torch) and by the
 loss; the ``Variant`` literal below is the type of ``gspo.variant`` and is checked against the
@@ -34,6 +42,41 @@ Variant = Literal["gspo", "gspo_token", "grpo", "seq_ratio_token_clip", "token_r
                   "seq_ratio_unnormalized", "cispo", "sapo", "luspo", "gmpo"]
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CispoParams:
+    """cispo's own clip range (config section ``gspo.cispo``): the IS weight w_it is clipped to
+    ``[1 - eps_low, 1 + eps_high]`` before it is detached."""
+
+    eps_low: float = 1.0
+    """The low side; in (0, 1]. 1.0: no lower bound (MiniMax-M1 sets the low side "to a large
+    value" and tunes only the high side)."""
+    eps_high: float = 4.0
+    """The high side (4.0: weights up to 5, ScaleRL's CISPO)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SapoParams:
+    """sapo's gate temperatures (config section ``gspo.sapo``; the loss's ``params`` for sapo)."""
+
+    tau_pos: float = 1.0
+    """The gate's temperature on tokens with a positive advantage (SAPO paper: 1.0)."""
+    tau_neg: float = 1.05
+    """The gate's temperature on the other tokens (SAPO paper: 1.05; larger: negative updates
+    fade faster off-policy)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GmpoParams:
+    """gmpo's own clip range, in log space (config section ``gspo.gmpo``): each token's log-ratio
+    is clipped to ``[-log_eps_low, log_eps_high]`` (PPO's min per token, by the sign of A_i) before
+    the geometric mean (GMPO paper: (e^-0.4, e^0.4))."""
+
+    log_eps_low: float = 0.4
+    """The low side of the log-space clip."""
+    log_eps_high: float = 0.4
+    """The high side of the log-space clip."""
+
+
 @dataclass(frozen=True)
 class VariantSpec:
     name: str
@@ -44,12 +87,16 @@ class VariantSpec:
     """What the clip metrics count: sequences (``clip_frac*``), tokens (``token_clip_frac*``) or
     nothing (a variant without a hard clip); default: the cut unit."""
     eps_fields: Optional[tuple[str, str]] = ()  # type: ignore[assignment]
-    """The ``gspo.*`` fields of the clip range ``GSPOConfig.clip_range`` returns; default by the
-    clipped ratio (sequence: ``eps_low|high``, token: ``token_eps_low|high``, none: None)."""
+    """The ``gspo.*`` fields of the clip range ``GSPOConfig.clip_range`` returns (``section.field``
+    for a range in a variant's own section); default by the clipped ratio (sequence:
+    ``eps_low|high``, token: ``token_eps_low|high``, none: None)."""
     normalization: Literal["sequence", "token"] = "sequence"
     """``sequence``: J_i is a mean over the sequence's tokens and the loss a mean over sequences;
     ``token``: each sequence counts with its length n_i and the loss is a mean over all response
     tokens of the mini-batch (CISPO's token-mean, LUSPO's length scaling)."""
+    params: Optional[type] = None
+    """The dataclass of the parameters ``gspo_loss`` takes as ``params`` for this variant (its
+    default instance when none is passed); None: the variant has none besides its clip range."""
 
     def __post_init__(self):
         if not self.cut_stats:
@@ -77,16 +124,16 @@ _SPECS = (
     VariantSpec("cispo", "CISPO (MiniMax-M1): every token's gradient A_it grad log pi weighted by "
                 "its IS weight w_it clipped and detached; no token dropped; token-mean",
                 cut_unit="token", clipped_ratio="token", normalization="token",
-                eps_fields=("cispo_eps_low", "cispo_eps_high")),
+                eps_fields=("cispo.eps_low", "cispo.eps_high")),
     VariantSpec("sapo", "SAPO: a sigmoid soft gate (4/tau) sigma(tau (w_it - 1)) on every token "
                 "instead of a hard clip, tau_pos / tau_neg by the advantage's sign",
-                cut_unit="token", clipped_ratio="none", cut_stats="none"),
+                cut_unit="token", clipped_ratio="none", cut_stats="none", params=SapoParams),
     VariantSpec("luspo", "LUSPO: GSPO with each sequence's term scaled by its length n_i, the loss "
                 "a mean over tokens (against GSPO's length bias)", cut_unit="sequence",
                 clipped_ratio="sequence", normalization="token"),
     VariantSpec("gmpo", "GMPO: A_i times the geometric mean of the token ratios, each clipped in "
                 "log space (PPO's min per token)", cut_unit="sequence", clipped_ratio="token",
-                cut_stats="token", eps_fields=("gmpo_log_eps_low", "gmpo_log_eps_high")),
+                cut_stats="token", eps_fields=("gmpo.log_eps_low", "gmpo.log_eps_high")),
 )
 
 SPECS: dict[str, VariantSpec] = {spec.name: spec for spec in _SPECS}

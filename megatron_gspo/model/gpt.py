@@ -30,6 +30,7 @@ are never formed.
 from __future__ import annotations
 
 import copy
+import zlib
 from typing import Optional
 
 import torch
@@ -37,6 +38,10 @@ import torch.nn.functional as F
 
 from megatron_gspo import mcore_compat
 from megatron_gspo.config import ConfigError, ModelConfig, ParallelConfig, padded_vocab_size
+from megatron_gspo.hf.mapping import hf_param_shapes, shard_from_hf
+from megatron_gspo.hf.rank_pieces import rank_layout, unwrap
+from megatron_gspo.loss.logprobs import DEFAULT_CHUNK_SIZE, vocab_parallel_log_probs
+from megatron_gspo.model.norm import RMSNorm
 
 
 def transformer_engine_available() -> bool:
@@ -169,8 +174,7 @@ def build_layer_spec(config, *, use_te: bool, pp_rank: Optional[int] = None):
     if use_te:
         return get_gpt_decoder_block_spec(config, use_transformer_engine=True,
                                           normalization="RMSNorm", pp_rank=pp_rank)
-    from megatron_gspo.model.attention import PackedCoreAttention
-    from megatron_gspo.model.norm import RMSNorm
+    from megatron_gspo.model.attention import PackedCoreAttention  # imports megatron.core
 
     layer = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
                                      qk_layernorm=True, normalization="RMSNorm")
@@ -325,29 +329,7 @@ def micro_batch_log_probs(logits, batch: dict, model: ModelConfig, pg_collection
 
 
 # ----------------------------------------------------------------------------------------------
-# Weights in Hugging Face names (the mapping lives in hf_mapping.py)
-
-
-def rank_layout(gpt, model: ModelConfig, pg_collection):
-    """This rank's coordinates for the HF mapping, read from the process groups and the model."""
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    from megatron_gspo.hf.mapping import RankLayout
-
-    tp = pg_collection.tp
-    return RankLayout(
-        tp_rank=tp.rank(), tp_size=tp.size(),
-        ep_rank=pg_collection.ep.rank(), ep_size=pg_collection.ep.size(),
-        etp_rank=pg_collection.expt_tp.rank(), etp_size=pg_collection.expt_tp.size(),
-        layer_offset=get_transformer_layer_offset(gpt.config, pp_rank=pg_collection.pp.rank()),
-        padded_vocab_size=padded_vocab_size(model, tp.size()),
-    )
-
-
-def _unwrap(module):
-    while hasattr(module, "module"):
-        module = module.module
-    return module
+# Weights from Hugging Face names (the mapping: hf/mapping.py; this rank's share: hf/rank_pieces.py)
 
 
 @torch.no_grad()
@@ -356,24 +338,10 @@ def load_hf_weights(gpt, model: ModelConfig, pg_collection, get_hf) -> None:
 
     Raises KeyError naming a Megatron parameter that has no HF counterpart.
     """
-    from megatron_gspo.hf.mapping import shard_from_hf
-
-    gpt = _unwrap(gpt)
+    gpt = unwrap(gpt)
     layout = rank_layout(gpt, model, pg_collection)
     for name, param in gpt.named_parameters():
         param.copy_(shard_from_hf(name, tuple(param.shape), get_hf, model, layout, param.dtype))
-
-
-def local_hf_pieces(gpt, model: ModelConfig, pg_collection, *, tensors=None):
-    """Yield (Piece, local sub-tensor) for every local parameter (or for ``tensors``: name->tensor,
-    e.g. gradients) in HF names and coordinates."""
-    from megatron_gspo.hf.mapping import iter_hf_pieces
-
-    gpt = _unwrap(gpt)
-    layout = rank_layout(gpt, model, pg_collection)
-    named = tensors.items() if tensors is not None else (
-        (n, p.detach()) for n, p in gpt.named_parameters())
-    yield from iter_hf_pieces(named, model, layout)
 
 
 def token_log_probs(logits, target, model: ModelConfig, pg_collection, *, temperature: float = 1.0,
@@ -383,8 +351,6 @@ def token_log_probs(logits, target, model: ModelConfig, pg_collection, *, temper
     Columns of the padded vocabulary (ids >= model.vocab_size) are excluded, so the result is the
     log-softmax over the real vocabulary, as in Hugging Face and SGLang.
     """
-    from megatron_gspo.loss.logprobs import DEFAULT_CHUNK_SIZE, vocab_parallel_log_probs
-
     tp = pg_collection.tp
     width = logits.shape[-1]
     vocab_start = tp.rank() * width
@@ -402,10 +368,6 @@ def init_weights(gpt, model: ModelConfig, pg_collection, *, seed: int) -> None:
     seeded by (seed, name), then sliced to this rank's shard, so any parallel layout starts from
     the same weights (one full tensor in memory at a time). Norm weights start at 1; matrices are
     normal(0, init_method_std)."""
-    import zlib
-
-    from megatron_gspo.hf.mapping import hf_param_shapes
-
     shapes = hf_param_shapes(model)
     cache: dict[str, torch.Tensor] = {}
 

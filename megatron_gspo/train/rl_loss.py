@@ -28,8 +28,10 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_gspo.loss import gspo
 from megatron_gspo.config import GSPOConfig, ModelConfig
+from megatron_gspo.loss import gspo
+from megatron_gspo.model import gpt
+from megatron_gspo.train.batching import loss_rows
 
 
 def count_sequences(response_mask: torch.Tensor) -> int:
@@ -46,16 +48,14 @@ def make_gspo_loss_fn(model: ModelConfig, gspo_cfg: GSPOConfig, pg_collection, *
     (turned into one row per sequence by ``batching.loss_rows``), with the logits of every
     position or of ``logit_index`` only (``model.gpt.micro_batch_log_probs``).
     """
-    from megatron_gspo.model.gpt import micro_batch_log_probs
-    from megatron_gspo.train.batching import loss_rows
-
     eps_low, eps_high = gspo_cfg.clip_range()
+    variant_params = gspo_cfg.variant_params()
     need_entropy = gspo_cfg.entropy_coef > 0
 
     def loss_fn(logits: torch.Tensor, batch: dict):
-        log_probs, entropy = micro_batch_log_probs(logits, batch, model, pg_collection,
-                                                   temperature=temperature,
-                                                   with_entropy=need_entropy)
+        log_probs, entropy = gpt.micro_batch_log_probs(logits, batch, model, pg_collection,
+                                                       temperature=temperature,
+                                                       with_entropy=need_entropy)
 
         def rows(values, fill_value=0):
             return None if values is None else loss_rows(batch, values, fill_value=fill_value)
@@ -81,8 +81,7 @@ def make_gspo_loss_fn(model: ModelConfig, gspo_cfg: GSPOConfig, pg_collection, *
             entropy_coef=gspo_cfg.entropy_coef,
             rollout_log_probs=rows(batch.get("rollout_log_probs")) if use_rollout else None,
             mismatch_cap=gspo_cfg.mismatch_cap if use_rollout else None,
-            sapo_tau_pos=gspo_cfg.sapo_tau_pos,
-            sapo_tau_neg=gspo_cfg.sapo_tau_neg,
+            params=variant_params,
         )
         return loss_sum, metrics
 
@@ -97,12 +96,11 @@ def make_log_prob_fn(model: ModelConfig, pg_collection, *, key: str = "old_log_p
     ``key="ref_log_probs"`` for the frozen reference policy's log pi_ref (on the last pipeline
     stage, where the logits are). The values are stored in the micro-batch's own layout.
     """
-    from megatron_gspo.model.gpt import micro_batch_log_probs
 
     def loss_fn(logits: torch.Tensor, batch: dict):
         with torch.no_grad():
-            log_probs, _ = micro_batch_log_probs(logits, batch, model, pg_collection,
-                                                 temperature=temperature)
+            log_probs, _ = gpt.micro_batch_log_probs(logits, batch, model, pg_collection,
+                                                     temperature=temperature)
         batch[key] = log_probs.detach()
         return log_probs.new_zeros(()), {}
 

@@ -18,10 +18,10 @@ import torch
 from megatron_gspo import mcore_compat, parallel
 from megatron_gspo.config import config_from_dict
 from megatron_gspo.hf.mapping import hf_param_shapes
-from megatron_gspo.model import gpt as policy
+from megatron_gspo.hf import rank_pieces
 from megatron_gspo.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tests.distributed.layouts import assemble, tiny_config
-from tests.distributed.spawn import run_on_ranks
+from bench.spawn import run_on_ranks
 from tests.distributed.test_checkpoint import _fresh, _step
 
 CONFIG = tiny_config({"expert": 2})
@@ -41,7 +41,7 @@ def _worker(rank, world, cfg_dict, run_dir, mode):
         load_checkpoint(latest_checkpoint(run_dir), state.model, state.optimizer)
     _step(state, cfg, pg, 1)
     _step(state, cfg, pg, 2)
-    pieces = [(p, t.clone()) for p, t in policy.local_hf_pieces(gpt, cfg.model, pg)]
+    pieces = [(p, t.clone()) for p, t in rank_pieces.local_hf_pieces(gpt, cfg.model, pg)]
     parallel.destroy_model_parallel()
     return {"weights": pieces}
 

@@ -8,6 +8,7 @@ the pieces of its gradients and of its updated weights; the test assembles and c
 from __future__ import annotations
 
 
+from megatron_gspo.hf import rank_pieces
 from megatron_gspo.model import gpt as policy
 from megatron_gspo import parallel
 from megatron_gspo.config import config_from_dict
@@ -64,13 +65,13 @@ def run_layout(rank, world_size, cfg_dict, hf_weights, batch, microbatch_counts,
             "num_units": n_global,
             "metrics": metrics,
             "grads": [(p, t.clone()) for p, t in
-                      policy.local_hf_pieces(gpt, cfg.model, pg, tensors=grads)],
+                      rank_pieces.local_hf_pieces(gpt, cfg.model, pg, tensors=grads)],
         }
         if take_step:
             update_ok, grad_norm, _ = state.optimizer.step()
             out.update(update_ok=update_ok, grad_norm=grad_norm,
                        weights=[(p, t.clone()) for p, t in
-                                policy.local_hf_pieces(gpt, cfg.model, pg)])
+                                rank_pieces.local_hf_pieces(gpt, cfg.model, pg)])
         outputs.append(out)
     parallel.destroy_model_parallel()
     return outputs

@@ -14,6 +14,7 @@ from megatron_gspo import parallel
 from megatron_gspo.config import config_from_dict
 from megatron_gspo.loss.context_parallel import make_sequence_reduce
 from megatron_gspo.loss.loss_scaling import global_num_sequences
+from megatron_gspo.hf import rank_pieces
 from megatron_gspo.model import gpt as policy
 from megatron_gspo.train.batching import (add_logit_index, packed_micro_batches, response_counts,
                                           split_for_rank, split_rows_for_context_parallel)
@@ -64,10 +65,10 @@ def run_gspo_step(rank, world_size, cfg_dict, hf_weights, batch, budget, num_mic
         "counts_loss": is_last_stage and pg.tp.rank() == 0 and pg.cp.rank() == 0,
         "num_units": n_global,
         "metrics": metrics,
-        "grads": [(p, t.clone()) for p, t in policy.local_hf_pieces(gpt, cfg.model, pg, tensors=grads)],
+        "grads": [(p, t.clone()) for p, t in rank_pieces.local_hf_pieces(gpt, cfg.model, pg, tensors=grads)],
     }
     update_ok, grad_norm, _ = state.optimizer.step()
     out.update(update_ok=update_ok, grad_norm=grad_norm,
-               weights=[(p, t.clone()) for p, t in policy.local_hf_pieces(gpt, cfg.model, pg)])
+               weights=[(p, t.clone()) for p, t in rank_pieces.local_hf_pieces(gpt, cfg.model, pg)])
     parallel.destroy_model_parallel()
     return out

@@ -14,14 +14,14 @@ def run_train_rollout(rank, world_size, cfg_dict, batch, step, scatter=False):
     experts and ``scatter_routed_experts`` sends each rank its rows first (as the loop does)."""
     from megatron_gspo import parallel
     from megatron_gspo.config import config_from_dict
-    from megatron_gspo.model import gpt as policy
+    from megatron_gspo.hf import rank_pieces
     from megatron_gspo.train import rl_trainer
     from megatron_gspo.train.metric_reduction import is_metric_rank
 
     cfg = config_from_dict(cfg_dict)
     pg = parallel.initialize(cfg.parallel, seed=cfg.run.seed)
     trainer = rl_trainer.RLTrainer(cfg, pg)
-    before = [(p, t.clone()) for p, t in policy.local_hf_pieces(trainer.gpt, cfg.model, pg)]
+    before = [(p, t.clone()) for p, t in rank_pieces.local_hf_pieces(trainer.gpt, cfg.model, pg)]
 
     reduce_inputs = []
     real_reduce = rl_trainer.reduce_metrics
@@ -51,7 +51,7 @@ def run_train_rollout(rank, world_size, cfg_dict, batch, step, scatter=False):
     finally:
         rl_trainer.reduce_metrics = real_reduce
         rl_trainer.train_step = real_step
-    after = [(p, t.clone()) for p, t in policy.local_hf_pieces(trainer.gpt, cfg.model, pg)]
+    after = [(p, t.clone()) for p, t in rank_pieces.local_hf_pieces(trainer.gpt, cfg.model, pg)]
     out = {"metrics": metrics, "before": before, "weights": after,
            "is_metric_rank": is_metric_rank(pg),
            # [forward-only pass, updates]: this rank's micro-batch metric dicts

@@ -11,7 +11,7 @@ import torch
 
 from megatron_gspo.loss.context_parallel import pad_cu_seqlens, zigzag_split
 from tests.distributed import attention_worker
-from tests.distributed.spawn import run_on_ranks
+from bench.spawn import run_on_ranks
 from tests.unit.attention_reference import naive_causal_attention
 
 CP = 2

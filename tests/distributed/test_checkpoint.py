@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_gspo.hf import rank_pieces
 from megatron_gspo.model import gpt as policy
 from megatron_gspo import parallel
 from megatron_gspo.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -18,7 +19,7 @@ from megatron_gspo.train.train_step import build_train_state, global_unit_count,
 from megatron_gspo.train.batching import split_for_rank
 from pipeline.scoring.tasks import PAD_ID, AdditionTask
 from tests.distributed.layouts import assemble, tiny_config
-from tests.distributed.spawn import run_on_ranks
+from bench.spawn import run_on_ranks
 
 
 def _step(state, cfg, pg, step):
@@ -44,7 +45,7 @@ def _save_resume_worker(rank, world, cfg_dict, run_dir):
     save_checkpoint(run_dir, 1, state.model, state.optimizer, {"sampler": {"index": 8}})
     _step(state, cfg, pg, 1)
     _step(state, cfg, pg, 2)
-    continuous = [(p, t.clone()) for p, t in policy.local_hf_pieces(gpt, cfg.model, pg)]
+    continuous = [(p, t.clone()) for p, t in rank_pieces.local_hf_pieces(gpt, cfg.model, pg)]
     # a fresh model and optimizer (different initial weights), then resume from step 1
     gpt2, state2 = _fresh(cfg, pg)
     with torch.no_grad():
@@ -52,10 +53,10 @@ def _save_resume_worker(rank, world, cfg_dict, run_dir):
             p.add_(0.5)
     path = latest_checkpoint(run_dir)
     run_state = load_checkpoint(path, state2.model, state2.optimizer)
-    at_step1 = [(p, t.clone()) for p, t in policy.local_hf_pieces(gpt2, cfg.model, pg)]
+    at_step1 = [(p, t.clone()) for p, t in rank_pieces.local_hf_pieces(gpt2, cfg.model, pg)]
     _step(state2, cfg, pg, 1)
     _step(state2, cfg, pg, 2)
-    resumed = [(p, t.clone()) for p, t in policy.local_hf_pieces(gpt2, cfg.model, pg)]
+    resumed = [(p, t.clone()) for p, t in rank_pieces.local_hf_pieces(gpt2, cfg.model, pg)]
     parallel.destroy_model_parallel()
     return {"continuous": continuous, "resumed": resumed, "at_step1": at_step1,
             "run_state": run_state, "path": str(path)}
@@ -66,7 +67,7 @@ def _load_worker(rank, world, cfg_dict, path):
     pg = parallel.initialize(cfg.parallel, seed=1)
     gpt, state = _fresh(cfg, pg)
     load_checkpoint(path, state.model, None, restore_rng=False)
-    out = [(p, t.clone()) for p, t in policy.local_hf_pieces(gpt, cfg.model, pg)]
+    out = [(p, t.clone()) for p, t in rank_pieces.local_hf_pieces(gpt, cfg.model, pg)]
     parallel.destroy_model_parallel()
     return {"weights": out}
 

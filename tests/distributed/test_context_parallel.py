@@ -38,7 +38,7 @@ from megatron_gspo.loss.context_parallel import (
 from megatron_gspo.loss.loss_scaling import global_num_sequences
 
 from tests.distributed import gspo_reference
-from tests.distributed.spawn import run_on_ranks
+from bench.spawn import run_on_ranks
 
 try:
     from megatron_gspo.loss.gspo import gspo_loss

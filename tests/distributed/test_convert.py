@@ -2,7 +2,7 @@
 
 Run: ``.venv/bin/python -m pytest -q tests/distributed/test_convert.py``
 
-For each tiny random Qwen3-MoE of ``tests/hf_tiny.CASES`` (built and saved by transformers), the
+For each tiny random Qwen3-MoE of ``bench/hf_tiny.CASES`` (built and saved by transformers), the
 checkpoint converted with ``hf_to_mcore(tensor=2, expert=2)`` is loaded into the real Megatron
 policy under layouts 1, TP2, EP2, PP2 and TP2xEP2 (gloo ranks, fp32):
 
@@ -23,8 +23,8 @@ import torch
 from megatron_gspo.hf.convert import hf_to_mcore, mcore_to_hf
 from tests.distributed import convert_worker
 from tests.distributed.layouts import LAYOUTS
-from tests.distributed.spawn import run_on_ranks
-from tests.hf_tiny import (CASES, build_hf_model, hf_log_probs, load_safetensors_dir, random_batch,
+from bench.spawn import run_on_ranks
+from bench.hf_tiny import (CASES, build_hf_model, hf_log_probs, load_safetensors_dir, random_batch,
                            save_hf_model)
 
 TOLERANCE = 1e-5

@@ -13,7 +13,7 @@ from megatron_gspo import parallel
 from megatron_gspo.config import config_from_dict
 from megatron_gspo.hf.export import export_hf_dir
 from tests.distributed.layouts import tiny_config
-from tests.distributed.spawn import run_on_ranks
+from bench.spawn import run_on_ranks
 
 
 def _export_worker(rank, world, cfg_dict, out_dir, tokens):

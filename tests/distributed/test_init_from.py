@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_gspo.model import gpt as policy
+from megatron_gspo.hf import rank_pieces
 from megatron_gspo import parallel
 from megatron_gspo.config import config_from_dict
 from megatron_gspo.hf.convert import hf_to_mcore
@@ -13,15 +13,15 @@ from megatron_gspo.hf.mapping import hf_param_shapes
 from megatron_gspo.hf.hf_config import model_config_from_hf
 from megatron_gspo.train.rl_trainer import RLTrainer
 from tests.distributed.layouts import assemble
-from tests.distributed.spawn import run_on_ranks
-from tests.hf_tiny import build_hf_model, load_safetensors_dir, save_hf_model
+from bench.spawn import run_on_ranks
+from bench.hf_tiny import build_hf_model, load_safetensors_dir, save_hf_model
 
 
 def _worker(rank, world, cfg_dict, source):
     cfg = config_from_dict(cfg_dict)
     pg = parallel.initialize(cfg.parallel, seed=1)
     trainer = RLTrainer(cfg, pg, init_hf_dir=source)
-    pieces = [(p, t.clone()) for p, t in policy.local_hf_pieces(trainer.gpt, cfg.model, pg)]
+    pieces = [(p, t.clone()) for p, t in rank_pieces.local_hf_pieces(trainer.gpt, cfg.model, pg)]
     parallel.destroy_model_parallel()
     return {"weights": pieces}
 

@@ -25,13 +25,13 @@ from megatron_gspo import parallel
 from megatron_gspo.config import config_from_dict
 from megatron_gspo.hf.hf_config import model_config_from_hf
 from megatron_gspo.hf.mapping import hf_param_shapes
-from megatron_gspo.model import gpt as policy
+from megatron_gspo.hf import rank_pieces
 from megatron_gspo.train.batching import rl_batch
 from megatron_gspo.train.rl_trainer import RLTrainer
 from pipeline.scoring.tasks import PAD_ID
 from tests.distributed.layouts import assemble
-from tests.distributed.spawn import run_on_ranks
-from tests.hf_tiny import build_hf_model, load_safetensors_dir, save_hf_model
+from bench.spawn import run_on_ranks
+from bench.hf_tiny import build_hf_model, load_safetensors_dir, save_hf_model
 
 KL_COEF, TEMPERATURE, SEQ = 0.5, 0.7, 16
 # the oracle in float64: transformers' eager expert loop (its grouped GEMM has no float64 kernel)
@@ -56,7 +56,7 @@ def _worker(rank, world, cfg_dict, batches):
     trainer = RLTrainer(cfg, pg, init_hf_dir=cfg.run.init_from)
 
     def pieces(model):
-        return [(p, t.clone()) for p, t in policy.local_hf_pieces(model, cfg.model, pg)]
+        return [(p, t.clone()) for p, t in rank_pieces.local_hf_pieces(model, cfg.model, pg)]
 
     first = trainer.train_rollout(batches[0], 1)
     after_first = pieces(trainer.gpt)

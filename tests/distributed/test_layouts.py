@@ -15,7 +15,7 @@ import torch
 from tests.distributed import layout_worker
 from tests.distributed.layouts import (LAYOUTS, assemble, max_rel_diff, random_hf_weights,
                                        tiny_config)
-from tests.distributed.spawn import run_on_ranks
+from bench.spawn import run_on_ranks
 from megatron_gspo.config import config_from_dict
 from megatron_gspo.hf.mapping import hf_param_shapes
 

@@ -19,7 +19,7 @@ from megatron_gspo.config import config_from_dict
 from megatron_gspo.hf.mapping import hf_param_shapes
 from tests.distributed import nccl_layout_worker
 from tests.distributed.layouts import LAYOUTS, assemble, tiny_config
-from tests.distributed.spawn import run_on_ranks
+from bench.spawn import run_on_ranks
 # the single-process step (the ``reference`` fixture) and the comparison, as test_layouts has them
 from tests.distributed.test_layouts import NUM_MICROBATCHES, assert_same_step, reference  # noqa: F401
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megatron_gspo.loss.logprobs import vocab_parallel_log_probs
 
-from tests.distributed.spawn import run_on_ranks
+from bench.spawn import run_on_ranks
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 

@@ -23,7 +23,7 @@ from megatron_gspo.train.sft import nll_loss_fn, sft_batch
 from megatron_gspo.train.train_step import build_train_state, global_unit_count, train_step
 from pipeline.scoring.tasks import PAD_ID, AdditionTask
 from tests.distributed.layouts import tiny_config
-from tests.distributed.spawn import run_on_ranks
+from bench.spawn import run_on_ranks
 
 PEAK, FLOOR = 2e-3, 1e-4
 

@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from tests.distributed.spawn import run_on_ranks
+from bench.spawn import run_on_ranks
 from tests.nccl_semantics import NcclSemantics
 
 DELAY_S = 0.3

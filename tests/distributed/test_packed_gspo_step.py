@@ -26,7 +26,7 @@ from megatron_gspo.hf.mapping import hf_param_shapes
 from megatron_gspo.train.batching import rl_batch
 from tests.distributed import packed_worker
 from tests.distributed.layouts import assemble, max_rel_diff, random_hf_weights, tiny_config
-from tests.distributed.spawn import run_on_ranks
+from bench.spawn import run_on_ranks
 
 TOLERANCE = 1e-5
 GSPO = {"variant": "gspo", "eps_low": 0.01, "eps_high": 0.01}

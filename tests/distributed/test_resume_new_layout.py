@@ -28,10 +28,10 @@ import torch.distributed as dist
 from megatron_gspo import parallel
 from megatron_gspo.config import ConfigError, config_from_dict
 from megatron_gspo.hf.mapping import hf_param_shapes
-from megatron_gspo.model import gpt as policy
+from megatron_gspo.hf import rank_pieces
 from megatron_gspo.train import checkpoint as ckpt
 from tests.distributed.layouts import LAYOUTS, assemble, max_rel_diff, tiny_config
-from tests.distributed.spawn import run_on_ranks
+from bench.spawn import run_on_ranks
 from tests.distributed.test_checkpoint import _fresh, _step
 
 TOLERANCE = 1e-5
@@ -47,7 +47,7 @@ def _config(layout: str) -> dict:
 
 
 def _pieces(gpt, cfg, pg):
-    return [(p, t.clone()) for p, t in policy.local_hf_pieces(gpt, cfg.model, pg)]
+    return [(p, t.clone()) for p, t in rank_pieces.local_hf_pieces(gpt, cfg.model, pg)]
 
 
 def _resume(layout: str, path: str, *, with_optimizer: bool = True) -> dict:

@@ -24,7 +24,7 @@ from megatron_gspo.config import config_from_dict
 from megatron_gspo.hf.mapping import hf_param_shapes
 from tests.distributed import rl_trainer_worker
 from tests.distributed.layouts import LAYOUTS, assemble, max_rel_diff, tiny_config
-from tests.distributed.spawn import run_on_ranks
+from bench.spawn import run_on_ranks
 
 TOLERANCE = 1e-5
 # Metrics below 0.1 in size are compared to 1e-5 * 0.1 absolute: log-ratios are differences of two

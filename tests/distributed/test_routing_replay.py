@@ -23,7 +23,7 @@ from megatron_gspo.config import config_from_dict
 from megatron_gspo.hf.mapping import hf_param_shapes
 from tests.distributed import rl_trainer_worker, routing_worker
 from tests.distributed.layouts import LAYOUTS, assemble, max_rel_diff, tiny_config
-from tests.distributed.spawn import run_on_ranks
+from bench.spawn import run_on_ranks
 from tests.distributed.test_rl_trainer_layouts import SCALE_FLOOR, TIMING, TOLERANCE
 
 SEQ = 16

@@ -17,7 +17,7 @@ import torch
 from megatron_gspo.train.batching import rl_batch
 from tests.distributed import scoring_worker
 from tests.distributed.layouts import tiny_config
-from tests.distributed.spawn import run_on_ranks
+from bench.spawn import run_on_ranks
 
 LAYOUTS = {"1": (1, {}), "CP2xDP2": (4, {"context": 2}),
            "PP2xTP2": (4, {"tensor": 2, "sequence_parallel": True, "pipeline": 2})}

@@ -22,10 +22,10 @@ from megatron_gspo import parallel
 from megatron_gspo.config import config_from_dict
 from megatron_gspo.hf.hf_config import model_config_from_hf
 from megatron_gspo.hf.mapping import hf_param_shapes
-from megatron_gspo.model import gpt as policy
+from megatron_gspo.hf import rank_pieces
 from tests.distributed.layouts import assemble
-from tests.distributed.spawn import run_on_ranks
-from tests.hf_tiny import build_hf_model, load_safetensors_dir, save_hf_model
+from bench.spawn import run_on_ranks
+from bench.hf_tiny import build_hf_model, load_safetensors_dir, save_hf_model
 
 NUM_STEPS, LR, MIN_LR, WARMUP = 4, 3e-3, 3e-4, 1
 
@@ -64,7 +64,7 @@ def _sft_worker(rank, world, cfg_dicts):
     pg = parallel.initialize(cont.parallel, seed=1)
 
     def pieces(trainer):
-        return [(p, t.clone()) for p, t in policy.local_hf_pieces(trainer.gpt, cont.model, pg)]
+        return [(p, t.clone()) for p, t in rank_pieces.local_hf_pieces(trainer.gpt, cont.model, pg)]
 
     def logger(cfg):
         return MetricsLogger(cfg.run.output_dir, tensorboard=False)

@@ -17,10 +17,11 @@ from megatron_gspo.hf.export import export_hf_dir
 from megatron_gspo.hf.hf_config import model_config_from_hf
 from megatron_gspo.hf.mcore_checkpoint import load_model
 from megatron_gspo.hf.safetensors_io import HFCheckpoint
+from megatron_gspo.hf import rank_pieces
 from megatron_gspo.model import gpt as policy
 from tests.distributed import convert_worker
-from tests.distributed.spawn import run_on_ranks
-from tests.hf_tiny import build_hf_model, hf_log_probs, load_safetensors_dir, random_batch, save_hf_model
+from bench.spawn import run_on_ranks
+from bench.hf_tiny import build_hf_model, hf_log_probs, load_safetensors_dir, random_batch, save_hf_model
 
 UNEVEN = {"first2": {"pipeline": 2, "num_layers_in_first_pipeline_stage": 2},
           "last2": {"pipeline": 2, "num_layers_in_last_pipeline_stage": 2}}
@@ -57,7 +58,7 @@ def _export_worker(rank, world, parallel_section, hf_dir, mcore_dir, out_root):
     model_cfg = model_config_from_hf(hf_dir)
     gpt = policy.build_model(model_cfg, par, pg)
     layers = len(gpt.decoder.layers)
-    offset = policy.rank_layout(gpt, model_cfg, pg).layer_offset
+    offset = rank_pieces.rank_layout(gpt, model_cfg, pg).layer_offset
     load_model(gpt, mcore_dir)
     export_hf_dir(gpt, model_cfg, pg, f"{out_root}/from_mcore")
     with torch.no_grad():

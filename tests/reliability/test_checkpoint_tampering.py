@@ -29,7 +29,7 @@ import torch
 
 from megatron_gspo.train import checkpoint as ckpt
 from tests.distributed.layouts import tiny_config
-from tests.distributed.spawn import run_on_ranks
+from bench.spawn import run_on_ranks
 
 
 class _RunsACommand:

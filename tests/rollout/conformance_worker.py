@@ -21,6 +21,7 @@ from megatron_gspo import parallel
 from megatron_gspo.config import ParallelConfig
 from megatron_gspo.hf.gather import HFGather
 from megatron_gspo.hf.hf_config import model_config_from_hf
+from megatron_gspo.hf import rank_pieces
 from megatron_gspo.model import gpt as policy
 from pipeline.generation import client as rollout
 from pipeline.weights.push import WeightPusher, WeightPushError
@@ -128,7 +129,7 @@ def push_recorded(rank: int, world_size: int, hf_dir: str, server_urls: list[str
             except WeightPushError as err:
                 report["error"] = str(err)
                 break
-            pieces = list(policy.local_hf_pieces(gpt, model_cfg, pg))
+            pieces = list(rank_pieces.local_hf_pieces(gpt, model_cfg, pg))
             mismatched = {u: _server_weights_match(u, pieces) for u in server_urls}
             report["pushes"].append({"stats": stats, "mismatched": mismatched})
         for th in threads:

@@ -22,6 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.hf import rank_pieces
 from megatron_gspo.model import gpt as policy
 
 from megatron_gspo.hf.hf_config import model_config_from_hf
@@ -122,7 +123,7 @@ def run(rank: int, world_size: int, hf_dir: str, server_urls: list[str], transpo
                             version)
         pusher.close()
         seconds = time.perf_counter() - t0
-        pieces = list(policy.local_hf_pieces(gpt, model_cfg, pg))
+        pieces = list(rank_pieces.local_hf_pieces(gpt, model_cfg, pg))
         mismatched = {u: _server_weights_match(u, pieces) for u in server_urls}
         expected = [_megatron_greedy(gpt, model_cfg, p, GREEDY_TOKENS) for p in PROMPTS]
         if rank == 0:

@@ -28,7 +28,7 @@ import pytest
 
 from pipeline.weights.push import EXTENSIONS_HEADER
 from tests import sglang_rules
-from tests.distributed.spawn import run_on_ranks
+from bench.spawn import run_on_ranks
 from tests.rollout import conformance_worker
 from tests.rollout.conftest import two_servers
 

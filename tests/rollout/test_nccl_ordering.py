@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.spawn import run_on_ranks
+from bench.spawn import run_on_ranks
 from tests.rollout import nccl_ordering_worker
 from tests.rollout.conftest import two_servers
 

@@ -30,7 +30,7 @@ import pytest
 
 from pipeline.generation.client import http_json
 from tests.distributed.layouts import LAYOUTS
-from tests.distributed.spawn import run_on_ranks
+from bench.spawn import run_on_ranks
 from tests.rollout import sync_worker
 from tests.rollout.conftest import two_servers
 

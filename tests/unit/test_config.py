@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 
 import pytest
 
-from megatron_gspo.config import (Config, ConfigError, config_from_dict, dump_config, load_config,
-                                  padded_vocab_size)
+from launch.cli import main
+from megatron_gspo.config import (REWARD_KINDS, Config, ConfigError, GSPOConfig, RewardConfig, config_from_dict,
+                                  dump_config, load_config, padded_vocab_size, validate_data_parallel)
+from megatron_gspo.loss import gspo, variants
 
 CONFIGS = Path(__file__).resolve().parents[2] / "launch" / "configs"
 
@@ -53,10 +56,12 @@ def test_invalid_values_name_the_field_and_the_fix():
     cases = [
         ({"gspo": {"eps_low": 2.0}}, r"gspo\.eps_low: must be in \(0, 1\)"),
         ({"gspo": {"variant": "ppo"}}, r"gspo\.variant: 'ppo' is not one of"),
-        ({"gspo": {"cispo_eps_low": 1.5}}, r"gspo\.cispo_eps_low: must be in \(0, 1\]"),
+        ({"gspo": {"cispo": {"eps_low": 1.5}}}, r"gspo\.cispo\.eps_low: must be in \(0, 1\]"),
         ({"rollout": {"outage_timeout_s": 0}}, r"rollout\.outage_timeout_s: must be > 0"),
-        ({"gspo": {"sapo_tau_neg": 0}}, r"gspo\.sapo_tau_neg: must be > 0"),
-        ({"gspo": {"gmpo_log_eps_high": -0.1}}, r"gspo\.gmpo_log_eps_high: must be > 0"),
+        ({"gspo": {"sapo": {"tau_neg": 0}}}, r"gspo\.sapo\.tau_neg: must be > 0"),
+        ({"gspo": {"gmpo": {"log_eps_high": -0.1}}}, r"gspo\.gmpo\.log_eps_high: must be > 0"),
+        ({"gspo": {"sapo_tau_pos": 2.0}}, r"gspo\.sapo_tau_pos: moved; write gspo\.sapo\.tau_pos"),
+        ({"gspo": {"cispo": {"eps": 1.0}}}, r"gspo\.cispo\.eps: unknown key \(valid keys: eps_high, eps_low\)"),
         ({"model": {"hidden_size": "big"}}, r"model\.hidden_size: expected an integer"),
         ({"parallel": {"tensor": 2}}, r"parallel\.sequence_parallel: must be true"),
         ({"parallel": {"tensor": 2, "sequence_parallel": True, "expert_tensor": 1}},
@@ -180,8 +185,6 @@ def test_cross_field_checks_run_when_the_file_is_loaded():
 
 
 def test_world_dependent_check_names_the_fields():
-    from megatron_gspo.config import validate_data_parallel
-
     cfg = config_from_dict({"run": {"global_batch_size": 32, "micro_batch_size": 4},
                             "gspo": {"group_size": 8, "updates_per_rollout": 2}})
     validate_data_parallel(cfg, 4)  # 16 rows per mini-batch = 4 ranks x 4
@@ -192,11 +195,6 @@ def test_world_dependent_check_names_the_fields():
 
 
 def test_one_variant_registry_and_one_meaning_of_token_clip():
-    import typing
-
-    from megatron_gspo.config import GSPOConfig, REWARD_KINDS, RewardConfig
-    from megatron_gspo.loss import gspo, variants
-
     # the config's field type IS the registry's Literal, and the table lists the same names
     hints = typing.get_type_hints(GSPOConfig)
     assert typing.get_args(hints["variant"]) == variants.VARIANTS == tuple(variants.SPECS)
@@ -216,16 +214,21 @@ def test_one_variant_registry_and_one_meaning_of_token_clip():
         got = config_from_dict({"gspo": {"variant": variant}}).gspo.clip_range()
         assert got == own.get(variant, token_range if variant in ("grpo", "seq_ratio_token_clip")
                               else sequence_range), variant
-    gspo_cfg = config_from_dict({"gspo": {"variant": "gmpo", "gmpo_log_eps_low": 0.3,
-                                          "cispo_eps_high": 2.0}}).gspo
-    assert gspo_cfg.clip_range() == (0.3, 0.4) and gspo_cfg.cispo_eps_high == 2.0
-    assert (gspo_cfg.sapo_tau_pos, gspo_cfg.sapo_tau_neg) == (1.0, 1.05)
+    gspo_cfg = config_from_dict({"gspo": {"variant": "gmpo", "gmpo": {"log_eps_low": 0.3},
+                                          "cispo": {"eps_high": 2.0}}}).gspo
+    assert gspo_cfg.clip_range() == (0.3, 0.4) and gspo_cfg.cispo.eps_high == 2.0
+    assert (gspo_cfg.sapo.tau_pos, gspo_cfg.sapo.tau_neg) == (1.0, 1.05)
+    assert gspo_cfg.variant_params() is None
+    # the variant's params section is what the loss gets; the flat keys of before are refused
+    sapo = config_from_dict({"gspo": {"variant": "sapo"}}, ["gspo.sapo.tau_neg=1.5"]).gspo
+    assert sapo.variant_params() == variants.SapoParams(tau_pos=1.0, tau_neg=1.5)
+    for old, new in GSPOConfig.MOVED_KEYS.items():
+        with pytest.raises(ConfigError, match=rf"gspo\.{old}: moved; write gspo\.{new}"):
+            config_from_dict({"gspo": {old: 1.0}})
     assert all(spec.meaning for spec in variants.SPECS.values())
 
 
 def test_config_command_rejects_what_train_rejects(capsys):
-    from launch.cli import main
-
     code = main(["config", "--config", "launch/configs/tiny_cpu.yaml",
                  "--set", "gspo.updates_per_rollout=3"])
     assert code == 2

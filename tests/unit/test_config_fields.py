@@ -61,7 +61,8 @@ def attribute_reads(tree: ast.AST) -> set[str]:
 
 def registry_field_names(tree: ast.AST) -> set[str]:
     """String constants the variant registry declares as field names: ``eps_fields=(...)``
-    keywords and module-level ``NAME_RANGE = (...)`` tuples."""
+    keywords (dotted ``section.field``: every part) and module-level ``NAME_RANGE = (...)``
+    tuples, and the first argument (the variant's name) of a call with a ``params=`` keyword."""
     names = set()
     for node in ast.walk(tree):
         value = None
@@ -70,9 +71,13 @@ def registry_field_names(tree: ast.AST) -> set[str]:
         elif (isinstance(node, ast.Assign) and len(node.targets) == 1
               and isinstance(node.targets[0], ast.Name) and node.targets[0].id.endswith("_RANGE")):
             value = node.value
+        elif (isinstance(node, ast.Call) and any(k.arg == "params" for k in node.keywords)
+              and node.args and isinstance(node.args[0], ast.Constant)):
+            value = ast.Tuple(elts=[node.args[0]])
         if isinstance(value, ast.Tuple):
-            names.update(e.value for e in value.elts
-                         if isinstance(e, ast.Constant) and isinstance(e.value, str))
+            names.update(part for e in value.elts
+                         if isinstance(e, ast.Constant) and isinstance(e.value, str)
+                         for part in e.value.split("."))
     return names
 
 
@@ -125,7 +130,7 @@ def program_trees() -> list[ast.AST]:
 
 def test_every_config_field_is_read_outside_config_py():
     registry = registry_field_names(ast.parse(REGISTRY.read_text()))
-    assert {"eps_low", "token_eps_low", "cispo_eps_high", "gmpo_log_eps_low"} <= registry
+    assert {"eps_low", "token_eps_low", "cispo", "gmpo", "sapo"} <= registry
     missing = unread_fields(program_trees(), ast.parse(CONFIG.read_text()), config_fields(),
                             registry)
     assert missing == [], (f"validated but never read (they would do nothing): {missing}; use "

@@ -21,7 +21,7 @@ from megatron_gspo.hf.hf_config import HFConfigError, check_model_config
 from megatron_gspo.hf.mcore_checkpoint import McoreCheckpoint, extra_state_keys
 from megatron_gspo.hf.hf_config import model_config_from_hf
 from megatron_gspo.hf.safetensors_io import CheckpointError
-from tests.hf_tiny import build_hf_model, load_safetensors_dir, random_batch, save_hf_model
+from bench.hf_tiny import build_hf_model, load_safetensors_dir, random_batch, save_hf_model
 
 
 @pytest.fixture(scope="module")

@@ -291,7 +291,7 @@ def _uneven_worker(rank, world):
 def test_uneven_gather_and_reduce_scatter_over_gloo():
     import torch
 
-    from tests.distributed.spawn import run_on_ranks
+    from bench.spawn import run_on_ranks
 
     results = run_on_ranks(2, _uneven_worker)
     expected_gather = torch.tensor([[1.0, 1.0]] * 3 + [[2.0, 2.0]])

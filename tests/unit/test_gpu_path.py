@@ -22,7 +22,7 @@ import torch
 from megatron_gspo import parallel
 from megatron_gspo.config import ConfigError, config_from_dict
 from megatron_gspo.train import train_step
-from tests.distributed.spawn import run_on_ranks
+from bench.spawn import run_on_ranks
 
 
 def _micro_batch() -> dict:

@@ -13,6 +13,7 @@ import torch
 
 from tests.unit.gspo_reference import reference_loss
 from megatron_gspo.loss.advantages import group_advantages
+from megatron_gspo.loss.variants import SPECS, TOKEN_NORMALIZED_VARIANTS, GmpoParams, SapoParams
 from megatron_gspo.loss.gspo import (
     SEQUENCE_CLIP_VARIANTS,
     TOKEN_CLIP_VARIANTS,
@@ -111,8 +112,6 @@ def run_reference(batch: Batch, variant: str, dtype=torch.float64, *, optional_t
 
 def assert_clipping_exercised(batch: Batch, variant: str, info: list[dict]) -> None:
     """The random batch must hit every branch of the clip rule, or the comparison proves little."""
-    from megatron_gspo.loss.variants import SPECS
-
     if SPECS[variant].cut_stats == "none":  # sapo: no clip; its gate is compared as it is
         return
     if SPECS[variant].cut_stats == "sequence":
@@ -150,6 +149,20 @@ def test_matches_reference(variant, dtype, tol, seed):
     assert metrics["num_sequences"].item() == sum(row["n"] > 0 for row in info)  # padding rows not counted
 
 
+def test_sapo_params_reach_the_gate():
+    """``params=SapoParams(...)``: the temperatures the reference is given, not the defaults."""
+    batch = make_batch(0)
+    params = SapoParams(tau_pos=0.7, tau_neg=1.6)
+    loss, grad, _, _ = run_loss(batch, "sapo", params=params)
+    default_loss, _, _, _ = run_loss(batch, "sapo")
+    expected_loss, expected_grad, _, _ = reference_loss(
+        batch.log_probs.tolist(), batch.old_log_probs.tolist(), batch.advantages.tolist(),
+        batch.is_response_token.tolist(), eps_low=EPS, eps_high=EPS, variant="sapo",
+        sapo_tau_pos=0.7, sapo_tau_neg=1.6)
+    assert abs(loss.item() - expected_loss) < 1e-10 and abs(loss.item() - default_loss.item()) > 1e-6
+    torch.testing.assert_close(grad, torch.tensor(expected_grad, dtype=torch.float64), rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_metrics_match_reference(variant):
     batch = make_batch(3)
@@ -181,8 +194,6 @@ def test_metrics_match_reference(variant):
     mask = batch.is_response_token
     expected["mismatch_log_prob_abs_diff_mean"] = (
         (batch.old_log_probs - batch.rollout_log_probs)[mask].abs().sum().item() / sum(lengths))
-    from megatron_gspo.loss.variants import SPECS
-
     if SPECS[variant].cut_stats == "sequence":
         for side in ("low", "high"):
             expected[f"clip_frac_{side}"] = sum(row["cut"] == side for row in rows) / len(rows)
@@ -407,8 +418,6 @@ def test_half_precision_inputs_compute_in_float32():
 def test_loss_denominator_replaces_local_count(variant):
     batch = make_batch(8)
     loss, grad, _, metrics = run_loss(batch, variant)
-    from megatron_gspo.loss.variants import TOKEN_NORMALIZED_VARIANTS
-
     # the default denominator: the sequences, or the tokens of the token-normalised variants
     num_sequences = metrics["num_tokens" if variant in TOKEN_NORMALIZED_VARIANTS
                             else "num_sequences"].item()
@@ -524,3 +533,9 @@ def test_errors_name_the_problem():
         call(rollout_log_probs=batch.old_log_probs)
     with pytest.raises(ValueError, match="eps_low"):
         call(eps_low=-0.1)
+    with pytest.raises(ValueError, match=r"variant 'sapo' takes params SapoParams, got GmpoParams"):
+        call(variant="sapo", params=GmpoParams())
+    with pytest.raises(ValueError, match=r"variant 'gspo' takes params None \(it has no parameters"):
+        call(params=SapoParams())
+    with pytest.raises(ValueError, match=r"sapo needs params.tau_pos > 0 and params.tau_neg > 0, got 1.0, 0.0"):
+        call(variant="sapo", params=SapoParams(tau_neg=0.0))

@@ -97,6 +97,18 @@ def test_loss_math_is_pure_torch():
     assert _violations(_modules("megatron_gspo/loss"), allowed) == []
 
 
+def test_hf_interop_never_imports_the_model():
+    """One direction between the library's subpackages: ``model`` uses the HF mapping to load and
+    initialise weights; ``hf`` works on a live policy through ``hf.rank_pieces``, not ``model``."""
+    assert _violations(_modules("megatron_gspo/hf"),
+                       lambda m: not m.startswith("megatron_gspo.model")) == []
+
+
+def test_bench_never_imports_tests():
+    """The benchmarks' helpers (``bench.spawn``, ``bench.hf_tiny``) live in bench/; tests import them."""
+    assert _violations(_modules("bench"), lambda m: _top(m) != "tests") == []
+
+
 def test_config_is_plain_python():
     def allowed(module: str) -> bool:
         if _top(module) in ("torch", "megatron", "pipeline", "launch"):

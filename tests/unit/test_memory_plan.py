@@ -26,7 +26,7 @@ import torch
 from megatron_gspo.config import ConfigError, config_from_dict
 from megatron_gspo.plan import (GIB, PlanDoesNotFit, check_fits, plan_memory, stage_params,
                                 update_group_count)
-from tests.distributed.spawn import run_on_ranks
+from bench.spawn import run_on_ranks
 
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, head_dim=32,
             num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, vocab_size=250,

@@ -9,6 +9,8 @@ harness's own child processes - the one case where unpickling is safe; nothing h
 it did not create). An exception on any rank is re-raised in the caller as a
 ``RuntimeError`` naming the rank and carrying its traceback. The process group is destroyed on
 every rank, whatever happens. ``fn`` must be importable (module level) for the spawn start method.
+
+The benchmarks' and the tests' harness: it lives in bench/ so that bench/ does not import tests/.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Tiny random Qwen3-MoE models built with transformers: the judges of the conversion tests.
+"""Tiny random Qwen3-MoE models built with transformers: the judges of the conversion tests and
+of bench/gpu_smoke.py's conversion check (here, so that bench/ does not import tests/).
 
 ``CASES`` cover head_dim != hidden / heads, GQA ratios 2 and 4, tied and untied embeddings, both
 ``norm_topk_prob`` settings and vocabularies that TP = 2 (times Megatron's divisor 8) does not
@@ -11,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 CASES: dict[str, dict] = {
     # GQA ratio 2, head_dim 24 (hidden/heads = 16), untied, renormalised top-k, vocab 259
@@ -73,8 +75,6 @@ def hf_log_probs(model, batch: dict) -> torch.Tensor:
 
 
 def load_safetensors_dir(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     tensors = {}
     for path in sorted(Path(directory).glob("*.safetensors")):
         tensors.update(load_file(path))
