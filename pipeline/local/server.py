@@ -109,8 +109,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pipeline.generation import routed_experts
 from pipeline.weights import transport as wt
 from pipeline.local import protocol as proto
-from pipeline.local.engine import (QUEUE_FULL, EngineRequest, LocalEngine, QueueFull,
-                                   WeightFileError, shard_headers)
+from pipeline.local.engine import LocalEngine
+from pipeline.local.request import (QUEUE_FULL, EngineRequest, QueueFull,
+                                    add_weight_versions_to_meta_info)
+from pipeline.local.weight_table import WeightFileError, shard_headers
 from pipeline.local.tp_ranks import (MappedStorages, ReceiveBuffers, TPWorkers, join_group, receive,
                                      sglang_impl)
 from pipeline.weights.transport import decode_named_tensors
@@ -528,8 +530,6 @@ class LocalRolloutServer:
             meta["cached_tokens"] = r.cached_tokens
         # SGLang 0.5.23: the scheduler's compute_weight_version_spans at finish, turned into
         # "weight_versions" (and the last visible "weight_version") by the TokenizerManager
-        from pipeline.local.engine import add_weight_versions_to_meta_info
-
         add_weight_versions_to_meta_info(meta, r.weight_version_spans, len(r.output_ids))
         if not queued_abort:
             meta["cached_tokens_details"] = cached_tokens_details(r.cached_tokens)
@@ -1030,7 +1030,7 @@ class LocalRolloutServer:
                     others = on_workers("disk", [{"path": path}] * len(self.tp_workers))
 
                     def load():
-                        sums = eng.load_shards(path)
+                        sums = eng.weights.load_shards(path)
                         return sums, after_update(version, obj["flush_cache"])
                     sums, (ok, refusal) = await asyncio.wrap_future(eng.call(load))
                     sums_others = await results(others)
@@ -1126,7 +1126,7 @@ class LocalRolloutServer:
             full, deltas = wt.delta_pairs(named) if delta else (dict(named), {})
 
             def load():
-                checksum = eng.apply_update(full, deltas, checksum=True)
+                checksum = eng.weights.apply_update(full, deltas, checksum=True)
                 return checksum, after_update(version, flush)
             return await asyncio.wrap_future(eng.call(load))
 
@@ -1291,7 +1291,7 @@ class LocalRolloutServer:
             if action != "checksum":
                 return failed(f"action {action!r}: the local server implements 'checksum'")
             others = on_workers("checksum", [{}] * len(self.tp_workers))
-            digest = await asyncio.wrap_future(eng.call(eng.checksum))
+            digest = await asyncio.wrap_future(eng.call(eng.weights.checksum))
             return {"success": True, "message": digest, "checksum": digest,
                     "per_engine_checksum": [digest],
                     "per_tp_rank_checksum": [digest, *(await results(others))]}

@@ -394,7 +394,7 @@ def test_keep_pause_is_accepted_and_unused_as_in_sglang(server):
 
 # ------------------------------------------------------------------ weight versions
 def test_span_functions_are_sglangs(sglang_weight_versions):
-    from pipeline.local.engine import add_weight_versions_to_meta_info, compute_weight_version_spans
+    from pipeline.local.request import add_weight_versions_to_meta_info, compute_weight_version_spans
 
     wv = sglang_weight_versions
     gen = torch.Generator().manual_seed(0)
