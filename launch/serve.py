@@ -23,9 +23,6 @@ this server's own, and so is ``--fault-perturb-weights`` (fault injection for th
 watchdog's tests only: docs/parity.md).
 A bad argument is one line naming the flag, exit status 2, before the model is loaded.
 Stop it with SIGINT or SIGTERM.
-
-The server is :mod:`pipeline.local`'s, a program of its own (``python -m pipeline.local``, with the
-same flags: :mod:`pipeline.local.args`); this command runs it inside the project's CLI.
 """
 
 from __future__ import annotations
@@ -33,6 +30,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+# The server is pipeline.local's, a program of its own (``python -m pipeline.local``, the same
+# flags); this command runs it inside the project's CLI (one-line errors, benign warnings).
 from pipeline.local.args import ServeArgError, add_arguments, validate
 
 
