@@ -75,6 +75,7 @@ async def wants_delta(request: Request, ext: set) -> bool:
 
 
 def abort_if_asked(state: ServerState, obj: dict) -> None:
+    """``abort_all_requests``: every request aborted before the update waits for the lock."""
     if obj["abort_all_requests"]:
         state.engine.abort(abort_all=True)
 
@@ -122,6 +123,8 @@ async def update_weights_from_disk(state: ServerState, request: Request, obj: di
 
 
 async def disk_update(state: ServerState, path: str, version, flush: bool) -> UpdateOutcome:
+    """``update_weights_from_disk`` under the lock: the directory checked, then every TP rank
+    reads its shards (rank 0 on the engine thread), records ``version`` and flushes."""
     # keep_pause, is_async, token_step, manifest, recapture_cuda_graph: accepted and
     # unused, as in 0.5.23 (no code there reads keep_pause or is_async; a disk
     # update never changes the pause state)
@@ -189,6 +192,8 @@ def tensor_refusal(state: ServerState, obj: dict) -> tuple[Optional[str], bool]:
 
 
 async def tensor_update(state: ServerState, obj: dict, delta: bool) -> UpdateOutcome:
+    """``update_weights_from_tensor`` under the lock: the payloads checked
+    (:func:`tensor_refusal`), decoded, loaded on every TP rank."""
     refusal, pickled = tensor_refusal(state, obj)
     if refusal is not None:
         return UpdateOutcome(False, refusal)
@@ -276,6 +281,8 @@ async def update_weights_from_distributed(state: ServerState, request: Request, 
 
 
 async def distributed_update(state: ServerState, obj: dict, delta: bool) -> UpdateOutcome:
+    """``update_weights_from_distributed`` under the lock: one bucket received over the update
+    group (every TP rank), then loaded."""
     names, dtypes, shapes = obj["names"], obj["dtypes"], obj["shapes"]
     name, load_format = obj["group_name"], obj["load_format"]
 
