@@ -677,7 +677,7 @@ def main(argv=None) -> int:
         print("gpu_smoke: no CUDA device (use --device cpu for the CPU run)", file=sys.stderr)
         return 2
     torch.use_deterministic_algorithms(True, warn_only=True)
-    from launch import benign_warnings
+    from pipeline.observe import benign_warnings
     from megatron_gspo import parallel
 
     benign_warnings.apply()

@@ -33,10 +33,11 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from launch import benign_warnings, local, rank_status
+from launch import local, rank_status
 from megatron_gspo.config import ConfigError
 from megatron_gspo.errors import is_input_error, one_line
 from megatron_gspo.lifetime import die_with_parent
+from pipeline.observe import benign_warnings
 
 # Sub-command modules; each has add_parser(subparsers) and sets ``func(args, argv) -> int``.
 COMMANDS = ["launch.demo", "launch.train", "launch.sft", "launch.show_config", "launch.plot", "launch.serve", "launch.slurm",
@@ -74,7 +75,7 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     # Before anything else: in ranks 1.. of a local run the output goes to RUN_DIR/logs/rank<N>.log
     # (launch/local.py), and the benign third-party warnings are silenced before any sub-command
-    # module imports Megatron (launch/benign_warnings.py; MEGATRON_GSPO_SHOW_WARNINGS=1 shows all).
+    # module imports Megatron (pipeline/observe/benign_warnings.py; MEGATRON_GSPO_SHOW_WARNINGS=1 shows all).
     console = local.redirect_rank_output()
     benign_warnings.apply()
     supervised = rank_status.supervised()  # a rank whose launcher reports its outcome

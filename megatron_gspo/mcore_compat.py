@@ -19,7 +19,7 @@ docstring lists what was read in 0.19.2's source and found to need nothing:
    ``GPTModel`` on both stacks: ``HybridModel`` builds attention and MoE as separate layers from a
    layer pattern, which renames every parameter (checkpoint keys, the Hugging Face mapping of
    ``megatron_gspo/hf/mapping.py``, routing replay's per-layer routers) and would make a checkpoint
-   of one stack unreadable on the other. ``launch/benign_warnings.py`` silences that one log record
+   of one stack unreadable on the other. ``pipeline/observe/benign_warnings.py`` silences that one log record
    (its entry points here); ``MEGATRON_GSPO_SHOW_WARNINGS=1`` shows it.
 3. **An experimental import in 0.19's optimizer**: ``get_megatron_optimizer`` imports
    ``megatron.core.models.mimo`` to test ``isinstance(model, MimoModel)``, and that import warns

@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def pytest_configure(config) -> None:
     # The registry's warnings that are benign only without CUDA (pyproject.toml lists the others):
-    # on a GPU machine a missing Transformer Engine shows in the summary (launch/benign_warnings.py).
-    from launch import benign_warnings
+    # on a GPU machine a missing Transformer Engine shows in the summary (pipeline/observe/benign_warnings.py).
+    from pipeline.observe import benign_warnings
 
     if not benign_warnings.showing_everything() and not benign_warnings.cuda_machine():
         for line in benign_warnings.pytest_filters(only_without_cuda=True):

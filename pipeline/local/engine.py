@@ -11,7 +11,8 @@ One thread owns the model. Each turn of its loop:
 4. decodes ONE token for every running request in a single batched forward pass (explicit
    ``position_ids`` per row, so padding never shifts RoPE), samples, and drops finished rows.
 
-Sampling (SGLang semantics, ``sglang.srt.layers.sampler.Sampler.forward`` in 0.5.23):
+Sampling (SGLang semantics, ``sglang.srt.layers.sampler.Sampler.forward`` in 0.5.23;
+:func:`pipeline.local.sampling.sample`):
 
 * temperature < 1e-6 means greedy (``top_k = 1`` at temperature 1);
 * the returned ``output_token_logprobs`` are log-probs of the **temperature-scaled** distribution
@@ -29,7 +30,7 @@ each input token of the prefill and of every decode step; a request gets those o
 ``[routed_experts_start_len, seqlen - 1)`` (``docs/sglang_protocol.md``).
 
 Prefix cache (SGLang's radix cache, ``srt/mem_cache/radix_cache.py``; on unless
-``--disable-radix-cache``): :class:`PrefixCache`, a radix tree of token ids holding the KV (and,
+``--disable-radix-cache``): :class:`~pipeline.local.prefix_cache.PrefixCache`, a radix tree of token ids holding the KV (and,
 with ``--enable-return-routed-experts``, the captured routes) of finished requests, bounded in
 tokens (``--radix-cache-max-tokens``), least recently used leaves evicted first. The rules, as
 0.5.23 applies them:
@@ -59,14 +60,11 @@ Shape legend: B running rows, T cached positions, V vocabulary, H_kv KV heads, d
 from __future__ import annotations
 
 import concurrent.futures
-import functools
-import heapq
 import inspect
 import json
 import logging
 import os
 import random
-import re
 import threading
 import time
 from collections import deque
@@ -75,101 +73,15 @@ from typing import Callable, Optional
 
 import torch
 
-from pipeline.local.protocol import (Sampling, finish_abort_queued, finish_abort_running,
-                                     finish_length, finish_stop)
+from pipeline.local.kv_cache import cache_from, kv_layers
+from pipeline.local.prefix_cache import PrefixCache, default_radix_cache_tokens
+from pipeline.local.protocol import (finish_abort_queued, finish_abort_running, finish_length,
+                                     finish_stop)
+from pipeline.local.request import EngineRequest, QueueFull, compute_weight_version_spans
+from pipeline.local.sampling import sample
+from pipeline.local.weight_table import WeightTable
 
 log = logging.getLogger("megatron_gspo.serve")
-
-QUEUE_FULL = "The request queue is full."  # SGLang's message (Scheduler._abort_on_queued_limit)
-
-
-def compute_weight_version_spans(events: list[tuple[str, int]], current_version: str,
-                                 num_output_tokens: int) -> list[dict]:
-    """SGLang 0.5.23's ``compute_weight_version_spans`` (srt/utils/weight_versions.py), line for
-    line: ``events`` are (old version, output tokens at the change); spans are dicts."""
-    changes = list(events) + [(current_version, num_output_tokens)]
-    spans: list[dict] = []
-    for version, end in changes:
-        end = min(end, num_output_tokens)
-        if spans and end <= spans[-1]["end"]:
-            continue
-        if spans and version == spans[-1]["version"]:
-            spans[-1]["end"] = end
-            continue
-        start = spans[-1]["end"] if spans else 0
-        spans.append({"version": version, "start": start, "end": end})
-    return spans
-
-
-def add_weight_versions_to_meta_info(meta_info: dict, spans: list[dict],
-                                     num_output_tokens: int) -> None:
-    """SGLang 0.5.23's ``add_weight_versions_to_meta_info`` (the TokenizerManager side)."""
-    visible = [s for s in spans if s["start"] < num_output_tokens or s["start"] == 0]
-    meta_info["weight_versions"] = [
-        {"version": s["version"], "start": s["start"], "end": min(s["end"], num_output_tokens)}
-        for s in visible]
-    meta_info["weight_version"] = visible[-1]["version"]
-
-
-class QueueFull(RuntimeError):
-    """``submit`` would put more requests in the waiting queue than ``max_queued_requests``."""
-
-    def __init__(self) -> None:
-        super().__init__(QUEUE_FULL)
-
-
-class WeightFileError(ValueError):
-    """A weight directory, index or shard this server refuses to load (the message says why)."""
-
-
-class EngineRequest:
-    """One sample being generated (after ``n`` expansion)."""
-
-    def __init__(self, rid: str, input_ids: list[int], sampling: Sampling, *,
-                 return_logprob: bool = False, logprob_start_len: int = -1,
-                 top_logprobs_num: int = 0, on_event: Optional[Callable[[str], None]] = None,
-                 return_routed_experts: bool = False, routed_experts_start_len: int = 0):
-        self.rid = rid
-        self.input_ids = list(input_ids)
-        self.sampling = sampling
-        self.return_logprob = return_logprob
-        self.logprob_start_len = logprob_start_len
-        self.top_logprobs_num = top_logprobs_num
-        self.return_routed_experts = return_routed_experts
-        self.routed_experts_start_len = routed_experts_start_len
-        self.routed: list[torch.Tensor] = []
-        """Engine thread: int32 [positions, num_layers, top_k] chunks, in position order, of the
-        experts each input token was routed to (with ``--enable-return-routed-experts``: for a
-        request with ``return_routed_experts``, and for every request while the prefix cache is
-        on; a cached prefix's chunk is the routes recorded when its KV was computed)."""
-        self.on_event = on_event  # called from the engine thread: "token" or "finish"
-        self.output_ids: list[int] = []
-        self.output_logprobs: list[float] = []
-        self.output_top: list[list[tuple[float, int]]] = []
-        self.input_logprobs: Optional[list[Optional[float]]] = None
-        self.input_top: Optional[list[Optional[list[tuple[float, int]]]]] = None
-        self.finish: Optional[dict] = None
-        self.was_running = False
-        self.weight_version = ""
-        self.weight_version_events: list[tuple[str, int]] = []
-        """SGLang's ``req.weight_version_events``: (old version, output tokens then) recorded at
-        each weight-version change while this request was live and had output."""
-        self.weight_version_spans: list[dict] = []
-        """At finish: SGLang's ``compute_weight_version_spans`` of the events (dicts
-        ``version`` / ``start`` / ``end``, half-open over the output tokens)."""
-        self.num_retractions = 0  # SGLang's req.retraction_count (pause mode "retract")
-        self.cached_tokens = 0
-        """``meta_info.cached_tokens``: prompt tokens whose KV came from the prefix cache at the
-        request's first prefill (SGLang counts them once; a retracted request keeps the count)."""
-        self.max_new_tokens = sampling.max_new_tokens
-        self.created = time.time()
-        self.e2e_latency = 0.0
-        self.generator: Optional[torch.Generator] = None
-        self._abort = False
-
-    @property
-    def finished(self) -> bool:
-        return self.finish is not None
 
 
 def _read_eos_ids(model_path: Path, config) -> set[int]:
@@ -193,244 +105,12 @@ def _has_tokenizer(model_path: Path) -> bool:
                                                       "vocab.json", "tokenizer_config.json"))
 
 
-class WeightTable:
-    """Hugging Face on-disk names -> (parameter, index) of the in-memory transformers model.
-
-    transformers 5 fuses a layer's experts into ``experts.gate_up_proj`` [E, 2I, H] (gate rows
-    first) and ``experts.down_proj`` [E, H, I]; on disk (and on the wire) they are the per-expert
-    ``experts.{e}.{gate,up,down}_proj.weight``. transformers 4 keeps the per-expert modules.
-    """
-
-    _FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-
-    def __init__(self, model: torch.nn.Module):
-        self.entries: dict[str, tuple[torch.nn.Parameter, tuple, bool]] = {}  # param, index, transposed
-        modules = dict(model.named_modules())
-        for name, param in model.named_parameters():
-            fused = self._FUSED.match(name)
-            if fused and param.dim() == 3:
-                prefix, kind = fused.groups()
-                transposed = bool(getattr(modules.get(prefix), "is_transposed", False))
-                for e in range(param.shape[0]):
-                    if kind == "gate_up_proj":
-                        inter = param.shape[2 if transposed else 1] // 2
-                        for j, w in enumerate(("gate", "up")):
-                            rows = slice(j * inter, (j + 1) * inter)
-                            index = (e, slice(None), rows) if transposed else (e, rows)
-                            self.entries[f"{prefix}.{e}.{w}_proj.weight"] = (param, index, transposed)
-                    else:
-                        self.entries[f"{prefix}.{e}.down_proj.weight"] = (param, (e,), transposed)
-            else:
-                self.entries[name] = (param, (), False)
-        # Tied embeddings: lm_head.weight is not a separate parameter; accept it as an alias.
-        self.aliases = {}
-        if "lm_head.weight" not in self.entries and "model.embed_tokens.weight" in self.entries:
-            self.aliases["lm_head.weight"] = "model.embed_tokens.weight"
-
-    def names(self) -> list[str]:
-        return sorted(self.entries)
-
-    def _resolve(self, name: str):
-        name = self.aliases.get(name, name)
-        if name not in self.entries:
-            raise KeyError(name)
-        return self.entries[name]
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        param, index, transposed = self._resolve(name)
-        view = param.data[index]
-        return tuple(view.t().shape) if transposed else tuple(view.shape)
-
-    def get(self, name: str) -> torch.Tensor:
-        return self.view(name).clone()
-
-    def view(self, name: str) -> torch.Tensor:
-        """The live weight in HF layout (a view of the parameter: writes go to the model)."""
-        param, index, transposed = self._resolve(name)
-        view = param.data[index]
-        return view.t() if transposed else view
-
-    def check(self, tensors: dict[str, torch.Tensor]) -> list[str]:
-        """Every problem that would stop ``tensors`` from being loaded (empty: loadable)."""
-        problems = []
-        for name, t in tensors.items():
-            try:
-                shape = self.shape(name)
-            except KeyError:
-                problems.append(f"{name}: no such parameter in the served model")
-                continue
-            if tuple(t.shape) != shape:
-                problems.append(f"{name}: shape {list(t.shape)} does not match the model's {list(shape)}")
-            elif not (t.is_floating_point()):
-                problems.append(f"{name}: dtype {t.dtype} is not a floating-point type")
-        return problems
-
-    @torch.no_grad()
-    def load(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy (casting to the parameter dtype); call :meth:`check` first."""
-        for name, t in tensors.items():
-            param, index, transposed = self._resolve(name)
-            param.data[index].copy_(t.t() if transposed else t)
-
-
-class _Node:
-    """A radix-tree node: ``tokens`` (one edge of the tree) and, per layer, the KV they computed
-    (``[H_kv, len(tokens), d]`` on the model's device) and their routes (int32 ``[len(tokens),
-    num_layers, top_k]`` on the host, or None)."""
-
-    __slots__ = ("tokens", "kv", "routes", "children", "parent", "last_access")
-
-    def __init__(self, tokens: tuple, kv: list, routes: Optional[torch.Tensor], parent):
-        self.tokens = tokens
-        self.kv = kv
-        self.routes = routes
-        self.children: dict[int, "_Node"] = {}  # first token of the child's edge -> child
-        self.parent = parent
-        self.last_access = 0
-
-
-class PrefixCache:
-    """SGLang 0.5.23's ``RadixCache`` (srt/mem_cache/radix_cache.py) with page size 1 and its
-    default ``lru`` eviction, holding copies of KV and routes instead of KV-pool indices.
-
-    ``match`` finds the longest cached prefix (splitting the node where it ends, as
-    ``_match_prefix_helper`` does) and touches every node on the way; ``insert`` adds what is not
-    cached yet (the cached part keeps the values it has, as ``_insert_helper`` does) and then
-    evicts least recently used leaves until at most ``max_tokens`` tokens are held (SGLang's pool
-    evicts when it needs room; here the bound is the tree's own). Thread-safe."""
-
-    def __init__(self, max_tokens: int):
-        if max_tokens < 1:
-            raise ValueError(f"--radix-cache-max-tokens {max_tokens}: must be >= 1")
-        self.max_tokens = int(max_tokens)
-        self._lock = threading.Lock()
-        self.reset()
-
-    def reset(self) -> None:
-        """Empty the tree (SGLang's ``tree_cache.reset()`` in ``Scheduler.flush_cache``)."""
-        with self._lock:
-            self._root = _Node((), [], None, None)
-            self._size = 0
-            self._clock = 0
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens held (SGLang's ``total_size``)."""
-        return self._size
-
-    # --- lock held
-    def _split(self, node: _Node, at: int) -> _Node:
-        """Cut ``node``'s edge after ``at`` tokens: a new parent holds the head (copies, so an
-        evicted half frees its memory)."""
-        head = _Node(node.tokens[:at], [(k[:, :at].clone(), v[:, :at].clone()) for k, v in node.kv],
-                     None if node.routes is None else node.routes[:at].clone(), node.parent)
-        head.last_access = node.last_access
-        node.parent.children[node.tokens[0]] = head
-        node.tokens = node.tokens[at:]
-        node.kv = [(k[:, at:].clone(), v[:, at:].clone()) for k, v in node.kv]
-        node.routes = None if node.routes is None else node.routes[at:].clone()
-        node.parent = head
-        head.children[node.tokens[0]] = node
-        return head
-
-    def _walk(self, key: tuple) -> tuple[list[_Node], int]:
-        """The nodes of the longest cached prefix of ``key`` (the last one ending exactly where
-        the match does) and its length; every node on the path is touched."""
-        self._clock += 1
-        node, matched, path = self._root, 0, []
-        while matched < len(key):
-            child = node.children.get(key[matched])
-            if child is None:
-                break
-            edge = child.tokens
-            n = 1
-            limit = min(len(edge), len(key) - matched)
-            while n < limit and edge[n] == key[matched + n]:
-                n += 1
-            if n < len(edge):
-                child = self._split(child, n)
-            child.last_access = self._clock
-            path.append(child)
-            matched += n
-            node = child
-            if n < len(edge):
-                break
-        return path, matched
-
-    def _evict(self) -> None:
-        if self._size <= self.max_tokens:
-            return
-        heap, stack = [], [self._root]
-        while stack:
-            node = stack.pop()
-            if node.children:
-                stack.extend(node.children.values())
-            elif node is not self._root:
-                heap.append((node.last_access, id(node), node))
-        heapq.heapify(heap)
-        while self._size > self.max_tokens and heap:
-            _, _, node = heapq.heappop(heap)
-            parent = node.parent
-            del parent.children[node.tokens[0]]
-            self._size -= len(node.tokens)
-            if parent is not self._root and not parent.children:
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
-
-    # --- public
-    def match(self, tokens: list[int], limit: int):
-        """(matched length m <= limit, per-layer KV ``[(K, V)]`` of ``[H_kv, m, d]``, routes
-        ``[m, num_layers, top_k]`` or None); (0, None, None) without a match."""
-        if limit <= 0:
-            return 0, None, None
-        with self._lock:
-            path, m = self._walk(tuple(tokens[:limit]))
-            if m == 0:
-                return 0, None, None
-            kv = [(torch.cat([n.kv[layer][0] for n in path], dim=1),
-                   torch.cat([n.kv[layer][1] for n in path], dim=1))
-                  for layer in range(len(path[0].kv))]
-            routes = (None if any(n.routes is None for n in path)
-                      else torch.cat([n.routes for n in path]))
-            return m, kv, routes
-
-    def insert(self, tokens: list[int], take: Callable[[int, int], list],
-               routes: Optional[torch.Tensor]) -> int:
-        """Cache ``tokens`` (their first ``max_tokens``): ``take(start, end)`` gives the per-layer
-        KV ``[(K, V)]`` of ``[H_kv, end - start, d]`` of positions ``start .. end - 1`` (only the
-        part not cached yet is taken), ``routes`` those of every position (or None). Returns how
-        many tokens were added."""
-        key = tuple(tokens[:self.max_tokens])
-        if not key:
-            return 0
-        with self._lock:
-            path, m = self._walk(key)
-            added = len(key) - m
-            if added:
-                parent = path[-1] if path else self._root
-                leaf = _Node(key[m:], take(m, len(key)),
-                             None if routes is None else routes[m:len(key)].clone(), parent)
-                leaf.last_access = self._clock
-                parent.children[key[m]] = leaf
-                self._size += added
-            self._evict()
-            return added
-
-
-def default_radix_cache_tokens(config, dtype: torch.dtype, context_length: int,
-                               max_running_requests: int) -> int:
-    """``--radix-cache-max-tokens`` when not given: as many tokens as 1 GiB of KV holds (every
-    layer's keys and values, ``num_key_value_heads x head_dim`` each, in ``--dtype``), at least
-    one full context and at most ``context_length x max_running_requests``."""
-    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-    head_dim = int(getattr(config, "head_dim", None)
-                   or config.hidden_size // config.num_attention_heads)
-    per_token = 2 * int(config.num_hidden_layers) * heads * head_dim * dtype.itemsize
-    return int(min(context_length * max_running_requests,
-                   max(context_length, (1 << 30) // max(per_token, 1))))
-
-
 class LocalEngine:
     """Owns the model and its thread; thread-safe ``submit`` / ``abort`` / ``call``."""
+
+    _cache_from = staticmethod(cache_from)
+    """Builds the running batch's cache (:func:`pipeline.local.kv_cache.cache_from`); the kernel
+    benchmark (``bench/bench_kernels.py``) swaps it for a plain ``DynamicCache``."""
 
     def __init__(self, model_path: str, *, random_seed: Optional[int] = None,
                  max_running_requests: int = 64, max_prefill_tokens: int = 16384,
@@ -817,22 +497,6 @@ class LocalEngine:
         # the cache stays on the device; the logits come to the host (sampling, log-probs)
         return out.logits.float().to("cpu"), new_cache
 
-    @staticmethod
-    def _kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(layer.keys, layer.values) for layer in cache.layers]
-
-    @staticmethod
-    def _cache_from(kv):
-        from transformers import DynamicCache
-
-        from transformers.cache_utils import DynamicLayer
-
-        cache = DynamicCache(ddp_cache_data=kv)
-        for layer in cache.layers:  # decode steps write into spare capacity
-            if type(layer) is DynamicLayer:
-                layer.__class__ = _growing_layer_class()
-        return cache
-
     def _records_routes(self, r: EngineRequest) -> bool:
         """Whether the routes of ``r``'s tokens are kept: for the request itself, and with the
         prefix cache for every request (SGLang's capturer records every token it computes, so a
@@ -873,7 +537,7 @@ class LocalEngine:
         n = int(cols.numel())
         if not 0 < n <= len(seq):
             return
-        layers = self._kv(cache)
+        layers = kv_layers(cache)
         cols_dev = cols.to(self.device)
 
         def take(begin: int, end: int) -> list:
@@ -964,7 +628,7 @@ class LocalEngine:
         if not still:
             return
         rows = torch.tensor([i for i, _ in still], device=self.device)
-        new_kv = [(k[rows], v[rows]) for k, v in self._kv(cache)]
+        new_kv = [(k[rows], v[rows]) for k, v in kv_layers(cache)]
         rows = rows.cpu()
         self._merge([reqs[i] for i, _ in still], new_kv, mask[rows],
                     torch.tensor([lengths[i] for i, _ in still]),
@@ -1013,7 +677,7 @@ class LocalEngine:
 
         self._cache = self._cache_from(
             [(torch.cat([pad(k0, 2), pad(k1, 2)]), torch.cat([pad(v0, 2), pad(v1, 2)]))
-             for (k0, v0), (k1, v1) in zip(self._kv(self._cache), kv)])
+             for (k0, v0), (k1, v1) in zip(kv_layers(self._cache), kv)])
         self._mask = torch.cat([pad(self._mask, 1), pad(mask, 1)])
         self._next_pos = torch.cat([self._next_pos, next_pos])
         self._last = torch.cat([self._last, last])
@@ -1033,7 +697,7 @@ class LocalEngine:
         self._running = [self._running[i] for i in keep]
         self._mask = mask[:, first:]
         self._cache = self._cache_from([(k[idx_dev, :, first:], v[idx_dev, :, first:])
-                                        for k, v in self._kv(self._cache)])
+                                        for k, v in kv_layers(self._cache)])
         self._next_pos, self._last = self._next_pos[idx], self._last[idx]
 
     def _decode_step(self) -> None:
@@ -1067,26 +731,7 @@ class LocalEngine:
         """Sample one token per row of ``logits`` [B, V], append it, apply stop rules;
         ``store(i)`` runs just before row i finishes (its KV into the prefix cache)."""
         logits = logits[:, : self.vocab_size]
-        temps = torch.tensor([[r.sampling.temperature] for r in reqs], dtype=logits.dtype)
-        logprobs = torch.log_softmax(logits / temps, dim=-1)  # [B, V], what SGLang returns
-        chosen = torch.empty(len(reqs), dtype=torch.long)
-        greedy = [i for i, r in enumerate(reqs) if r.sampling.is_greedy]
-        sampled = [i for i, r in enumerate(reqs) if not r.sampling.is_greedy]
-        if greedy:
-            chosen[greedy] = torch.argmax(logits[greedy], dim=-1)
-        if sampled:
-            # Inverse-CDF sampling from the truncated distribution: one uniform per row from the
-            # request's own generator (float64 CDF; side="right" never picks a zero-mass token).
-            probs = logprobs[sampled].double().exp()
-            for j, i in enumerate(sampled):
-                s = reqs[i].sampling
-                if (0 < s.top_k < probs.shape[1]) or s.top_p < 1.0 or s.min_p > 0.0:
-                    probs[j] = _truncate(probs[j], s.top_k, s.top_p, s.min_p)
-            cdf = probs.cumsum(dim=-1)
-            u = torch.cat([torch.rand(1, generator=reqs[i].generator, dtype=torch.float64)
-                           for i in sampled])
-            picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-            chosen[sampled] = picks.clamp_(max=cdf.shape[1] - 1)
+        chosen, logprobs = sample(reqs, logits)
         tokens = chosen.tolist()
         token_logprobs = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
         for i, (r, tok) in enumerate(zip(reqs, tokens)):
@@ -1117,250 +762,3 @@ class LocalEngine:
         if len(r.output_ids) >= r.max_new_tokens:
             return finish_length(r.max_new_tokens)
         return None
-
-    # --- weights (engine thread, through ``call``)
-    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        problems = self.weights.check(tensors)
-        if problems:
-            raise ValueError("; ".join(problems[:10]) + (
-                f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""))
-        self.weights.load(tensors)
-
-    def checksum(self) -> str:
-        from pipeline.weights.transport import weights_checksum
-
-        return weights_checksum((n, self.weights.get(n)) for n in self.weights.names())
-
-    def apply_update(self, full: dict[str, torch.Tensor],
-                     deltas: dict[str, tuple[torch.Tensor, torch.Tensor]], *,
-                     checksum: bool = False) -> Optional[str]:
-        """Full tensors and bf16 deltas (``weight_transport.delta_apply``); checked first, so a
-        bad update changes nothing. ``checksum``: returns :meth:`bucket_checksum` of every
-        touched weight, each summed right after it is written (while its bytes are in cache)."""
-        from pipeline.weights.transport import checksum_digest, delta_apply, tensor_sums
-
-        problems = self.weights.check(full)
-        for name, (index, values) in deltas.items():
-            try:
-                numel = torch.Size(self.weights.shape(name)).numel()
-            except KeyError:
-                problems.append(f"{name}: no such parameter in the served model")
-                continue
-            if index.numel() != values.numel() or (index.numel() and (
-                    int(index.min()) < 0 or int(index.max()) >= numel)):
-                problems.append(f"{name}: delta indices out of range or unpaired")
-        if problems:
-            raise ValueError("; ".join(problems[:10]) + (
-                f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""))
-        parts = {}
-        for name, t in full.items():
-            self.weights.load({name: t})
-            if checksum:
-                parts[name] = tensor_sums(self.weights.view(name).to(t.dtype))
-        for name, (index, values) in deltas.items():
-            target = self.weights.view(name)
-            if target.is_contiguous():
-                delta_apply(target, index, values)
-            else:  # a transposed fused-expert view: apply on a copy, write it back
-                work = target.contiguous()
-                delta_apply(work, index, values)
-                target.copy_(work)
-            if checksum:
-                parts[name] = tensor_sums(target.to(values.dtype))
-        return checksum_digest(parts) if checksum else None
-
-    def bucket_checksum(self, names_dtypes: list[tuple[str, torch.dtype]]) -> str:
-        """``weight_transport.bucket_checksum`` of the live weights ``names``, each read in the
-        dtype it was sent in."""
-        from pipeline.weights.transport import bucket_checksum
-
-        return bucket_checksum((n, self.weights.view(n).to(d)) for n, d in names_dtypes)
-
-    def load_shards(self, path: str | Path) -> dict[str, str]:
-        """``update_weights_from_disk``: read every safetensors file of ``path`` straight into
-        the parameters (``readinto`` where the weight is contiguous and of the file's dtype);
-        returns {file name: bucket checksum of what is now loaded}. Every header is checked
-        first, so a bad directory changes nothing."""
-        from pipeline.weights.transport import checksum_digest, tensor_sums
-
-        headers = shard_headers(path)
-        problems = []
-        for f, (layout, _) in headers.items():
-            for name, dtype, shape, _, _ in layout:
-                try:
-                    want = self.weights.shape(name)
-                except KeyError:
-                    problems.append(f"{f}: {name}: no such parameter in the served model")
-                    continue
-                if tuple(shape) != tuple(want):
-                    problems.append(f"{f}: {name}: shape {list(shape)} does not match the "
-                                    f"model's {list(want)}")
-        if problems:
-            raise ValueError("; ".join(problems[:10]))
-        def load_one(f: str) -> str:
-            layout, data_start = headers[f]
-            parts = {}  # each tensor summed right after its read, while it is in cache
-            with open(Path(path) / f, "rb", buffering=0) as fh:
-                for name, dtype, shape, start, end in layout:
-                    target = self.weights.view(name)
-                    fh.seek(data_start + start)
-                    if (target.is_contiguous() and target.dtype == dtype
-                            and target.device.type == "cpu"):
-                        dst = target.view(-1).view(torch.uint8) if target.numel() else None
-                    else:
-                        dst = torch.empty(end - start, dtype=torch.uint8)
-                    if dst is not None and _read_into(fh, memoryview(dst.numpy())) != end - start:
-                        raise ValueError(f"{f}: {name}: file ends early")
-                    if dst is not None and dst.data_ptr() != target.data_ptr():
-                        target.copy_(dst.view(dtype).view(shape))
-                    parts[name] = tensor_sums(target.to(dtype))
-            return checksum_digest(parts)
-
-        # Shards hold disjoint tensors: read them on up to 2 threads (readinto and torch release
-        # the GIL), so one shard's read overlaps another's checksum.
-        files = list(headers)
-        threads = min(2, len(files), os.cpu_count() or 1)
-        if threads <= 1:
-            return {f: load_one(f) for f in files}
-        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="load") as pool:
-            return dict(zip(files, pool.map(load_one, files)))
-
-
-@functools.lru_cache(maxsize=None)
-def _growing_layer_class():
-    """A transformers ``DynamicLayer`` whose keys / values are views of buffers with spare
-    capacity along the sequence: a decode step writes its new column in place instead of
-    ``torch.cat``-copying the layer's whole cache (O(cache) per step, O(length^2) per request);
-    capacity doubles when full. ``keys`` / ``values`` stay what ``DynamicLayer`` exposes
-    (``[B, H_kv, T, d]``, now views); whatever replaces them (a batch reindex) is noticed by
-    identity and copied into a new buffer on the next update. ~10% of a decode step here."""
-    from transformers.cache_utils import DynamicLayer
-
-    class GrowingLayer(DynamicLayer):
-        _buffers_kv = None  # (key buffer, value buffer, the keys view handed out last)
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized or self.keys is None or self.keys.numel() == 0:
-                return super().update(key_states, value_states, *args, **kwargs)
-            n, add = self.keys.shape[-2], key_states.shape[-2]
-            bufs = self._buffers_kv
-            if bufs is None or bufs[2] is not self.keys or n + add > bufs[0].shape[-2]:
-                cap = max(2 * (n + add), n + add + 64)
-                kbuf = self.keys.new_empty(self.keys.shape[:-2] + (cap, self.keys.shape[-1]))
-                vbuf = self.values.new_empty(self.values.shape[:-2] + (cap, self.values.shape[-1]))
-                kbuf[..., :n, :] = self.keys
-                vbuf[..., :n, :] = self.values
-            else:
-                kbuf, vbuf = bufs[0], bufs[1]
-            kbuf[..., n:n + add, :] = key_states
-            vbuf[..., n:n + add, :] = value_states
-            self.keys, self.values = kbuf[..., :n + add, :], vbuf[..., :n + add, :]
-            self._buffers_kv = (kbuf, vbuf, self.keys)
-            return self.keys, self.values
-
-    return GrowingLayer
-
-
-def _truncate(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """Zero the probabilities outside top-k, the top-p nucleus and the min-p floor (one row)."""
-    if top_k > 0 and top_k < probs.numel():
-        kth = torch.topk(probs, top_k).values[-1]
-        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-    if top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        before = torch.cumsum(sorted_p, 0) - sorted_p  # mass strictly above each token
-        sorted_p = torch.where(before > top_p, torch.zeros_like(sorted_p), sorted_p)
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
-    if min_p > 0.0:
-        probs = torch.where(probs >= probs.max() * min_p, probs, torch.zeros_like(probs))
-    return probs
-
-
-def _read_into(fh, buf: memoryview) -> int:
-    """readinto until ``buf`` is full or the file ends (one read may return less)."""
-    got = 0
-    while got < len(buf):
-        n = fh.readinto(buf[got:])
-        if not n:
-            break
-        got += n
-    return got
-
-
-def shard_files(path: str | Path) -> list[str]:
-    """The safetensors files of a directory (those of its index, if it has one). The index must
-    be a JSON object whose ``weight_map`` maps names to plain file names of that directory
-    (:class:`WeightFileError` otherwise: no ``../``, no absolute paths, no missing file)."""
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path}: not a directory")
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as err:
-            raise WeightFileError(f"{index}: malformed index ({type(err).__name__}: {err}); "
-                                  "expected a JSON object with a 'weight_map'") from None
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise WeightFileError(f"{index}: 'weight_map' must be a non-empty object of "
-                                  "tensor name -> file name")
-        files = set()
-        for name, file in weight_map.items():
-            if (not isinstance(file, str) or not file or Path(file).name != file
-                    or file in (".", "..") or "\\" in file):
-                raise WeightFileError(f"{index}: {name!r} -> {file!r}: not a file name of this "
-                                      "directory")
-            if not (path / file).is_file():
-                raise WeightFileError(f"{index}: {name!r} -> {file!r}: no such file in {path}")
-            files.add(file)
-        files = sorted(files)
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors files")
-    return files
-
-
-_MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
-
-
-def shard_headers(path: str | Path) -> dict[str, tuple[list, int]]:
-    """{file: (layout, data start)} of every shard of ``path`` (:func:`shard_files`), each
-    header checked against its file: a header that is not JSON, an unknown dtype, offsets that
-    do not match the shape or run past the end of the file (a truncated shard) are a
-    :class:`WeightFileError` naming the file - before any weight is touched."""
-    from pipeline.weights.transport import read_shard_header
-
-    headers = {}
-    for f in shard_files(path):
-        file = Path(path) / f
-        size = file.stat().st_size
-        if size < 8:
-            raise WeightFileError(f"{file}: {size} bytes: not a safetensors file (truncated?)")
-        with open(file, "rb") as fh:
-            header_len = int.from_bytes(fh.read(8), "little")
-        if header_len > min(_MAX_HEADER_BYTES, size - 8):
-            raise WeightFileError(f"{file}: header of {header_len} bytes in a file of {size} "
-                                  "bytes (truncated or not safetensors)")
-        try:
-            layout, data_start = read_shard_header(file)
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
-            raise WeightFileError(f"{file}: malformed safetensors header ({type(err).__name__}: "
-                                  f"{err})") from None
-        for entry in layout:
-            try:
-                name, dtype, shape, start, end = entry
-                numel = torch.Size([int(d) for d in shape]).numel()
-                if not all(isinstance(v, int) for v in (start, end, *shape)):
-                    raise TypeError("non-integer shape or offsets")
-            except (TypeError, ValueError) as err:
-                raise WeightFileError(f"{file}: {entry[0]}: malformed header entry ({err})"
-                                      ) from None
-            if not 0 <= start <= end or end - start != numel * dtype.itemsize:
-                raise WeightFileError(f"{file}: {name}: data_offsets [{start}, {end}] do not "
-                                      f"hold a {dtype} tensor of shape {list(shape)}")
-            if data_start + end > size:
-                raise WeightFileError(f"{file}: {name} ends at byte {data_start + end}, the file "
-                                      f"has {size} (truncated)")
-        headers[f] = (layout, data_start)
-    return headers

@@ -328,6 +328,40 @@ def parse_error_body(message: str) -> dict:
             "code": 400}
 
 
+def http_error_body(status: int, message: str) -> dict:
+    """SGLang's answer to an ``HTTPException`` (its handler in http_server.py: ``ErrorResponse``
+    with ``type`` the status code as a string)."""
+    return {"object": "error", "message": message, "type": str(status), "param": None,
+            "code": status}
+
+
+# --- the control routes' answers ------------------------------------------------------------------
+
+PROTOCOL_VERSION = "0.5.23"  # the SGLang release whose HTTP contract this server follows
+IMPLEMENTATION = "megatron-gspo local rollout server"
+FLUSH_OK = ("Cache flushed.\nPlease check backend logs for more details. (When there are running "
+            "or waiting requests, the operation will not be performed.)\n")
+# SGLang 0.5.23's answers (entrypoints/http_server.py, scheduler_components/flush_wrapper.py,
+# scheduler_components/weight_updater.py), checked against the wheel by
+# tests/rollout/test_server_conformance.py
+FLUSH_FAILED = "Flush cache failed.\n"
+FLUSH_BUSY = "Another flush_cache is already in progress."
+FLUSH_TIMED_OUT = "Timed out waiting for idle state."
+FLUSH_REFUSED_AFTER_UPDATE = (
+    "Weights were updated, but the cache was not flushed because requests are still running or "
+    "queued. Retract or finish them, then call /flush_cache.")
+SESSION_ALREADY_OPEN = ("a weight-update session is already open; call end_weight_update() "
+                        "first")
+NO_SESSION_OPEN = "no weight-update session is open; call begin_weight_update() first"
+OUTSIDE_SESSION = "{} must run between begin_weight_update() and end_weight_update()"
+
+EXTENSIONS = ("checksums", "delta", "timings")
+"""This server's extensions of SGLang's protocol, offered in ``/server_info``
+(``megatron_gspo_extensions``) unless started with ``--no-extensions``."""
+EXTENSIONS_HEADER = "X-Megatron-Gspo-Extensions"
+"""A request's negotiated extensions (comma-separated); without it a request is plain SGLang."""
+
+
 # --- finish reasons (§1.4) ------------------------------------------------------------------------
 
 def finish_length(length: int) -> dict:

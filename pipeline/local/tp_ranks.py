@@ -18,15 +18,22 @@ report the checksum of what it holds; the server answers only when every rank ha
 from __future__ import annotations
 
 import concurrent.futures
+import datetime
 import multiprocessing as mp
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
 
+from pipeline.local.weight_table import shard_files
 from pipeline.weights import transport as wt
+
+
 @dataclass
 class SGLangImpl:
     init_custom_process_group: Callable
@@ -77,8 +84,6 @@ class ReceiveBuffers:
         self._cond = threading.Condition()
 
     def bucket(self, impl: "SGLangImpl", names, dtypes, shapes):
-        import time
-
         shell = impl.bucket_class.empty(names, dtypes, shapes, "meta")
         total = shell.get_flattened_tensor().numel()
         with self._cond:
@@ -118,8 +123,6 @@ def sglang_impl() -> SGLangImpl:
 def join_group(impl: SGLangImpl, address: str, port: int, rank: int, world: int, name: str,
                backend: str, timeout_s: float):
     """What SGLang's ``WeightUpdater.init_weights_update_group`` does for one TP rank."""
-    import datetime
-
     return impl.init_custom_process_group(
         backend=backend, init_method=wt.tcp_init_method(address, port), world_size=world,
         rank=rank, group_name=name, timeout=datetime.timedelta(seconds=timeout_s))
@@ -130,8 +133,6 @@ def receive(impl: SGLangImpl, group, names, dtypes, shapes, load_format,
     """What SGLang's ``receive_weights_from_distributed`` does: one broadcast of the flattened
     bucket, or one (async) broadcast per tensor. Returns (named tensors, the ``buffers`` buffer
     they are views of, to :meth:`ReceiveBuffers.release` once loaded; None without one)."""
-    import torch.distributed as dist
-
     if load_format == "flattened_bucket":
         if buffers is None:
             bucket, buf = impl.bucket_class.empty(names, dtypes, shapes, "cpu"), None
@@ -188,10 +189,6 @@ class _Replica:
     """One extra TP rank: the full weights as tensors, its update groups."""
 
     def __init__(self, model_path: str, dtype: str):
-        from safetensors.torch import load_file
-
-        from pipeline.local.engine import shard_files
-
         self.dtype = getattr(torch, dtype)
         self.weights: dict[str, torch.Tensor] = {}
         for f in shard_files(model_path):
@@ -242,10 +239,6 @@ class _Replica:
         if cmd == "named":
             return self.apply(kw["named"], kw["delta"])
         if cmd == "disk":
-            from safetensors.torch import load_file
-
-            from pipeline.local.engine import shard_files
-
             return {f: self.apply(list(load_file(str(Path(kw["path"]) / f)).items()), False)
                     for f in shard_files(kw["path"])}
         if cmd == "checksum":

@@ -5,7 +5,8 @@
         ...
         cluster.restart_server(1)          # kill (if alive), start again on its port, re-register
 
-Each server is ``python -m launch.cli serve ...`` (``megatron-gspo serve``); the router is
+Each server is ``python -m pipeline.local ...`` (the local rollout server's own entry point, the
+server of ``megatron-gspo serve``); the router is
 ``python -m sglang_router.launch_router`` (sglang-router's own CLI) with ``--model-path`` set to
 the local model directory (it loads the tokenizer from there and must never reach for the Hub),
 and the servers are registered through its ``POST /workers`` API, as slime does. Every process is
@@ -48,8 +49,8 @@ from typing import Optional, Sequence
 from megatron_gspo.lifetime import shielded_helper
 from pipeline.generation.client import RolloutError, http_json, router_workers, wait_healthy
 
-# Set by torchrun / launch.local for training ranks; a server must not inherit them (launch.cli
-# would take it for a rank and redirect its output to the rank's log).
+# Set by torchrun / launch.local for training ranks; a server must not inherit them (it is no
+# rank: its output goes to its own log, never to a rank's).
 _RANK_ONLY_ENV = ("RANK", "LOCAL_RANK", "MEGATRON_GSPO_RANK_LOG_DIR", "MEGATRON_GSPO_STATUS_DIR")
 
 ROUTER_DEFAULT_ARGS = (
@@ -263,8 +264,8 @@ class LocalRolloutCluster:
 
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
         log_path = self.log_dir / f"{name}.log"
-        # A server is ``launch.cli serve``: cli.main silences the benign third-party warnings
-        # (launch/benign_warnings.py) unless MEGATRON_GSPO_SHOW_WARNINGS is set in this
+        # A server (``python -m pipeline.local``) silences the benign third-party warnings
+        # (pipeline/observe/benign_warnings.py) unless MEGATRON_GSPO_SHOW_WARNINGS is set in this
         # environment, which the server inherits. It is no rank of ours: RANK and the rank-log
         # switch are dropped, so a server started by training rank 1 logs to its own file only.
         env = {k: v for k, v in os.environ.items() if k not in _RANK_ONLY_ENV}
@@ -313,7 +314,7 @@ class LocalRolloutCluster:
 
     # ------------------------------------------------------------------ servers
     def _start_server(self, i: int) -> None:
-        cmd = [sys.executable, "-m", "launch.cli", "serve", "--model-path", self.model_path,
+        cmd = [sys.executable, "-m", "pipeline.local", "--model-path", self.model_path,
                "--host", self.host, "--port", str(self._ports[i]),
                "--random-seed", str(self.random_seed + 1000 * i + self._restarts[i]),
                "--cpu-threads", str(self.cpu_threads), *self.server_args]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.benign_warnings import SHOW_ENV
+from pipeline.observe.benign_warnings import SHOW_ENV
 from launch.local import RANK_LOG_DIR_ENV
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -661,9 +661,9 @@ def test_rotating_log_bounds_a_childs_output(tmp_path):
 
 
 def _server_pids(run: Run) -> list[int]:
-    """The run's local rollout servers (``megatron-gspo serve`` processes)."""
+    """The run's local rollout servers (``python -m pipeline.local`` processes)."""
     return [p for p in tagged_pids(run.tag)
-            if b"serve" in Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")]
+            if b"pipeline.local" in Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")]
 
 
 @pytest.mark.slow

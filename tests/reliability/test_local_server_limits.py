@@ -384,7 +384,7 @@ def test_the_refusals_use_sglangs_httpexception_body():
 
     import fastapi.routing
 
-    from pipeline.local.server import http_error_body
+    from pipeline.local.protocol import http_error_body
     from tests.sglang_wheel import read_member
 
     src = read_member("sglang/srt/entrypoints/http_server.py").decode()

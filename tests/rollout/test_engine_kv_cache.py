@@ -1,4 +1,4 @@
-"""The local server's decode cache (``engine._growing_layer_class``): keys and values written into
+"""The local server's decode cache (``kv_cache.growing_layer_class``): keys and values written into
 spare capacity are exactly what transformers' ``DynamicLayer`` concatenates, through capacity
 growth and after the batch is reindexed (a finished row dropped)."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from pipeline.local.engine import LocalEngine, _growing_layer_class
+from pipeline.local.engine import LocalEngine
+from pipeline.local.kv_cache import growing_layer_class
 
 
 def _kv(batch, length, seed):
@@ -20,7 +21,7 @@ def test_growing_layer_matches_dynamic_layer_through_growth_and_reindexing():
     k0, v0 = _kv(3, 5, 0)
     cache = LocalEngine._cache_from([(k0, v0)])
     layer = cache.layers[0]
-    assert type(layer) is _growing_layer_class()
+    assert type(layer) is growing_layer_class()
     ref_k, ref_v = k0, v0
     for step in range(150):  # 5 + 150 columns: the first buffer (2 x 6 = 12 wide) grows 4 times
         if step == 60:  # a row finishes: the engine rebuilds the cache from the kept rows
@@ -41,7 +42,7 @@ def test_growing_layer_matches_dynamic_layer_through_growth_and_reindexing():
 
 def test_an_empty_cache_layer_initialises_as_transformers_does():
     layer = DynamicLayer()
-    layer.__class__ = _growing_layer_class()
+    layer.__class__ = growing_layer_class()
     k, v = _kv(2, 3, 1)
     out_k, out_v = layer.update(k, v)
     assert torch.equal(out_k, k) and torch.equal(out_v, v)

@@ -2,7 +2,7 @@
 
 Run: ``.venv/bin/python -m pytest -q tests/rollout/test_prefix_cache.py``
 
-* :class:`engine.PrefixCache` itself: longest prefix under a limit, node splits, what an insert
+* :class:`prefix_cache.PrefixCache` itself: longest prefix under a limit, node splits, what an insert
   keeps (the values already cached), least-recently-used eviction under the token bound, reset;
 * against a reference server started with ``--disable-radix-cache`` (every prefill cold), on a
   Qwen3-MoE with 16 experts top-4 (routing differs between tokens): a request extending an
@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from pipeline.generation import routed_experts as rx
-from pipeline.local.engine import PrefixCache
+from pipeline.local.prefix_cache import PrefixCache
 from pipeline.generation.client import http_json
 from pipeline.weights.transport import encode_named_tensors
 from tests.rollout.conftest import InProcessServer

@@ -36,7 +36,7 @@ import pytest
 import torch
 
 from pipeline.local import protocol as proto
-from pipeline.local import server as srv
+from pipeline.local.args import resolve_dp_layout
 from pipeline.generation.client import http_json
 from pipeline.weights.transport import delta_encode, encode_named_tensors
 from tests import sglang_rules
@@ -44,7 +44,7 @@ from tests.rollout.conftest import InProcessServer
 from tests.sglang_wheel import SGLANG_VERSION, cache_dir, read_member, wheel
 
 WEIGHT = "model.layers.1.mlp.experts.2.up_proj.weight"
-EXT = srv.EXTENSIONS_HEADER
+EXT = proto.EXTENSIONS_HEADER
 N_LONG = 250  # the tiny model has 256 positions
 LONG = {"sampling_params": {"max_new_tokens": N_LONG, "ignore_eos": True, "temperature": 0.0}}
 
@@ -275,16 +275,16 @@ def test_control_bodies_take_every_io_struct_field_with_sglangs_default(server):
 
 def test_answers_are_sglangs_word_for_word():
     updater = _strings("sglang/srt/managers/scheduler_components/weight_updater.py")
-    for text in (srv.SESSION_ALREADY_OPEN, srv.NO_SESSION_OPEN, srv.FLUSH_REFUSED_AFTER_UPDATE,
-                 srv.OUTSIDE_SESSION.format("update_weights_from_distributed"),
-                 srv.OUTSIDE_SESSION.format("update_weights_from_tensor"),
+    for text in (proto.SESSION_ALREADY_OPEN, proto.NO_SESSION_OPEN, proto.FLUSH_REFUSED_AFTER_UPDATE,
+                 proto.OUTSIDE_SESSION.format("update_weights_from_distributed"),
+                 proto.OUTSIDE_SESSION.format("update_weights_from_tensor"),
                  "Success", "Succeeded to update model weights.",
                  "Succeeded to update parameter online."):
         assert text in updater, text
     flush = _strings("sglang/srt/managers/scheduler_components/flush_wrapper.py")
-    assert srv.FLUSH_BUSY in flush and srv.FLUSH_TIMED_OUT in flush
+    assert proto.FLUSH_BUSY in flush and proto.FLUSH_TIMED_OUT in flush
     http = _strings(sglang_rules.HTTP_SERVER)
-    for text in (srv.FLUSH_OK, srv.FLUSH_FAILED, "Generation paused successfully.",
+    for text in (proto.FLUSH_OK, proto.FLUSH_FAILED, "Generation paused successfully.",
                  "Generation continued successfully.", "ok"):
         assert text in http, text
     assert " | " in _strings("sglang/srt/managers/communicator.py")  # merge_results' joiner
@@ -294,19 +294,19 @@ def test_answers_are_sglangs_word_for_word():
 def test_weight_update_sessions(server):
     new = torch.randn(weight(server).shape)
     status, answer = tensor_update(server, new)
-    assert (status, answer) == (400, {"success": False, "message": srv.OUTSIDE_SESSION.format(
+    assert (status, answer) == (400, {"success": False, "message": proto.OUTSIDE_SESSION.format(
         "update_weights_from_tensor")})
     status, answer = post(server, "/update_weights_from_distributed", {
         "names": [WEIGHT], "dtypes": ["float32"], "shapes": [list(new.shape)]})
-    assert (status, answer) == (400, {"success": False, "message": srv.OUTSIDE_SESSION.format(
+    assert (status, answer) == (400, {"success": False, "message": proto.OUTSIDE_SESSION.format(
         "update_weights_from_distributed")})
     assert not torch.equal(weight(server), new)  # refused: nothing loaded
     assert post(server, "/end_weight_update", {}) == (
-        400, {"success": False, "message": srv.NO_SESSION_OPEN})
+        400, {"success": False, "message": proto.NO_SESSION_OPEN})
     assert post(server, "/begin_weight_update", {"selector": "all"}) == (
         200, {"success": True, "message": "Success"})
     assert post(server, "/begin_weight_update", {"selector": "all"}) == (
-        400, {"success": False, "message": srv.SESSION_ALREADY_OPEN})
+        400, {"success": False, "message": proto.SESSION_ALREADY_OPEN})
     status, answer = tensor_update(server, new, weight_version="s1")
     assert (status, answer) == (200, {"success": True,
                                       "message": "Success Weight version updated to s1."})
@@ -325,11 +325,11 @@ def test_flush_rules_follow_the_pause_mode(server):
     assert post(server, "/pause_generation", {"mode": "in_place"})[1] == {
         "message": "Generation paused successfully.", "status": "ok"}
     assert loads(server)["num_running_reqs"] == 1
-    assert post(server, "/flush_cache", {}) == (400, srv.FLUSH_FAILED)
+    assert post(server, "/flush_cache", {}) == (400, proto.FLUSH_FAILED)
     assert post(server, "/begin_weight_update", {})[0] == 200
     new = torch.randn(weight(server).shape)
     status, answer = tensor_update(server, new, weight_version="refused")
-    assert (status, answer) == (400, {"success": False, "message": srv.FLUSH_REFUSED_AFTER_UPDATE})
+    assert (status, answer) == (400, {"success": False, "message": proto.FLUSH_REFUSED_AFTER_UPDATE})
     assert torch.equal(weight(server), new)  # "Weights were updated, but ..."
     model_info = http_json("GET", server.url + "/model_info")[1]
     assert model_info["weight_version"] == "default"  # the TokenizerManager's: success only
@@ -338,10 +338,10 @@ def test_flush_rules_follow_the_pause_mode(server):
     assert post(server, "/pause_generation", {"mode": "retract"})[0] == 200
     assert (loads(server)["num_running_reqs"], loads(server)["num_waiting_reqs"]) == (0, 1)
     status, text = post(server, "/flush_cache", {})
-    assert (status, text) == (200, srv.FLUSH_OK)
+    assert (status, text) == (200, proto.FLUSH_OK)
     # the deferred flush (timeout > 0) waits for is_fully_idle() WITHOUT ignore_waiting
     status, text = http_json("POST", server.url + "/flush_cache?timeout=0.2", {})
-    assert (status, text) == (400, srv.FLUSH_TIMED_OUT)
+    assert (status, text) == (400, proto.FLUSH_TIMED_OUT)
     status, answer = tensor_update(server, new)  # flush_cache defaults to True: it works now
     assert (status, answer) == (200, {"success": True, "message": "Success"})
     assert post(server, "/end_weight_update", {})[0] == 200
@@ -356,7 +356,7 @@ def test_flush_rules_follow_the_pause_mode(server):
     assert post(server, "/pause_generation", {"mode": "abort"})[0] == 200
     t.join(60)
     assert out["answer"]["meta_info"]["finish_reason"]["type"] == "abort"
-    assert post(server, "/flush_cache", {}) == (200, srv.FLUSH_OK)
+    assert post(server, "/flush_cache", {}) == (200, proto.FLUSH_OK)
     assert post(server, "/continue_generation", {})[0] == 200
 
 
@@ -394,7 +394,7 @@ def test_keep_pause_is_accepted_and_unused_as_in_sglang(server):
 
 # ------------------------------------------------------------------ weight versions
 def test_span_functions_are_sglangs(sglang_weight_versions):
-    from pipeline.local.engine import add_weight_versions_to_meta_info, compute_weight_version_spans
+    from pipeline.local.request import add_weight_versions_to_meta_info, compute_weight_version_spans
 
     wv = sglang_weight_versions
     gen = torch.Generator().manual_seed(0)
@@ -537,9 +537,9 @@ def test_dp_layout_is_resolved_and_reported_as_sglang_does(model_dir):
                                (3, 1, True, 3), (1, 1, True, 1), (1, 2, True, 2)):
         theirs = _sglang_resolution(types.SimpleNamespace(
             dp_size=dp, attn_dp_size=attn, enable_dp_attention=flag))
-        assert srv.resolve_dp_layout(dp, attn, flag, tp) == (theirs.dp_size, theirs.attn_dp_size)
+        assert resolve_dp_layout(dp, attn, flag, tp) == (theirs.dp_size, theirs.attn_dp_size)
     with pytest.raises(ValueError, match="data-parallel replicas combined with attention"):
-        srv.resolve_dp_layout(2, 2, False, 2)
+        resolve_dp_layout(2, 2, False, 2)
     hook = _strings("sglang/srt/arg_groups/parallel_hook.py")
     assert any("data-parallel replicas combined with attention data parallelism are not "
                "supported." in text for text in hook)  # (the tail of an f-string there)

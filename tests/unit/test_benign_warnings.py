@@ -1,4 +1,4 @@
-"""The registry of benign third-party warnings (launch/benign_warnings.py): well formed, applied to the
+"""The registry of benign third-party warnings (pipeline/observe/benign_warnings.py): well formed, applied to the
 real warnings of Megatron and uvicorn, loud where it must be, and the same list pytest uses."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from launch import benign_warnings
-from launch.benign_warnings import REGISTRY, SHOW_ENV
+from pipeline.observe import benign_warnings
+from pipeline.observe.benign_warnings import REGISTRY, SHOW_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 # A warning as Python prints it: "<file>:<line>: <Category>: <message>"
@@ -61,12 +61,12 @@ MEGATRON_IMPORTS = """
 
 
 def test_megatrons_import_time_notices_are_silenced_without_cuda():
-    quiet = run_py("from launch import benign_warnings\nbenign_warnings.apply(cuda=False)\n"
+    quiet = run_py("from pipeline.observe import benign_warnings\nbenign_warnings.apply(cuda=False)\n"
                    + textwrap.dedent(MEGATRON_IMPORTS))
     assert quiet.returncode == 0, quiet.stderr
     assert WARNING_LINE.findall(quiet.stderr) == [], quiet.stderr
     # the same imports without the registry: the notices exist (so the check above means something)
-    loud = run_py("from launch import benign_warnings\nbenign_warnings.apply(cuda=False)\n"
+    loud = run_py("from pipeline.observe import benign_warnings\nbenign_warnings.apply(cuda=False)\n"
                   + textwrap.dedent(MEGATRON_IMPORTS), show=True)
     messages = [m for _, m in WARNING_LINE.findall(loud.stderr)]
     assert any(m.startswith("Apex is not installed") for m in messages), loud.stderr
@@ -74,7 +74,7 @@ def test_megatrons_import_time_notices_are_silenced_without_cuda():
 
 
 def test_on_a_gpu_machine_a_missing_transformer_engine_stays_loud():
-    out = run_py("from launch import benign_warnings\nbenign_warnings.apply(cuda=True)\n"
+    out = run_py("from pipeline.observe import benign_warnings\nbenign_warnings.apply(cuda=True)\n"
                  + textwrap.dedent(MEGATRON_IMPORTS))
     messages = [m for _, m in WARNING_LINE.findall(out.stderr)]
     assert any(m.startswith("Transformer Engine and Apex are not installed") for m in messages), out.stderr
@@ -84,7 +84,7 @@ def test_on_a_gpu_machine_a_missing_transformer_engine_stays_loud():
 def test_other_warnings_still_show():
     out = run_py("""
         import warnings
-        from launch import benign_warnings
+        from pipeline.observe import benign_warnings
         benign_warnings.apply(cuda=False)
         warnings.warn_explicit("Apex is not installed. Falling back to Torch Norm", UserWarning,
                                "ours.py", 1, module="megatron_gspo.model.norm")   # not Megatron's
@@ -98,7 +98,7 @@ def test_other_warnings_still_show():
 def test_log_records_are_filtered_by_logger_and_message():
     code = """
         import logging
-        from launch import benign_warnings
+        from pipeline.observe import benign_warnings
         logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
         benign_warnings.apply(cuda=False)
         benign_warnings.apply(cuda=False)      # idempotent: one filter per entry
@@ -134,7 +134,7 @@ def test_cuda_machine_agrees_with_torch_and_skips_the_import_on_a_cpu_build():
     if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
         out = run_py("""
             import sys
-            from launch import benign_warnings
+            from pipeline.observe import benign_warnings
             print(benign_warnings.cuda_machine(), "torch" in sys.modules)
         """)
         assert out.stdout.split() == ["False", "False"], out.stderr

@@ -12,9 +12,11 @@ stay loud on a machine where torch sees a GPU: there a missing Transformer Engin
 
 Applied by
 
-* ``launch.cli.main`` before any sub-command module is imported, so in the launcher, in every
-  training rank (torchrun and srun start ranks as ``python -m launch.cli ...``) and in every local
-  rollout server (``pipeline/servers/cluster.py`` starts ``python -m launch.cli serve``);
+* ``launch.cli.main`` before any sub-command module is imported, so in the launcher and in every
+  training rank (torchrun and srun start ranks as ``python -m launch.cli ...``);
+* the local rollout server's own entry point (``pipeline/local/__main__.py``) before the server's
+  modules are imported, so in every local rollout server (``pipeline/servers/cluster.py`` starts
+  ``python -m pipeline.local``; ``megatron-gspo serve`` is ``launch.cli``);
 * the test suite: ``pyproject.toml``'s ``filterwarnings`` holds the unconditional entries (a unit
   test keeps that list equal to :func:`pytest_filters`), ``tests/conftest.py`` adds the
   ``only_without_cuda`` ones on machines without CUDA.

@@ -1,0 +1,56 @@
+"""The local rollout server's own entry point: SGLang's HTTP API on the CPU (no GPU needed)::
+
+    python -m pipeline.local --model-path DIR [--host 127.0.0.1] [--port 30000] [--random-seed 0]
+
+The flags are those of ``megatron-gspo serve`` (:mod:`pipeline.local.args`; ``megatron-gspo serve
+--help`` describes them), and so are the rules: a bad argument is one line naming the flag, exit
+status 2, before the model is loaded; SIGINT or SIGTERM stop it. ``pipeline/servers/cluster.py``
+starts its servers this way.
+
+The third-party warnings that are benign here are silenced first, before the server's modules
+import torch, transformers and uvicorn, as ``launch.cli`` does for every command
+(:mod:`pipeline.observe.benign_warnings`, THE registry of them; ``MEGATRON_GSPO_SHOW_WARNINGS=1``
+shows all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+from pipeline.local.args import ServeArgError, add_arguments, validate
+from pipeline.observe import benign_warnings
+
+PROG = "python -m pipeline.local"
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+
+    def one_line_error(message: str):  # argparse's own errors (a missing flag, not a number)
+        print(f"{PROG}: {message} (see {PROG} --help)", file=sys.stderr)
+        sys.exit(2)
+    parser.error = one_line_error
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    benign_warnings.apply()
+    args = parse_args(argv)
+    try:
+        validate(args)
+    except ServeArgError as err:
+        print(f"{PROG}: {err}", file=sys.stderr)
+        return 2
+    # imported after the warning filters are in place (and after a bad argument was refused
+    # without loading torch): the server's modules import torch, transformers and fastapi
+    from pipeline.local.server import serve
+
+    return serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
