@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 import torch.distributed as dist
 
 from megatron_gspo.config import Config
+from pipeline.generation.generator import GroupGenerator, SingleTurnGenerator
 from pipeline.observe.metrics import MetricsLogger
 from pipeline.step.phases import (MAX_DYNAMIC_SAMPLING_ROUNDS, check_parity, evaluate, make_stream,
                              rollout_phase, server_metrics, stream_batch, sync_weights,
@@ -115,15 +116,20 @@ class LoopContext:
     rollout_stream: Optional[dict] = None
     """Rank 0, ``rollout.async: full`` resumed: the stream's complete groups and pending prompts,
     from the checkpoint (``pipeline.sources.stream``)."""
-    tools: Optional[Any] = None
-    """Rank 0, ``tools`` configured: ``pipeline.generation.multiturn.ToolRollouts`` (every training and
-    evaluation sample a multi-turn trajectory); None: one prompt, one response."""
+    generator: Optional[GroupGenerator] = None
+    """Rank 0: the run's generator of every training and evaluation sample
+    (``pipeline.generation.generator``; with ``tools`` configured, multi-turn trajectories);
+    left out: a ``SingleTurnGenerator`` over ``client``."""
     resync: Optional[Callable[[str], Any]] = None
     """Every rank, set by :func:`run`: ``resync(version)`` syncs the trainer's weights
     (:func:`sync_weights`) - what rank 0's rollout has every rank do mid-phase when servers it
     restarted need the current weights (``ServerPool.wait_for_live``, :func:`pipeline.step.rank0.run_on_rank0`)."""
     weights_version: str = ""
     """Rank 0, set by :func:`run`: the version of the weights the trainer holds now."""
+
+    def __post_init__(self) -> None:
+        if self.generator is None and self.client is not None:
+            self.generator = SingleTurnGenerator(self.client)
 
 
 # ------------------------------------------------------------------------------------------------
