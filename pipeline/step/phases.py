@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron_gspo.config import Config
 from megatron_gspo.loss.advantages import group_advantages, is_zero_std_group
 from megatron_gspo.train.batching import rl_batch
+from pipeline.generation.version import WeightVersion, to_wire
 from pipeline.step.rank0 import broadcast, run_on_rank0
 
 if TYPE_CHECKING:
@@ -163,7 +164,8 @@ def make_stream(ctx: LoopContext, start_step: int) -> Any:
     return stream
 
 
-def staleness_metrics(results: Sequence[RolloutResult], trained: int) -> dict[str, float]:
+def staleness_metrics(results: Sequence[RolloutResult], trained: WeightVersion
+                      ) -> dict[str, float]:
     """Per-token staleness of a batch: versions between the policy that generated each output
     token (``meta_info.weight_versions``; the loop labels the weights after step k with ``k``)
     and the policy being trained (``trained``: the weights at the start of the step). Tokens
@@ -296,8 +298,9 @@ MAX_SYNC_ATTEMPTS = 3
 """Weight pushes tried in one sync when servers die during it (each retry has fewer servers)."""
 
 
-def sync_weights(ctx: LoopContext, trainer: Trainer, version: str) -> dict:
-    """Every rank: the trainer's HF buckets, pushed to every rollout server by the pusher.
+def sync_weights(ctx: LoopContext, trainer: Trainer, version: WeightVersion) -> dict:
+    """Every rank: the trainer's HF buckets, pushed to every rollout server by the pusher,
+    labelled ``version`` (its wire label, ``pipeline.generation.version.to_wire``).
 
     With a server pool (``ctx.servers``, rank 0) the servers are checked first: the dead ones
     are dropped (and restarted in embedded mode, then included here: a restarted server gets
@@ -308,7 +311,7 @@ def sync_weights(ctx: LoopContext, trainer: Trainer, version: str) -> dict:
     pool = _sync_members(ctx)
     for attempt in range(MAX_SYNC_ATTEMPTS):
         try:
-            stats = ctx.weights.push(trainer.hf_buckets(), version)
+            stats = ctx.weights.push(trainer.hf_buckets(), to_wire(version))
         except WeightPushError:  # raised on every rank alike: all of them retry or none
             if pool is None or attempt + 1 == MAX_SYNC_ATTEMPTS:
                 raise
@@ -322,7 +325,7 @@ def sync_weights(ctx: LoopContext, trainer: Trainer, version: str) -> dict:
     raise AssertionError("unreachable")
 
 
-def check_parity(ctx: LoopContext, trainer: Trainer, version: str) -> dict:
+def check_parity(ctx: LoopContext, trainer: Trainer, version: WeightVersion) -> dict:
     """Every rank, after a weight sync: the parity watchdog's ``parity/*`` metrics ({} without
     one). Past ``parity.max_gap_mean``: one more sync of the same weights, checked again; still
     past it: :class:`pipeline.weights.parity.ParityError` on every rank alike."""
