@@ -772,7 +772,8 @@ async def continue_samples(client: RolloutClient, prompt_ids: Sequence[int],
                              f"max_new_tokens {sampling.max_new_tokens}: nothing left to continue")
         requests.append((f"{rid_prefix}-s{i}", list(prompt_ids) + list(r.output_ids),
                          replace(sampling, n=1, max_new_tokens=left,
-                                 sampling_seed=sample_seed(stream_seed("continue", seed, i), 0, 0))))
+                                 sampling_seed=sample_seed(stream_seed("continue", seed, i),
+                                                           0, 0))))
     conts = await client.generate(requests, routed_experts=routed_experts) if requests else []
     out = list(partial)
     for i, cont in zip(stopped, conts):

@@ -11,8 +11,9 @@ The result is one :class:`~pipeline.generation.trajectory.RolloutResult` whose `
 are every turn's tokens and every answer's tokens in order, with ``output_mask`` 1 on the model's
 tokens and 0 on the appended ones; ``output_logprobs`` are the server's on the model's tokens and
 0.0 on the others; ``turns`` the model turns (:class:`~pipeline.generation.trajectory.Turn`),
-``env_reward`` the environment's reward when it gave one. The training batch's ``response_mask`` is that mask, so GSPO's length normalisation and
-sequence ratio ``s_i`` are taken over the model's tokens only.
+``env_reward`` the environment's reward when it gave one. The training batch's
+``response_mask`` is that mask, so GSPO's length normalisation and sequence ratio ``s_i`` are
+taken over the model's tokens only.
 
 All turns of a trajectory go to the same server (``pin``), so its prefix cache serves the earlier
 turns (``cached_tokens`` per turn is recorded). With routing replay ``rollout`` each turn asks
