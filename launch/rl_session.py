@@ -17,6 +17,8 @@ import torch.distributed as dist
 from launch.session import Session
 from megatron_gspo.collectives import broadcast
 from megatron_gspo.config import Config, ConfigError
+from pipeline.generation.generator import SingleTurnGenerator
+from pipeline.generation.multiturn import ToolGenerator
 
 if TYPE_CHECKING:
     from megatron_gspo.train.rl_trainer import RLTrainer
@@ -167,14 +169,14 @@ class RLSession(Session):
         logger = MetricsLogger.from_config(cfg, run_dir)
         self.resources.callback(logger.close)
         encoder = train_set.encoder
-        tools = None
         if cfg.tools.enabled():  # multi-turn trajectories: the sandbox's workers live for the run
-            from pipeline.generation.multiturn import ToolRollouts
-
-            tools = ToolRollouts(cfg, encoder.encode_text)
-            self.resources.callback(tools.close)
+            generator = ToolGenerator(cfg, client, encode_text=encoder.encode_text,
+                                      decode=encoder.decode)
+            self.resources.callback(generator.close)
+        else:
+            generator = SingleTurnGenerator(client)
         return loop.LoopContext(
-            tools=tools,
+            generator=generator,
             **common, logger=logger, sampler=sampler,
             eval_prompts=eval_prompts if cfg.run.eval_interval else [],
             # a stop signal abandons a user reward's call at once: the rank saves and stops

@@ -56,13 +56,18 @@ import urllib.request
 import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+import aiohttp
+
+from pipeline.generation import routed_experts as re_wire
+from pipeline.generation.trajectory import RolloutResult, Span
+from pipeline.generation.version import from_wire
 
 if TYPE_CHECKING:
     from megatron_gspo.config import RolloutConfig
 
 RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
-FinishReason = Literal["stop", "length", "abort"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -92,75 +97,6 @@ class SamplingParams:
         if self.sampling_seed is None:
             del body["sampling_seed"]
         return body
-
-
-@dataclass
-class RolloutResult:
-    """One sample. ``output_ids`` ends with the stop token when one matched (as in SGLang)."""
-
-    rid: str
-    prompt_ids: list[int]
-    output_ids: list[int]
-    output_logprobs: list[float]
-    """One per output id: SGLang's output_token_logprobs (temperature-scaled distribution)."""
-    finish_reason: FinishReason
-    matched_stop: Optional[int | str]
-    prompt_tokens: int
-    completion_tokens: int
-    weight_version: str
-    server_url: str
-    weight_versions: list[tuple[str, int, int]] = field(default_factory=list)
-    """SGLang 0.5.23's ``meta_info.weight_versions``: ``(version, start, end)`` half-open spans over
-    ``output_ids`` in order, covering them exactly (a request that lived through weight updates,
-    e.g. retracted and resumed, has one span per version; ``[]`` for a sample with no output).
-    A server that sends none (older SGLang) gets one span of ``weight_version``."""
-    routed_experts: Optional[Any] = None
-    """Asked for (``routed_experts=(L, K)``): int32 torch tensor ``[len(prompt_ids) +
-    len(output_ids) - 1, L, K]``, row t = the experts every layer routed token t of
-    ``prompt_ids + output_ids`` to on the server; None when not asked for (or an aborted sample
-    without them)."""
-    cached_tokens: int = 0
-    """``meta_info.cached_tokens``: prompt tokens the server's prefix cache served (summed over
-    the turns of a multi-turn trajectory)."""
-    output_mask: Optional[list[int]] = None
-    """A multi-turn trajectory (``pipeline.generation.multiturn``): one 0/1 per output id, 1 where the model
-    generated the token (trained), 0 for tool outputs and template glue (masked; their
-    ``output_logprobs`` are 0.0); None: every output id is the model's (one turn)."""
-    turns: Optional[list[dict]] = None
-    """A multi-turn trajectory: one record per model turn (``pipeline.generation.multiturn.Turn`` as a
-    dict: where its tokens lie in ``output_ids``, finish reason, cached tokens, tool calls)."""
-    end_reason: Optional[str] = None
-    """A multi-turn trajectory: why it ended (done, max_turns, max_tokens, tool_error, abort)."""
-
-    def trained_mask(self) -> list[int]:
-        """One 0/1 per output id: 1 where the loss covers the token."""
-        return list(self.output_mask) if self.output_mask is not None else [1] * len(self.output_ids)
-
-
-def result_to_json(r: RolloutResult) -> dict:
-    """A sample as JSON (a checkpoint of the ``full`` mode's buffer; bit-exact: floats as JSON
-    numbers round-trip, routed experts as nested lists)."""
-    d = asdict(replace(r, routed_experts=None))
-    d["weight_versions"] = [list(span) for span in r.weight_versions]
-    d["routed_experts"] = None if r.routed_experts is None else r.routed_experts.tolist()
-    return d
-
-
-def result_from_json(d: dict) -> RolloutResult:
-    import torch
-
-    routed = d.get("routed_experts")
-    return RolloutResult(
-        rid=d["rid"], prompt_ids=list(d["prompt_ids"]), output_ids=list(d["output_ids"]),
-        output_logprobs=[float(x) for x in d["output_logprobs"]],
-        finish_reason=d["finish_reason"], matched_stop=d["matched_stop"],
-        prompt_tokens=int(d["prompt_tokens"]), completion_tokens=int(d["completion_tokens"]),
-        weight_version=d["weight_version"], server_url=d["server_url"],
-        weight_versions=[(str(v), int(a), int(b)) for v, a, b in d["weight_versions"]],
-        routed_experts=None if routed is None else torch.tensor(routed, dtype=torch.int32),
-        cached_tokens=int(d.get("cached_tokens", 0)),
-        output_mask=None if d.get("output_mask") is None else [int(x) for x in d["output_mask"]],
-        turns=d.get("turns"), end_reason=d.get("end_reason"))
 
 
 class RolloutError(RuntimeError):
@@ -238,18 +174,19 @@ def parse_generate_response(body: Any, rid: str, prompt_ids: Sequence[int], url:
         finish_reason=kind, matched_stop=finish.get("matched"),
         prompt_tokens=int(meta.get("prompt_tokens", len(prompt_ids))),
         completion_tokens=int(meta.get("completion_tokens", len(output_ids))),
-        weight_version=str(meta.get("weight_version", "")), server_url=url, routed_experts=routed,
+        weight_version=from_wire(meta.get("weight_version")), server_url=url, routed_experts=routed,
         weight_versions=spans, cached_tokens=int(meta.get("cached_tokens") or 0))
 
 
-def weight_version_spans(meta: dict, num_output: int) -> list[tuple[str, int, int]]:
-    """``meta_info.weight_versions`` checked: ``(version, start, end)`` spans in order that tile
-    ``[0, num_output)`` (ValueError otherwise). Absent (a server before 0.5.23): one span of
-    ``meta_info.weight_version`` over every output token."""
+def weight_version_spans(meta: dict, num_output: int) -> list[Span]:
+    """``meta_info.weight_versions`` checked: spans in order that tile ``[0, num_output)``
+    (ValueError otherwise), their labels read as versions (``pipeline.generation.version``).
+    Absent (a server before 0.5.23): one span of ``meta_info.weight_version`` over every output
+    token."""
     raw = meta.get("weight_versions")
     if raw is None:
-        return [(str(meta.get("weight_version", "")), 0, num_output)] if num_output else []
-    spans = [(str(s["version"]), int(s["start"]), int(s["end"])) for s in raw]
+        return [Span(from_wire(meta.get("weight_version")), 0, num_output)] if num_output else []
+    spans = [Span(from_wire(str(s["version"])), int(s["start"]), int(s["end"])) for s in raw]
     at = 0
     for version, start, end in spans:
         if start != at or end < start:
@@ -257,12 +194,11 @@ def weight_version_spans(meta: dict, num_output: int) -> list[tuple[str, int, in
         at = end
     if at != num_output and not (num_output == 0 and len(spans) <= 1):
         raise ValueError(f"weight_versions {raw!r} do not tile the {num_output} output tokens")
-    return [s for s in spans if s[2] > s[1]]
+    return [s for s in spans if s.end > s.start]
 
 
 def _routed_experts(meta: dict, rid: str, prompt_len: int, output_len: int, kind: str,
                     shape: tuple[int, int], url: str):
-    from pipeline.generation import routed_experts as re_wire
     text = meta.get("routed_experts")
     if text is None:
         if kind == "abort":  # a request aborted before it ran has none (nor does it train)
@@ -292,16 +228,17 @@ def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
 def rollout_seed(run_seed: int, step: int, round_: int = 0) -> int:
     """Base seed of step ``step``'s rollouts: round 0 samples the step's prompts, rounds 1, 2, ...
     the extra prompts of dynamic sampling (each round new prompts, so a new stream)."""
-    return _stream_seed("rollout", run_seed, step, round_)
+    return stream_seed("rollout", run_seed, step, round_)
 
 
 def eval_seed(run_seed: int) -> int:
     """Base seed of every evaluation of a run: the same at every step (common random numbers), so
     a change of the held-out reward between steps measures the policy, not the sampling noise."""
-    return _stream_seed("eval", run_seed)
+    return stream_seed("eval", run_seed)
 
 
-def _stream_seed(*parts) -> int:
+def stream_seed(*parts) -> int:
+    """A 62-bit base seed named by ``parts`` (what the stream of samples is for; see above)."""
     digest = hashlib.blake2b("/".join(str(p) for p in parts).encode(), digest_size=8)
     return int.from_bytes(digest.digest(), "little") >> 2  # 62 bits, as a random base is
 
@@ -365,8 +302,6 @@ def flush_cache(url: str, *, timeout_s: float = 60.0, interval_s: float = 0.2) -
 
 
 async def _probe(session, url: str, timeout_s: float) -> tuple[Optional[int], str]:
-    import aiohttp
-
     try:
         async with session.get(url.rstrip("/") + "/health_generate",
                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
@@ -378,8 +313,6 @@ async def _probe(session, url: str, timeout_s: float) -> tuple[Optional[int], st
 async def wait_healthy_async(urls: Sequence[str], timeout_s: float, *, interval_s: float = 0.5,
                              session=None) -> None:
     """Poll ``/health_generate`` of every URL until each answers 200; RolloutError otherwise."""
-    import aiohttp
-
     own = session is None
     session = session or aiohttp.ClientSession()
     try:
@@ -503,8 +436,6 @@ class RolloutClient:
         """Requests that share one HTTP session, concurrency bound and outage handling, as the
         requests of one ``generate_groups`` call do: ``async with client.session() as send:
         await send(rid, prompt, sampling, routed_experts=None, pin=None)``."""
-        import aiohttp
-
         sem, batch = asyncio.Semaphore(self.max_concurrency), _Batch()
         async with aiohttp.ClientSession() as http:
             async def send(rid: str, prompt: Sequence[int], sampling: SamplingParams, *,
@@ -545,8 +476,6 @@ class RolloutClient:
                    pin: Optional[str] = None) -> RolloutResult:
         """One request; ``pin``: the server to send it to while that server answers (a sticky
         multi-turn trajectory; a retry after a failure there goes elsewhere)."""
-        import aiohttp
-
         async with sem:
             last: Optional[RolloutError] = None
             url: Optional[str] = None
@@ -652,8 +581,6 @@ class RolloutClient:
             return recovered
 
     async def _abort_on(self, session, urls: Sequence[str], *, rid: Optional[str] = None) -> None:
-        import aiohttp
-
         body = {"rid": rid} if rid else {"abort_all": True}
         timeout = aiohttp.ClientTimeout(total=10.0)
 
@@ -673,8 +600,6 @@ class RolloutClient:
 
     async def abort_all(self, session=None) -> None:
         """``/abort_request {"abort_all": true}`` on every server (the router does not proxy it)."""
-        import aiohttp
-
         urls = await asyncio.to_thread(self.worker_urls)
         if session is None:
             async with aiohttp.ClientSession() as own:
@@ -687,8 +612,6 @@ class RolloutClient:
                        routed_experts: Optional[tuple[int, int]] = None) -> list[RolloutResult]:
         """One result per (rid, input_ids, sampling), in input order (``routed_experts``: see
         :meth:`generate_groups_async`)."""
-        import aiohttp
-
         if routed_experts is not None and self.router_url:
             direct = await self._routed_experts_client()
             return await direct.generate(requests, routed_experts=routed_experts)
@@ -726,8 +649,6 @@ class RolloutClient:
         routed each token to (``RolloutResult.routed_experts``); None: not asked for. In router
         mode such requests go to the router's workers directly (:meth:`_routed_experts_client`).
         """
-        import aiohttp
-
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         if min_complete_groups is not None and not 1 <= min_complete_groups <= len(prompts):
@@ -808,8 +729,9 @@ def join_continuation(partial: RolloutResult, cont: RolloutResult) -> RolloutRes
     the continuation's prefill routed the partial's tokens again (SGLang returns the routes of the
     last prefill and the decode steps after it, as after a ``retract``), so they are the routes of
     ``cont``'s weights for every position of the joined sequence (its row count,
-    ``len(prompt) + len(output) - 1``, is the joined sample's)."""
-    if partial.output_mask is not None or partial.turns is not None:
+    ``len(prompt) + len(output) - 1``, is the joined sample's). The joined sample is one turn
+    over its whole output."""
+    if len(partial.turns) != 1 or not all(partial.output_mask):
         raise ValueError(f"{partial.rid}: a multi-turn trajectory is not continued token by token")
     if list(cont.prompt_ids) != list(partial.prompt_ids) + list(partial.output_ids):
         raise ValueError(f"{cont.rid}: the continuation's prompt is not {partial.rid}'s prompt "
@@ -817,16 +739,17 @@ def join_continuation(partial: RolloutResult, cont: RolloutResult) -> RolloutRes
     n = len(partial.output_ids)
     spans = list(partial.weight_versions)
     for version, start, end in cont.weight_versions:
-        if spans and spans[-1][0] == version and spans[-1][2] == start + n:
-            spans[-1] = (version, spans[-1][1], end + n)
+        if spans and spans[-1].version == version and spans[-1].end == start + n:
+            spans[-1] = Span(version, spans[-1].start, end + n)
         else:
-            spans.append((version, start + n, end + n))
+            spans.append(Span(version, start + n, end + n))
     return replace(cont, rid=partial.rid, prompt_ids=list(partial.prompt_ids),
                    output_ids=list(partial.output_ids) + list(cont.output_ids),
                    output_logprobs=list(partial.output_logprobs) + list(cont.output_logprobs),
                    prompt_tokens=partial.prompt_tokens,
                    completion_tokens=partial.completion_tokens + cont.completion_tokens,
-                   weight_versions=spans, cached_tokens=partial.cached_tokens + cont.cached_tokens)
+                   weight_versions=spans, cached_tokens=partial.cached_tokens + cont.cached_tokens,
+                   output_mask=None, turns=None, end_reason=None)  # one turn, from these fields
 
 
 async def continue_samples(client: RolloutClient, prompt_ids: Sequence[int],
@@ -849,7 +772,8 @@ async def continue_samples(client: RolloutClient, prompt_ids: Sequence[int],
                              f"max_new_tokens {sampling.max_new_tokens}: nothing left to continue")
         requests.append((f"{rid_prefix}-s{i}", list(prompt_ids) + list(r.output_ids),
                          replace(sampling, n=1, max_new_tokens=left,
-                                 sampling_seed=sample_seed(_stream_seed("continue", seed, i), 0, 0))))
+                                 sampling_seed=sample_seed(stream_seed("continue", seed, i),
+                                                           0, 0))))
     conts = await client.generate(requests, routed_experts=routed_experts) if requests else []
     out = list(partial)
     for i, cont in zip(stopped, conts):
@@ -860,4 +784,4 @@ async def continue_samples(client: RolloutClient, prompt_ids: Sequence[int],
 def _not_sent(rid: str, prompt: Sequence[int], url: str) -> RolloutResult:
     return RolloutResult(rid=rid, prompt_ids=list(prompt), output_ids=[], output_logprobs=[],
                          finish_reason="abort", matched_stop=None, prompt_tokens=len(prompt),
-                         completion_tokens=0, weight_version="", server_url=url)
+                         completion_tokens=0, weight_version=None, server_url=url)

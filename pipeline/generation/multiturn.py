@@ -7,11 +7,13 @@ appended. Nothing is ever re-rendered from messages (a chat template re-render d
 back the generated tokens: Qwen3's drops earlier ``<think>`` blocks and re-serialises tool-call
 JSON; ``docs/tools.md``).
 
-The result is one :class:`~pipeline.generation.client.RolloutResult` whose ``output_ids`` are every turn's
-tokens and every answer's tokens in order, with ``output_mask`` 1 on the model's tokens and 0 on
-the appended ones; ``output_logprobs`` are the server's on the model's tokens and 0.0 on the
-others. The training batch's ``response_mask`` is that mask, so GSPO's length normalisation and
-sequence ratio ``s_i`` are taken over the model's tokens only.
+The result is one :class:`~pipeline.generation.trajectory.RolloutResult` whose ``output_ids``
+are every turn's tokens and every answer's tokens in order, with ``output_mask`` 1 on the model's
+tokens and 0 on the appended ones; ``output_logprobs`` are the server's on the model's tokens and
+0.0 on the others; ``turns`` the model turns (:class:`~pipeline.generation.trajectory.Turn`),
+``env_reward`` the environment's reward when it gave one. The training batch's
+``response_mask`` is that mask, so GSPO's length normalisation and sequence ratio ``s_i`` are
+taken over the model's tokens only.
 
 All turns of a trajectory go to the same server (``pin``), so its prefix cache serves the earlier
 turns (``cached_tokens`` per turn is recorded). With routing replay ``rollout`` each turn asks
@@ -20,22 +22,32 @@ turn that computed token t (the turn that generated it, or for an appended token
 last token the next turn's prefill), i.e. the routes the server used when it first ran the token.
 
 Budgets end a trajectory: ``max_turns`` model turns, ``max_tokens`` output tokens (model and
-appended), ``max_tool_time_s`` of tool wall time; ``end_reason`` records which (done,
-max_turns, max_tokens, tool_error, abort).
+appended), ``max_tool_time_s`` of tool wall time; ``end_reason`` records which
+(:class:`~pipeline.generation.trajectory.EndReason`).
+
+:class:`ToolGenerator` is the run's ``pipeline.generation.generator.GroupGenerator`` when
+``tools`` is configured.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import asdict, dataclass, replace
+import random
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional, Sequence
+
+import torch
+
+from pipeline.generation.client import RolloutClient, SamplingParams, sample_seed, stream_seed
+from pipeline.generation.environment import Environment, ToolEnvironment
+from pipeline.generation.tool_calls import FORMATS
+from pipeline.generation.trajectory import EndReason, RolloutResult, Span, Turn
+from pipeline.scoring.rewards import RewardError, load_function
+from pipeline.tools.sandbox import ToolExecutor, ToolLimits, load_tools
 
 if TYPE_CHECKING:
     from pipeline.scoring.data import Prompt
-    from pipeline.generation.environment import Environment
-    from pipeline.generation.client import RolloutClient, RolloutResult, SamplingParams
 
-END_REASONS = ("done", "max_turns", "max_tokens", "tool_error", "abort")
 TOOL_ERROR_KINDS = ("malformed", "tool_time", "timeout", "memory", "output_limit", "crash",
                     "network", "error")
 """Why a call failed (``Turn.errors``): the parser's ``malformed``, the trajectory's tool time
@@ -61,38 +73,18 @@ class Budgets:
         return min(limits)
 
 
-@dataclass
-class Turn:
-    """One model turn of a trajectory (offsets into the trajectory's ``output_ids``)."""
-
-    start: int
-    length: int
-    observation_length: int
-    finish_reason: str
-    cached_tokens: int
-    prompt_tokens: int
-    server_url: str
-    tool_calls: int = 0
-    tool_errors: int = 0
-    tool_seconds: float = 0.0
-    errors: tuple[str, ...] = ()
-
-
-def turn_seed(sample_seed: Optional[int], turn: int) -> Optional[int]:
-    """Turn ``turn``'s sampling_seed: the sample's own for turn 0 (a one-turn trajectory samples
-    what a plain request does), a seed derived from it for the others."""
-    if sample_seed is None or turn == 0:
-        return sample_seed
-    from pipeline.generation.client import _stream_seed
-
-    return _stream_seed("turn", sample_seed, turn)
+def turn_seed(seed: Optional[int], turn: int) -> Optional[int]:
+    """Turn ``turn``'s sampling_seed from the sample's ``seed``: the sample's own for turn 0 (a
+    one-turn trajectory samples what a plain request does), a seed derived from it for the
+    others."""
+    if seed is None or turn == 0:
+        return seed
+    return stream_seed("turn", seed, turn)
 
 
 def compose_routes(parts: Sequence[Any]) -> Any:
     """The trajectory's routed experts from its turns' (each ``[rows_k, L, K]``, rows_k growing):
     row t from the first turn whose rows reach t. None if a turn has none."""
-    import torch
-
     if any(p is None for p in parts):
         return None
     rows = [parts[0]]
@@ -104,30 +96,28 @@ def compose_routes(parts: Sequence[Any]) -> Any:
     return torch.cat(rows).contiguous()
 
 
-async def run_trajectory(send: Callable[..., Awaitable["RolloutResult"]], env: "Environment",
-                         prompt: "Prompt", sampling: "SamplingParams", budgets: Budgets, *,
+async def run_trajectory(send: Callable[..., Awaitable[RolloutResult]], env: Environment,
+                         prompt: Prompt, sampling: SamplingParams, budgets: Budgets, *,
                          rid: str, encode_text: Callable[[str], list[int]],
                          decode: Callable[[Sequence[int]], str],
                          routed_experts: Optional[tuple[int, int]] = None,
-                         pin: Optional[str] = None) -> "RolloutResult":
+                         pin: Optional[str] = None) -> RolloutResult:
     """One trajectory; ``send(rid, input_ids, sampling, routed_experts=, pin=)`` is a request
     (``RolloutClient.session``)."""
-    from pipeline.generation.client import RolloutResult
-
     prompt_ids = list(await asyncio.to_thread(env.reset, prompt))
     limit = budgets.output_limit(len(prompt_ids))
     out: list[int] = []
     logprobs: list[float] = []
     mask: list[int] = []
-    spans: list[tuple[str, int, int]] = []
+    spans: list[Span] = []
     turns: list[Turn] = []
     routes = []
     tool_left = budgets.max_tool_time_s
-    end, last, reward = "max_turns", None, None
+    end, last, reward = EndReason.MAX_TURNS, None, None
     for k in range(budgets.max_turns):
         room = limit - len(out)
         if room <= 0:
-            end = "max_tokens"
+            end = EndReason.MAX_TOKENS
             break
         sp = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, room),
                      sampling_seed=turn_seed(sampling.sampling_seed, k))
@@ -139,30 +129,30 @@ async def run_trajectory(send: Callable[..., Awaitable["RolloutResult"]], env: "
         out += r.output_ids
         logprobs += r.output_logprobs
         mask += [1] * len(r.output_ids)
-        spans += [(v, a + start, b + start) for v, a, b in r.weight_versions]
+        spans += [Span(v, a + start, b + start) for v, a, b in r.weight_versions]
         routes.append(r.routed_experts)
         turn = Turn(start=start, length=len(r.output_ids), observation_length=0,
                     finish_reason=r.finish_reason, cached_tokens=r.cached_tokens,
                     prompt_tokens=len(prompt_ids) + start, server_url=r.server_url)
         turns.append(turn)
         if r.finish_reason == "abort":
-            end = "abort"
+            end = EndReason.ABORT
             break
         if r.finish_reason == "length" and len(out) >= limit:
-            end = "max_tokens"
+            end = EndReason.MAX_TOKENS
             break
         step = await asyncio.to_thread(env.step, decode(r.output_ids), tool_time_left_s=tool_left)
         tool_left -= step.tool_seconds
         turn.tool_calls, turn.tool_errors = step.tool_calls, step.tool_errors
         turn.tool_seconds, turn.errors = step.tool_seconds, tuple(step.errors)
         if step.done:
-            end, reward = step.end_reason or "done", step.reward
+            end, reward = _end_reason(step.end_reason), step.reward
             break
         if k == budgets.max_turns - 1:
             break  # no turn follows: the answer is not appended
         observation = encode_text(step.observation)
         if len(out) + len(observation) >= limit:
-            end = "max_tokens"  # no room for the answer and a turn after it
+            end = EndReason.MAX_TOKENS  # no room for the answer and a turn after it
             break
         out += observation
         logprobs += [0.0] * len(observation)
@@ -170,49 +160,35 @@ async def run_trajectory(send: Callable[..., Awaitable["RolloutResult"]], env: "
         turn.observation_length = len(observation)
     assert last is not None, "budgets.max_turns and max_tokens allow at least one turn"
     routed = compose_routes(routes) if routed_experts is not None else None
-    records = [asdict(t) for t in turns]
-    if reward is not None:
-        records[-1]["reward"] = float(reward)
     return RolloutResult(
         rid=rid, prompt_ids=prompt_ids, output_ids=out, output_logprobs=logprobs,
         finish_reason=last.finish_reason, matched_stop=last.matched_stop,
         prompt_tokens=len(prompt_ids), completion_tokens=sum(mask),
         weight_version=last.weight_version, server_url=last.server_url,
         weight_versions=spans, routed_experts=routed,
-        cached_tokens=sum(t.cached_tokens for t in turns), output_mask=mask, turns=records,
-        end_reason=end)
+        cached_tokens=sum(t.cached_tokens for t in turns), output_mask=mask, turns=turns,
+        end_reason=end, env_reward=None if reward is None else float(reward))
 
 
-def final_turn_ids(result: "RolloutResult") -> list[int]:
-    """The tokens of a trajectory's last model turn (what the reward function scores); the
-    whole output for a one-turn sample."""
-    if not result.turns:
-        return list(result.output_ids)
-    t = result.turns[-1]
-    return list(result.output_ids[t["start"]:t["start"] + t["length"]])
+def _end_reason(said: Optional[str]) -> EndReason:
+    """A done environment's ``EnvStep.end_reason`` (None: done)."""
+    try:
+        return EndReason(said or EndReason.DONE)
+    except ValueError:
+        raise ValueError(f"EnvStep.end_reason {said!r}: expected one of "
+                         f"{[e.value for e in EndReason]}") from None
 
 
-def trajectory_reward(result: "RolloutResult") -> Optional[float]:
-    """The reward the environment gave when the trajectory ended (None: not given)."""
-    if result.turns and "reward" in result.turns[-1]:
-        return float(result.turns[-1]["reward"])
-    return None
-
-
-async def generate_trajectory_groups(client: "RolloutClient", prompts: Sequence["Prompt"],
-                                     group_size: int, sampling: "SamplingParams", *,
-                                     make_env: Callable[[], "Environment"], budgets: Budgets,
+async def generate_trajectory_groups(client: RolloutClient, prompts: Sequence[Prompt],
+                                     group_size: int, sampling: SamplingParams, *,
+                                     make_env: Callable[[], Environment], budgets: Budgets,
                                      encode_text: Callable[[str], list[int]],
                                      decode: Callable[[Sequence[int]], str],
                                      seed: Optional[int] = None, rid_prefix: str = "mt",
                                      routed_experts: Optional[tuple[int, int]] = None
-                                     ) -> list[list["RolloutResult"]]:
+                                     ) -> list[list[RolloutResult]]:
     """G trajectories per prompt (prompt-major), each on one server (a direct client of the
     router's workers in router mode: the pick is ours, the router's policy does not see turns)."""
-    import random
-
-    from pipeline.generation.client import sample_seed
-
     direct = await client.direct_client()
     base = seed if seed is not None else random.getrandbits(62)
     async with direct.session() as send:
@@ -228,33 +204,32 @@ async def generate_trajectory_groups(client: "RolloutClient", prompts: Sequence[
     return [results[p * group_size:(p + 1) * group_size] for p in range(len(prompts))]
 
 
-def trajectory_metrics(results: Sequence["RolloutResult"]) -> dict[str, float]:
+def trajectory_metrics(results: Sequence[RolloutResult]) -> dict[str, float]:
     """Per-batch means over trajectories (verl's names where it has them: ``num_turns``,
     ``tool_calls``), failed calls by reason, the share of each end reason; masked vs trained
     tokens; prefix-cache hits of the turns after the first."""
-    with_turns = [r for r in results if r.turns is not None]
-    if not with_turns:
+    if not results:
         return {}
-    n = len(with_turns)
+    n = len(results)
     out = {
-        "num_turns/mean": sum(len(r.turns) for r in with_turns) / n,
-        "num_turns/max": float(max(len(r.turns) for r in with_turns)),
-        "tool_calls/mean": sum(t["tool_calls"] for r in with_turns for t in r.turns) / n,
-        "tool_errors/mean": sum(t["tool_errors"] for r in with_turns for t in r.turns) / n,
-        "tool_time_s/mean": sum(t["tool_seconds"] for r in with_turns for t in r.turns) / n,
-        "trained_tokens": float(sum(sum(r.output_mask) for r in with_turns)),
-        "masked_tokens": float(sum(len(r.output_mask) - sum(r.output_mask) for r in with_turns)),
+        "num_turns/mean": sum(len(r.turns) for r in results) / n,
+        "num_turns/max": float(max(len(r.turns) for r in results)),
+        "tool_calls/mean": sum(t.tool_calls for r in results for t in r.turns) / n,
+        "tool_errors/mean": sum(t.tool_errors for r in results for t in r.turns) / n,
+        "tool_time_s/mean": sum(t.tool_seconds for r in results for t in r.turns) / n,
+        "trained_tokens": float(sum(sum(r.output_mask) for r in results)),
+        "masked_tokens": float(sum(len(r.output_mask) - sum(r.output_mask) for r in results)),
     }
     for kind in TOOL_ERROR_KINDS:  # failed calls by reason, per trajectory
-        out[f"tool_errors/{kind}"] = sum(list(t["errors"]).count(kind) for r in with_turns
+        out[f"tool_errors/{kind}"] = sum(t.errors.count(kind) for r in results
                                          for t in r.turns) / n
-    later = [t for r in with_turns for t in r.turns[1:]]
+    later = [t for r in results for t in r.turns[1:]]
     if later:  # the prefix cache on the turns after the first (sticky sessions)
-        out["cached_tokens_per_turn"] = sum(t["cached_tokens"] for t in later) / len(later)
-        out["cached_frac_per_turn"] = (sum(t["cached_tokens"] for t in later)
-                                       / max(1, sum(t["prompt_tokens"] for t in later)))
-    for reason in END_REASONS:
-        out[f"end_reason/{reason}"] = sum(r.end_reason == reason for r in with_turns) / n
+        out["cached_tokens_per_turn"] = sum(t.cached_tokens for t in later) / len(later)
+        out["cached_frac_per_turn"] = (sum(t.cached_tokens for t in later)
+                                       / max(1, sum(t.prompt_tokens for t in later)))
+    for reason in EndReason:
+        out[f"end_reason/{reason.value}"] = sum(r.end_reason == reason for r in results) / n
     return out
 
 
@@ -262,8 +237,6 @@ def load_environment(spec: Optional[str]) -> Optional[type]:
     """The class named by ``tools.environment`` (None for none); ValueError naming the field."""
     if spec is None:
         return None
-    from pipeline.scoring.rewards import RewardError, load_function
-
     try:
         cls = load_function(spec)
     except RewardError as err:
@@ -279,23 +252,22 @@ def load_environment(spec: Optional[str]) -> Optional[type]:
 def check_tools(tools: Any) -> None:
     """Preflight of the ``tools`` section: every tool and the environment import (ValueError
     naming ``tools.functions[i]`` or ``tools.environment``)."""
-    from pipeline.tools.sandbox import load_tools
-
     load_tools(tools.functions)
     load_environment(tools.environment)
 
 
-class ToolRollouts:
-    """Rank 0, ``tools`` configured: the run's sandbox, environment and budgets; ``generate``
-    stands in for ``RolloutClient.generate_groups`` (prompts are ``Prompt`` objects)."""
+class ToolGenerator:
+    """Rank 0, ``tools`` configured: the run's ``GroupGenerator``
+    (``pipeline.generation.generator``) of tool-using trajectories, with its sandbox,
+    environment and budgets. A trajectory stopped in flight is not continued token by token
+    (its environment's state is not saved): it is generated again (``docs/async.md``)."""
 
-    def __init__(self, cfg: Any, encode_text: Callable[[str], list[int]]):
-        from pipeline.generation.environment import ToolEnvironment
-        from pipeline.tools.sandbox import ToolExecutor, ToolLimits, load_tools
-        from pipeline.generation.tool_calls import FORMATS
-
+    def __init__(self, cfg: Any, client: RolloutClient, *,
+                 encode_text: Callable[[str], list[int]],
+                 decode: Callable[[Sequence[int]], str]):
         tools = cfg.tools
         env_class = load_environment(tools.environment)
+        self.client = client
         self.executor = ToolExecutor(load_tools(tools.functions),
                                      ToolLimits(timeout_s=tools.timeout_s, memory_mb=tools.memory_mb,
                                                 output_bytes=tools.output_bytes),
@@ -309,22 +281,39 @@ class ToolRollouts:
         self.budgets = Budgets(max_turns=tools.max_turns, max_tokens=tools.max_tokens,
                                max_tool_time_s=tools.max_tool_time_s,
                                fit_length=cfg.run.seq_length + 1)
-        self.encode_text = encode_text
+        self.encode_text, self.decode = encode_text, decode
 
-    def generate(self, client: "RolloutClient", prompts: Sequence["Prompt"], group_size: int,
-                 sampling: "SamplingParams", *, decode: Callable[[Sequence[int]], str],
-                 seed: Optional[int] = None, rid_prefix: str = "mt",
-                 routed_experts: Optional[tuple[int, int]] = None) -> list[list["RolloutResult"]]:
-        return asyncio.run(self.generate_async(client, prompts, group_size, sampling,
-                                               decode=decode, seed=seed, rid_prefix=rid_prefix,
+    def generate(self, prompts: Sequence[Prompt], group_size: int, sampling: SamplingParams, *,
+                 seed: int, rid_prefix: str,
+                 routed_experts: Optional[tuple[int, int]] = None) -> list[list[RolloutResult]]:
+        return asyncio.run(self.generate_async(prompts, group_size, sampling, seed=seed,
+                                               rid_prefix=rid_prefix,
                                                routed_experts=routed_experts))
 
-    async def generate_async(self, client, prompts, group_size, sampling, *, decode, seed=None,
-                             rid_prefix: str = "mt", routed_experts=None):
+    async def generate_async(self, prompts: Sequence[Prompt], group_size: int,
+                             sampling: SamplingParams, *, seed: int, rid_prefix: str,
+                             routed_experts: Optional[tuple[int, int]] = None
+                             ) -> list[list[RolloutResult]]:
         return await generate_trajectory_groups(
-            client, prompts, group_size, sampling, make_env=self.make_env, budgets=self.budgets,
-            encode_text=self.encode_text, decode=decode, seed=seed, rid_prefix=rid_prefix,
-            routed_experts=routed_experts)
+            self.client, prompts, group_size, sampling, make_env=self.make_env,
+            budgets=self.budgets, encode_text=self.encode_text, decode=self.decode, seed=seed,
+            rid_prefix=rid_prefix, routed_experts=routed_experts)
+
+    def can_continue(self) -> bool:
+        return False
+
+    async def continue_group(self, prompt: Prompt, partial: Sequence[RolloutResult],
+                             sampling: SamplingParams, *, seed: int, rid_prefix: str,
+                             routed_experts: Optional[tuple[int, int]] = None
+                             ) -> list[RolloutResult]:
+        raise NotImplementedError("ToolGenerator.continue_group: a multi-turn trajectory is "
+                                  "generated again, not continued (can_continue() is False)")
+
+    async def abort_all(self) -> None:
+        await self.client.abort_all()
+
+    def metrics(self, results: Sequence[RolloutResult]) -> dict[str, float]:
+        return trajectory_metrics(results)
 
     def close(self) -> None:
         self.executor.close()

@@ -49,11 +49,12 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
-if TYPE_CHECKING:
-    from pipeline.scoring.data import Prompt
-    from pipeline.generation.client import RolloutResult
+from pipeline.generation.client import stream_seed
+from pipeline.generation.trajectory import RolloutResult, result_from_json, result_to_json
+from pipeline.generation.version import WeightVersion
+from pipeline.scoring.data import Prompt
 
 STREAM_KEY = "rollout_stream"
 """rank 0's run-state key of the stream (``rollout.async: full``)."""
@@ -61,7 +62,8 @@ STREAM_KEY = "rollout_stream"
 DIFFICULTIES = ("hard", "medium", "easy", "new")
 
 
-def admission_limit(*, max_staleness: int, version: int, taken: int, prompts_per_step: int) -> int:
+def admission_limit(*, max_staleness: int, version: WeightVersion, taken: int,
+                    prompts_per_step: int) -> int:
     """Groups that may be admitted (drawn and not yet trained) when the servers hold ``version``
     and ``taken`` batches have been trained or are training: ``(eta + 1 + version - taken) * P``
     (0 while the trainer is ahead of the servers by more than eta)."""
@@ -75,11 +77,11 @@ def difficulty(mean_reward: Optional[float]) -> str:
     return "hard" if mean_reward < 1 / 3 else "easy" if mean_reward > 2 / 3 else "medium"
 
 
-def oldest_version(results: Sequence[RolloutResult], default: int) -> int:
+def oldest_version(results: Sequence[RolloutResult], default: WeightVersion) -> WeightVersion:
     """The oldest weight version any output token of ``results`` was generated with (from
     ``weight_versions``; spans whose version is not a step number are not counted)."""
-    versions = [int(v) for r in results for v, start, end in r.weight_versions
-                if end > start and v.lstrip("-").isdigit()]
+    versions = [v for r in results for v, start, end in r.weight_versions
+                if end > start and v is not None]
     return min(versions) if versions else default
 
 
@@ -90,7 +92,7 @@ class StreamGroup:
     index: int
     """Admission order over the run (checkpointed): the stream's seeds and its oldest-first rule."""
     prompt: Prompt
-    admitted_version: int
+    admitted_version: WeightVersion
     """The servers' weight version when the group was admitted (a lower bound of its tokens')."""
     attempt: int = 0
     """How often this prompt was re-queued before (its seed changes with it)."""
@@ -110,7 +112,7 @@ class StreamGroup:
     def complete(self) -> bool:
         return self.rewards is not None
 
-    def oldest(self) -> int:
+    def oldest(self) -> WeightVersion:
         return oldest_version(self.results or [], self.admitted_version)
 
     def last_step(self, max_staleness: int) -> int:
@@ -145,20 +147,21 @@ class RolloutStream:
     """The ``full`` mode producer; see the module docstring.
 
     ``generate(prompt, seed, rid_prefix)``: an awaitable of the G results of one ``Prompt`` (the
-    rollout client's ``generate_groups_async`` for its ids, or G multi-turn trajectories). ``score(prompt, results)`` ->
+    run's ``pipeline.generation.generator.GroupGenerator``). ``score(prompt, results)`` ->
     (rewards, failures), run on a worker thread. ``draw()`` -> the next training prompt (the
     sampler; only this stream draws in ``full`` mode). ``seed_of(index, attempt)``: a group's
     sampling seed. ``keep(group)``: False leaves a complete group out (dynamic sampling).
     ``abort()``: an awaitable that aborts every request of the stream on the servers;
     ``resume(prompt, seed, rid_prefix, partial)``: an awaitable of the G results of a group whose
-    aborted samples are continued from their output so far (``pipeline.generation.client.continue_samples``).
-    With both, a checkpoint keeps the output of requests in flight (module docstring).
+    aborted samples are continued from their output so far (``GroupGenerator.continue_group``,
+    given when the generator ``can_continue``). With both, a checkpoint keeps the output of
+    requests in flight (module docstring).
     """
 
     def __init__(self, *, generate: Callable[[list, int, str], Awaitable[list]],
                  score: Callable[[Prompt, list], tuple[list[float], int]],
                  draw: Callable[[], Prompt], prompts_per_step: int, max_staleness: int,
-                 version: int, taken: int, seed_of: Callable[[int, int], int],
+                 version: WeightVersion, taken: int, seed_of: Callable[[int, int], int],
                  keep: Optional[Callable[[StreamGroup], bool]] = None,
                  abort: Optional[Callable[[], Awaitable[None]]] = None,
                  resume: Optional[Callable[[Prompt, int, str, list], Awaitable[list]]] = None,
@@ -196,7 +199,7 @@ class RolloutStream:
             self._thread = threading.Thread(target=self._run, daemon=True, name="rollout stream")
             self._thread.start()
 
-    def set_version(self, version: int) -> None:
+    def set_version(self, version: WeightVersion) -> None:
         """The servers now hold ``version`` (after a weight push): more groups may be admitted."""
         with self._cond:
             self._version = version
@@ -312,8 +315,6 @@ class RolloutStream:
 
     def _state(self) -> dict:
         """(Under the lock.)"""
-        from pipeline.generation.client import result_to_json
-
         by_index = sorted(self._groups.values(), key=lambda g: g.index)
         partial = [g for g in by_index if not g.complete and g.partial is not None]
         pending = [(g.prompt, g.attempt) for g in by_index
@@ -336,8 +337,6 @@ class RolloutStream:
 
     def restore(self, state: dict) -> None:
         """A resumed run (before :meth:`start`): the saved groups and prompts back in place."""
-        from pipeline.generation.client import result_from_json
-
         with self._cond:
             self._next_index = int(state["next_index"])
             for item in state["complete"]:
@@ -501,8 +500,6 @@ def _prompt_json(p: Prompt) -> dict:
 
 
 def _prompt_from(d: dict) -> Prompt:
-    from pipeline.scoring.data import Prompt
-
     return Prompt(index=int(d["index"]), prompt_ids=[int(x) for x in d["prompt_ids"]],
                   label=d["label"], text=d["text"], origin=d["origin"])
 
@@ -525,7 +522,5 @@ def step_metrics(before: StreamCounts, after: StreamCounts) -> dict[str, float]:
 
 def group_seed(run_seed: int, index: int, attempt: int) -> int:
     """The sampling seed base of the stream's group ``index`` on its ``attempt``-th try."""
-    from pipeline.generation.client import _stream_seed
-
-    return _stream_seed("full", run_seed, index, attempt)
+    return stream_seed("full", run_seed, index, attempt)
 

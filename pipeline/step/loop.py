@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 import torch.distributed as dist
 
 from megatron_gspo.config import Config
+from pipeline.generation.generator import GroupGenerator, SingleTurnGenerator
+from pipeline.generation.version import WeightVersion
 from pipeline.observe.metrics import MetricsLogger
 from pipeline.step.phases import (MAX_DYNAMIC_SAMPLING_ROUNDS, check_parity, evaluate, make_stream,
                              rollout_phase, server_metrics, stream_batch, sync_weights,
@@ -115,15 +117,20 @@ class LoopContext:
     rollout_stream: Optional[dict] = None
     """Rank 0, ``rollout.async: full`` resumed: the stream's complete groups and pending prompts,
     from the checkpoint (``pipeline.sources.stream``)."""
-    tools: Optional[Any] = None
-    """Rank 0, ``tools`` configured: ``pipeline.generation.multiturn.ToolRollouts`` (every training and
-    evaluation sample a multi-turn trajectory); None: one prompt, one response."""
+    generator: Optional[GroupGenerator] = None
+    """Rank 0: the run's generator of every training and evaluation sample
+    (``pipeline.generation.generator``; with ``tools`` configured, multi-turn trajectories);
+    left out: a ``SingleTurnGenerator`` over ``client``."""
     resync: Optional[Callable[[str], Any]] = None
     """Every rank, set by :func:`run`: ``resync(version)`` syncs the trainer's weights
     (:func:`sync_weights`) - what rank 0's rollout has every rank do mid-phase when servers it
     restarted need the current weights (``ServerPool.wait_for_live``, :func:`pipeline.step.rank0.run_on_rank0`)."""
-    weights_version: str = ""
+    weights_version: WeightVersion = 0
     """Rank 0, set by :func:`run`: the version of the weights the trainer holds now."""
+
+    def __post_init__(self) -> None:
+        if self.generator is None and self.client is not None:
+            self.generator = SingleTurnGenerator(self.client)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -229,12 +236,12 @@ def run(ctx: LoopContext, trainer: Trainer, *, start_step: int) -> dict:
                       data_position=lambda: rank0_state() if is_main else None)
     # a server that dies mid-rollout comes back with the weights the trainer holds then
     ctx.resync = lambda version: sync_weights(ctx, trainer, version)
-    ctx.weights_version = str(start_step)
+    ctx.weights_version = start_step
     ctx.logger.resume_at(start_step)  # each step once: drops what a crashed run logged later
     try:
         with guard.before_update():  # the servers serve exactly the policy we start from
-            everywhere(sync_weights, ctx, trainer, str(start_step), what="weight sync")
-            parity = everywhere(check_parity, ctx, trainer, str(start_step), what="parity check")
+            everywhere(sync_weights, ctx, trainer, start_step, what="weight sync")
+            parity = everywhere(check_parity, ctx, trainer, start_step, what="parity check")
             if parity and is_main:
                 print(f"parity at step {start_step}: mean log-prob gap "
                       f"{parity['parity/logprob_gap_mean']:.3g}", flush=True)
@@ -267,7 +274,7 @@ def run(ctx: LoopContext, trainer: Trainer, *, start_step: int) -> dict:
 
             t_train = time.monotonic()
             train_metrics = trainer.train_rollout(batch, step)
-            ctx.weights_version = str(step)
+            ctx.weights_version = step
             train_s = time.monotonic() - t_train
 
             metrics = {f"train/{k}": v for k, v in {**rollout_metrics, **train_metrics}.items()}
@@ -285,7 +292,7 @@ def run(ctx: LoopContext, trainer: Trainer, *, start_step: int) -> dict:
                     on_main(ctx, _resume_servers, ctx, ["weights"], what="resume server memory")
                 if one_step:  # the next rollout uses the servers' weights: it ends before they change
                     overlap = on_main(ctx, finish_next, what="rollout of the next step")
-                sync = everywhere(sync_weights, ctx, trainer, str(step), what="weight sync")
+                sync = everywhere(sync_weights, ctx, trainer, step, what="weight sync")
                 if stream is not None:  # the servers hold step's weights: admit more groups
                     stream.set_version(step)
                 metrics.update({f"sync/{k}": v for k, v in (sync or {}).items()})
@@ -295,7 +302,7 @@ def run(ctx: LoopContext, trainer: Trainer, *, start_step: int) -> dict:
                     on_main(ctx, _resume_servers, ctx, ["kv_cache", "cuda_graph"],
                             what="resume server memory")
                 # after the KV cache is back: the probes are a prefill on every server
-                metrics.update(everywhere(check_parity, ctx, trainer, str(step),
+                metrics.update(everywhere(check_parity, ctx, trainer, step,
                                           what="parity check"))
                 if cfg.run.eval_interval and (step % cfg.run.eval_interval == 0
                                               or step == cfg.run.num_steps):

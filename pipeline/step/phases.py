@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron_gspo.config import Config
 from megatron_gspo.loss.advantages import group_advantages, is_zero_std_group
 from megatron_gspo.train.batching import rl_batch
+from pipeline.generation.version import WeightVersion, to_wire
 from pipeline.step.rank0 import broadcast, run_on_rank0
 
 if TYPE_CHECKING:
@@ -59,18 +60,16 @@ def build_batch(ctx: LoopContext, step: int, prompts: list[Prompt],
     cfg = ctx.cfg
     outputs = [list(r.output_ids) for group in groups for r in group]
     logprobs = [list(r.output_logprobs) for group in groups for r in group]
-    prompt_ids = [p.prompt_ids for p, group in zip(prompts, groups) for _ in group]
     advantages = group_advantages(torch.tensor(rewards, dtype=torch.float64), cfg.gspo.group_size,
                                   normalize_std=cfg.gspo.normalize_std,
                                   leave_one_out=cfg.gspo.leave_one_out)
     from pipeline.scoring.tasks import PAD_ID
 
     results = [r for group in groups for r in group]
-    masks = [r.output_mask for r in results]
-    prompt_ids = [list(r.prompt_ids) if r.output_mask is not None else p
-                  for r, p in zip(results, prompt_ids)]  # an environment's reset() may differ
+    # the sample's own prompt: an environment's reset() may differ from the dataset's
+    prompt_ids = [list(r.prompt_ids) for r in results]
     batch = rl_batch(prompt_ids, outputs, logprobs, advantages, cfg.run.seq_length, PAD_ID,
-                     output_masks=masks if any(m is not None for m in masks) else None)
+                     output_masks=[r.output_mask for r in results])
     shape = _routed_experts_shape(cfg)
     if shape is not None:  # routing replay "rollout": the experts the servers routed each token to
         from pipeline.generation.routed_experts import batch_routed_experts
@@ -87,9 +86,7 @@ def build_batch(ctx: LoopContext, step: int, prompts: list[Prompt],
         "response_tokens": float(lengths.sum()),
         "truncated_frac": sum(f == "length" for f in finish) / len(finish),
     })
-    from pipeline.generation.multiturn import trajectory_metrics
-
-    metrics.update(trajectory_metrics(results))
+    metrics.update(ctx.generator.metrics(results))
     return batch, metrics
 
 
@@ -128,29 +125,23 @@ def stream_batch(ctx: LoopContext, stream: Any, step: int) -> tuple[dict, dict]:
 
 def make_stream(ctx: LoopContext, start_step: int) -> Any:
     """Rank 0, ``rollout.async: full``: the rollout stream of this run (not started)."""
-    from pipeline.generation.client import continue_samples, sampling_params
+    from pipeline.generation.client import sampling_params
     from pipeline.sources.stream import RolloutStream, group_seed
 
     cfg = ctx.cfg
     G = cfg.gspo.group_size
     shape = _routed_experts_shape(cfg)
-    extra = {"routed_experts": shape} if shape is not None else {}
     sampling = sampling_params(cfg.rollout, ctx.stop_token_ids)
+    can_continue = ctx.generator.can_continue()
 
     async def generate(prompt: Prompt, seed: int, rid_prefix: str) -> list:
-        if ctx.tools is not None:
-            groups = await ctx.tools.generate_async(ctx.client, [prompt], G, sampling,
-                                                    decode=ctx.decode, seed=seed,
-                                                    rid_prefix=rid_prefix, **extra)
-        else:
-            groups = await ctx.client.generate_groups_async([prompt.prompt_ids], G, sampling,
-                                                            seed=seed, rid_prefix=rid_prefix,
-                                                            **extra)
+        groups = await ctx.generator.generate_async([prompt], G, sampling, seed=seed,
+                                                    rid_prefix=rid_prefix, routed_experts=shape)
         return groups[0]
 
     async def resume(prompt: Prompt, seed: int, rid_prefix: str, partial: list) -> list:
-        return await continue_samples(ctx.client, prompt.prompt_ids, partial, sampling,
-                                      seed=seed, rid_prefix=rid_prefix, **extra)
+        return await ctx.generator.continue_group(prompt, partial, sampling, seed=seed,
+                                                  rid_prefix=rid_prefix, routed_experts=shape)
 
     def score(prompt: Prompt, results: list) -> tuple[list[float], int]:
         return _score(ctx, [prompt], [results])
@@ -163,17 +154,18 @@ def make_stream(ctx: LoopContext, start_step: int) -> Any:
         max_staleness=cfg.rollout.max_staleness, version=start_step, taken=start_step,
         seed_of=lambda index, attempt: group_seed(cfg.run.seed, index, attempt),
         keep=informative if cfg.gspo.dynamic_sampling else None,
-        # single-turn samples in flight at a checkpoint are continued from their output so far;
-        # multi-turn trajectories are generated again (docs/async.md)
-        abort=ctx.client.abort_all if ctx.tools is None else None,
-        resume=resume if ctx.tools is None else None,
+        # samples in flight at a checkpoint are continued from their output so far when the
+        # generator can (single turn); multi-turn trajectories are generated again (docs/async.md)
+        abort=ctx.generator.abort_all if can_continue else None,
+        resume=resume if can_continue else None,
         timeout_s=60.0 * cfg.parallel.control_timeout_minutes)
     if ctx.rollout_stream is not None:
         stream.restore(ctx.rollout_stream)
     return stream
 
 
-def staleness_metrics(results: Sequence[RolloutResult], trained: int) -> dict[str, float]:
+def staleness_metrics(results: Sequence[RolloutResult], trained: WeightVersion
+                      ) -> dict[str, float]:
     """Per-token staleness of a batch: versions between the policy that generated each output
     token (``meta_info.weight_versions``; the loop labels the weights after step k with ``k``)
     and the policy being trained (``trained``: the weights at the start of the step). Tokens
@@ -181,8 +173,8 @@ def staleness_metrics(results: Sequence[RolloutResult], trained: int) -> dict[st
     ages = []
     for r in results:
         for version, start, end in r.weight_versions:
-            if version.lstrip("-").isdigit():
-                ages += [trained - int(version)] * (end - start)
+            if version is not None:
+                ages += [trained - version] * (end - start)
     if not ages:
         return {}
     t = torch.tensor(ages, dtype=torch.float64)
@@ -206,33 +198,26 @@ def _generate_groups(ctx: LoopContext, prompts: list[Prompt], step: int,
     from pipeline.generation.client import rollout_seed, sampling_params
 
     cfg = ctx.cfg
-    shape = _routed_experts_shape(cfg)
-    extra = {"routed_experts": shape} if shape is not None else {}
     sampling = sampling_params(cfg.rollout, ctx.stop_token_ids)
-    seed = rollout_seed(cfg.run.seed, step, round_)
-    if ctx.tools is not None:
-        return ctx.tools.generate(ctx.client, prompts, cfg.gspo.group_size, sampling,
-                                  decode=ctx.decode, seed=seed, rid_prefix=f"s{step}r{round_}",
-                                  **extra)
-    return ctx.client.generate_groups([p.prompt_ids for p in prompts], cfg.gspo.group_size,
-                                      sampling, seed=seed, **extra)
+    return ctx.generator.generate(prompts, cfg.gspo.group_size, sampling,
+                                  seed=rollout_seed(cfg.run.seed, step, round_),
+                                  rid_prefix=f"s{step}r{round_}",
+                                  routed_experts=_routed_experts_shape(cfg))
 
 
 def _score(ctx: LoopContext, prompts: list[Prompt],
            groups: list[list[RolloutResult]]) -> tuple[list[float], int]:
     """Rewards of every sample, prompt-major; returns (rewards, number of failures counted as 0)."""
-    from pipeline.generation.multiturn import final_turn_ids, trajectory_reward
     from pipeline.scoring.rewards import RewardSample, compute_rewards
 
-    # a multi-turn trajectory is scored on its last model turn (the answer after the tools),
+    # a sample is scored on its last model turn (a trajectory: the answer after the tools),
     # unless its environment gave the reward itself
     flat = [r for group in groups for r in group]
-    samples = [RewardSample(prompt=prompt, sample_index=s_i, response_ids=final_turn_ids(r),
-                            response_text=ctx.decode(final_turn_ids(r)))
+    samples = [RewardSample(prompt=prompt, sample_index=s_i, response_ids=r.final_turn_ids(),
+                            response_text=ctx.decode(r.final_turn_ids()))
                for prompt, group in zip(prompts, groups) for s_i, r in enumerate(group)]
     result = compute_rewards(ctx.reward_fn, samples, on_error=ctx.cfg.reward.on_error)
-    rewards = [r if (env := trajectory_reward(x)) is None else env
-               for r, x in zip(result.rewards, flat)]
+    rewards = [r if x.env_reward is None else x.env_reward for r, x in zip(result.rewards, flat)]
     return rewards, result.num_failures
 
 
@@ -279,15 +264,9 @@ def evaluate(ctx: LoopContext, step: int) -> dict:
 
     cfg = ctx.cfg
     sampling = sampling_params(cfg.rollout, ctx.stop_token_ids)
-    if ctx.tools is not None:
-        groups = ctx.tools.generate(ctx.client, ctx.eval_prompts,
-                                    cfg.rollout.eval_samples_per_prompt, sampling,
-                                    decode=ctx.decode, seed=eval_seed(cfg.run.seed),
+    groups = ctx.generator.generate(ctx.eval_prompts, cfg.rollout.eval_samples_per_prompt,
+                                    sampling, seed=eval_seed(cfg.run.seed),
                                     rid_prefix=f"eval{step}")
-    else:
-        groups = ctx.client.generate_groups([p.prompt_ids for p in ctx.eval_prompts],
-                                            cfg.rollout.eval_samples_per_prompt, sampling,
-                                            seed=eval_seed(cfg.run.seed))
     rewards, _ = _score(ctx, ctx.eval_prompts, groups)
     r = torch.tensor(rewards, dtype=torch.float64)
     per_prompt = r.view(len(ctx.eval_prompts), -1).mean(1)
@@ -295,12 +274,9 @@ def evaluate(ctx: LoopContext, step: int) -> dict:
     # reward_se: the standard error of reward_mean over the prompts (each prompt's mean)
     out = {"eval/reward_mean": float(r.mean()), "eval/reward_se": se,
            "eval/pass_at_1": float((r >= 1.0).double().mean())}
-    if ctx.tools is not None:
-        from pipeline.generation.multiturn import trajectory_metrics
-
-        more = trajectory_metrics([x for group in groups for x in group])
-        out.update({f"eval/{k}": more[k] for k in ("tool_calls/mean", "num_turns/mean",
-                                                   "tool_errors/mean")})
+    more = ctx.generator.metrics([x for group in groups for x in group])
+    out.update({f"eval/{k}": more[k] for k in ("tool_calls/mean", "num_turns/mean",
+                                               "tool_errors/mean") if k in more})
     return out
 
 
@@ -322,8 +298,9 @@ MAX_SYNC_ATTEMPTS = 3
 """Weight pushes tried in one sync when servers die during it (each retry has fewer servers)."""
 
 
-def sync_weights(ctx: LoopContext, trainer: Trainer, version: str) -> dict:
-    """Every rank: the trainer's HF buckets, pushed to every rollout server by the pusher.
+def sync_weights(ctx: LoopContext, trainer: Trainer, version: WeightVersion) -> dict:
+    """Every rank: the trainer's HF buckets, pushed to every rollout server by the pusher,
+    labelled ``version`` (its wire label, ``pipeline.generation.version.to_wire``).
 
     With a server pool (``ctx.servers``, rank 0) the servers are checked first: the dead ones
     are dropped (and restarted in embedded mode, then included here: a restarted server gets
@@ -334,7 +311,7 @@ def sync_weights(ctx: LoopContext, trainer: Trainer, version: str) -> dict:
     pool = _sync_members(ctx)
     for attempt in range(MAX_SYNC_ATTEMPTS):
         try:
-            stats = ctx.weights.push(trainer.hf_buckets(), version)
+            stats = ctx.weights.push(trainer.hf_buckets(), to_wire(version))
         except WeightPushError:  # raised on every rank alike: all of them retry or none
             if pool is None or attempt + 1 == MAX_SYNC_ATTEMPTS:
                 raise
@@ -348,7 +325,7 @@ def sync_weights(ctx: LoopContext, trainer: Trainer, version: str) -> dict:
     raise AssertionError("unreachable")
 
 
-def check_parity(ctx: LoopContext, trainer: Trainer, version: str) -> dict:
+def check_parity(ctx: LoopContext, trainer: Trainer, version: WeightVersion) -> dict:
     """Every rank, after a weight sync: the parity watchdog's ``parity/*`` metrics ({} without
     one). Past ``parity.max_gap_mean``: one more sync of the same weights, checked again; still
     past it: :class:`pipeline.weights.parity.ParityError` on every rank alike."""

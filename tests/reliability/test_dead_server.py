@@ -185,8 +185,8 @@ def only_server_rollout(cluster, url: str, weights: dict, pusher, tmp_path):
     ctx = loop_context(tmp_path, steps=1, client=client, pusher=pusher, servers=pool)
     trainer = Trainer(weights)
     ctx.resync = lambda version: loop.sync_weights(ctx, trainer, version)  # as loop.run
-    loop.sync_weights(ctx, trainer, "6")  # the server holds version 6
-    ctx.weights_version = "7"  # what the trainer's weights are called now (a new label)
+    loop.sync_weights(ctx, trainer, 6)  # the server holds version 6
+    ctx.weights_version = 7  # what the trainer's weights are called now (a new label)
     return pool, client, ctx, trainer
 
 
@@ -219,8 +219,8 @@ def test_a_rollout_waits_for_its_only_server_to_come_back_synced(cluster, only_s
         assert all(r.finish_reason in ("stop", "length") and r.completion_tokens > 0
                    for r in results)
         versions = [r.weight_version for r in results]
-        assert set(versions) == {"6", "7"}, versions  # kept from before; resumed after the sync
-        assert versions.count("6") >= 8
+        assert set(versions) == {6, 7}, versions  # kept from before; resumed after the sync
+        assert versions.count(6) >= 8
         assert pool.restarts == 1 and cluster.server_alive(0)
         assert pool.requests_retried == client.requests_retried > 0
         assert pool.metrics() == {"rollout/servers_alive": 1.0, "rollout/server_restarts": 1.0,
@@ -277,7 +277,7 @@ def test_full_mode_the_trainers_sync_reaches_a_server_the_stream_waits_for(clust
         assert killer.killed.is_set()
         time.sleep(2.0)  # "training": the stream's requests wait for a live server
         t0 = time.monotonic()
-        loop.sync_weights(ctx, trainer, "7")  # the loop's sync after the update
+        loop.sync_weights(ctx, trainer, 7)  # the loop's sync after the update
         took = time.monotonic() - t0
         stream.set_version(7)
         groups = stream.take(7)
@@ -286,7 +286,7 @@ def test_full_mode_the_trainers_sync_reaches_a_server_the_stream_waits_for(clust
         results = [r for g in groups for r in g.results]
         assert len(results) == 16 and all(r.finish_reason in ("stop", "length") for r in results)
         assert pool.restarts == 1 and cluster.server_alive(0)
-        assert {r.weight_version for r in results} <= {"6", "7"}
+        assert {r.weight_version for r in results} <= {6, 7}
         assert http_json("GET", url + "/model_info")[1]["weight_version"] == "7"
     finally:
         if stream is not None:

@@ -13,6 +13,7 @@ from launch.cli import main
 from launch.rl_session import weight_pusher_options
 from megatron_gspo.config import ConfigError, config_from_dict, load_config
 from pipeline.generation.client import weight_version_spans
+from pipeline.generation.version import from_wire
 # SGLang's own srt/utils/weight_versions.py from the wheel, and the meta_info it builds
 from tests.rollout.test_server_conformance import sglang_meta, sglang_weight_versions  # noqa: F401
 
@@ -20,12 +21,13 @@ RECIPE_235B = "launch/configs/qwen3_235b_a22b.yaml"
 
 
 @pytest.mark.parametrize("events, current, n", [
-    ([], "v1", 7),                          # one version throughout
-    ([("v1", 3)], "v2", 10),                # a retract push after 3 tokens
-    ([("v1", 0)], "v2", 5),                 # the push before the first token
-    ([("v1", 2), ("v2", 2), ("v3", 6)], "v4", 9),  # two pushes at the same token count
-    ([("v1", 4)], "v2", 4),                 # aborted at the push: the last span is empty
-    ([("v1", 3)], "v2", 0),                 # aborted in the queue: no output
+    ([], "1", 7),                         # one version throughout
+    ([("1", 3)], "2", 10),                # a retract push after 3 tokens
+    ([("1", 0)], "2", 5),                 # the push before the first token
+    ([("1", 2), ("2", 2), ("3", 6)], "4", 9),  # two pushes at the same token count
+    ([("1", 4)], "2", 4),                 # aborted at the push: the last span is empty
+    ([("1", 3)], "2", 0),                 # aborted in the queue: no output
+    ([("default", 3)], "1", 5),           # the server's initial label: no version
 ])
 def test_weight_versions_are_read_as_sglang_writes_them(sglang_weight_versions, events,
                                                         current, n):
@@ -35,14 +37,15 @@ def test_weight_versions_are_read_as_sglang_writes_them(sglang_weight_versions, 
     per_token = [v for v, start, end in spans for _ in range(start, end)]
     expected = []
     for s in meta["weight_versions"]:
-        expected += [s["version"]] * (s["end"] - s["start"])
+        expected += [from_wire(s["version"])] * (s["end"] - s["start"])
     assert per_token == expected and len(per_token) == n
     assert all(end > start for _, start, end in spans)
 
 
 def test_weight_versions_absent_and_malformed():
     # a server before 0.5.23: one span of weight_version
-    assert weight_version_spans({"weight_version": "7"}, 4) == [("7", 0, 4)]
+    assert weight_version_spans({"weight_version": "7"}, 4) == [(7, 0, 4)]
+    assert weight_version_spans({"weight_version": "default"}, 2) == [(None, 0, 2)]
     assert weight_version_spans({"weight_version": "7"}, 0) == []
     for bad in ([{"version": "a", "start": 0, "end": 2}],                     # short of 3
                 [{"version": "a", "start": 1, "end": 3}],                     # a gap first

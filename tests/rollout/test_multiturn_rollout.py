@@ -198,7 +198,7 @@ def test_turns_stay_on_one_server_and_its_prefix_cache_serves_the_earlier_turns(
     assert len({resp.server_url for _, resp in wire}) == 1
     for k in range(1, TURNS):
         previous_request, previous = wire[k - 1]
-        assert r.turns[k]["cached_tokens"] == wire[k][1].cached_tokens
+        assert r.turns[k].cached_tokens == wire[k][1].cached_tokens
         assert wire[k][1].cached_tokens == len(previous_request) + len(previous.output_ids) - 1
     assert r.cached_tokens == sum(resp.cached_tokens for _, resp in wire)
 
@@ -217,9 +217,9 @@ def test_groups_of_trajectories_are_sticky_and_reproducible(servers, tokenizer):
     first, again = run(), run()
     flat = [x for g in first for x in g]
     assert [len(g) for g in first] == [2, 2, 2]
-    assert all(len({t["server_url"] for t in x.turns}) == 1 for x in flat)
-    assert len({x.turns[0]["server_url"] for x in flat}) == 2  # both servers used
-    assert all(t["cached_tokens"] > 0 for x in flat for t in x.turns[1:])
+    assert all(len({t.server_url for t in x.turns}) == 1 for x in flat)
+    assert len({x.turns[0].server_url for x in flat}) == 2  # both servers used
+    assert all(t.cached_tokens > 0 for x in flat for t in x.turns[1:])
     # seeded: the same trajectories again (wherever each one ran)
     assert [x.output_ids for x in flat] == [x.output_ids for g in again for x in g]
     assert all(x.routed_experts.shape == (len(x.prompt_ids) + len(x.output_ids) - 1, NUM_LAYERS,
@@ -291,10 +291,10 @@ def test_a_weight_update_during_a_tool_call_keeps_the_trajectory_right(servers, 
         r = out["r"]
         assert r.end_reason == "done" and len(r.turns) == TURNS
         t = r.turns
-        assert r.weight_versions == [(old_version, 0, t[0]["length"])] + [
-            ("1", t[k]["start"], t[k]["start"] + t[k]["length"]) for k in range(1, TURNS)]
-        assert old_version != "1"
-        assert t[1]["cached_tokens"] == 0 and t[2]["cached_tokens"] > 0  # flushed by the push
+        assert r.weight_versions == [(old_version, 0, t[0].length)] + [
+            (1, t[k].start, t[k].start + t[k].length) for k in range(1, TURNS)]
+        assert old_version != 1
+        assert t[1].cached_tokens == 0 and t[2].cached_tokens > 0  # flushed by the push
         # each turn's log-probs are those of the weights it ran on
         ids, p = r.prompt_ids + r.output_ids, len(r.prompt_ids)
         load_weights(cold, moe_dir.parent / "moe16_v1", "1")
@@ -304,11 +304,11 @@ def test_a_weight_update_during_a_tool_call_keeps_the_trajectory_right(servers, 
         for k, turn in enumerate(t):
             ref = old if k == 0 else new
             other = new if k == 0 else old
-            got = r.output_logprobs[turn["start"]:turn["start"] + turn["length"]]
-            want = ref[p + turn["start"]:p + turn["start"] + turn["length"]]
+            got = r.output_logprobs[turn.start:turn.start + turn.length]
+            want = ref[p + turn.start:p + turn.start + turn.length]
             assert got == pytest.approx(want, abs=1e-4), k
-            assert got != pytest.approx(other[p + turn["start"]:p + turn["start"]
-                                              + turn["length"]], abs=1e-3)
+            assert got != pytest.approx(other[p + turn.start:p + turn.start
+                                              + turn.length], abs=1e-3)
     finally:
         env.release.set()
         worker.join(60)

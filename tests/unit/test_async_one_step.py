@@ -15,6 +15,8 @@ from megatron_gspo.config import ConfigError, config_from_dict, dump_config, loa
 from pipeline.step.phases import staleness_metrics
 from pipeline.sources.one_step import BUFFER_KEY, RolloutProducer, decode_batch, encode_batch
 from pipeline.generation.client import RolloutResult
+from pipeline.generation.trajectory import Span
+from pipeline.generation.version import from_wire
 
 
 # ------------------------------------------------------------------ the switch
@@ -133,8 +135,9 @@ def test_the_saved_buffer_is_bit_exact_and_restores():
 def _result(spans, n):
     return RolloutResult(rid="r", prompt_ids=[1], output_ids=[2] * n, output_logprobs=[0.0] * n,
                          finish_reason="length", matched_stop=None, prompt_tokens=1,
-                         completion_tokens=n, weight_version=spans[-1][0], server_url="u",
-                         weight_versions=spans)
+                         completion_tokens=n, weight_version=from_wire(spans[-1][0]),
+                         server_url="u",
+                         weight_versions=[Span(from_wire(v), a, b) for v, a, b in spans])
 
 
 def test_staleness_is_counted_per_token():

@@ -21,7 +21,8 @@ from megatron_gspo.train.batching import rl_batch
 from pipeline.scoring.data import Prompt
 from pipeline.generation.environment import ToolEnvironment
 from pipeline.generation.multiturn import Budgets, compose_routes, run_trajectory, trajectory_metrics
-from pipeline.generation.client import RolloutResult, SamplingParams
+from pipeline.generation.client import SamplingParams
+from pipeline.generation.trajectory import RolloutResult, Span, Turn
 from pipeline.tools.sandbox import ToolExecutor, ToolLimits, load_tools
 from pipeline.scoring.tasks import decode, encode
 from pipeline.generation.tool_calls import FORMATS, parse_tool_calls
@@ -95,8 +96,8 @@ class Scripted:
         return RolloutResult(
             rid=rid, prompt_ids=list(input_ids), output_ids=ids, output_logprobs=lps,
             finish_reason=finish, matched_stop=EOS if finish == "stop" else None,
-            prompt_tokens=len(input_ids), completion_tokens=len(ids), weight_version=f"v{k}",
-            server_url=self.url, weight_versions=[(f"v{k}", 0, len(ids))] if ids else [],
+            prompt_tokens=len(input_ids), completion_tokens=len(ids), weight_version=k,
+            server_url=self.url, weight_versions=[Span(k, 0, len(ids))] if ids else [],
             routed_experts=routes, cached_tokens=len(input_ids) - 1 if k else 0)
 
 
@@ -128,8 +129,8 @@ def test_a_call_then_an_answer_is_done_with_the_tool_output_appended_and_masked(
     assert r.output_ids == encode(CALL) + obs + encode("42\n")
     assert r.output_mask == [1] * len(CALL) + [0] * len(obs) + [1] * 3
     assert r.end_reason == "done" and len(r.turns) == 2
-    assert r.turns[0]["tool_calls"] == 1 and r.turns[0]["tool_errors"] == 0
-    assert r.turns[0]["observation_length"] == len(obs) and r.turns[1]["start"] == len(CALL) + len(obs)
+    assert r.turns[0].tool_calls == 1 and r.turns[0].tool_errors == 0
+    assert r.turns[0].observation_length == len(obs) and r.turns[1].start == len(CALL) + len(obs)
     # token in / token out: turn 2's request is the prompt, turn 1's ids, the appended ids
     assert send.requests[1][1] == encode("12+30=") + encode(CALL) + obs
     assert [q[3] for q in send.requests] == ["http://s0"] * 2  # the same server
@@ -137,7 +138,7 @@ def test_a_call_then_an_answer_is_done_with_the_tool_output_appended_and_masked(
     assert r.output_logprobs[:len(CALL)] == send_lps(0, len(CALL))
     assert r.output_logprobs[len(CALL):len(CALL) + len(obs)] == [0.0] * len(obs)
     # the weight-version spans cover the model's turns at their offsets in the output
-    assert r.weight_versions == [("v0", 0, len(CALL)), ("v1", len(CALL) + len(obs), len(r.output_ids))]
+    assert r.weight_versions == [(0, 0, len(CALL)), (1, len(CALL) + len(obs), len(r.output_ids))]
     assert r.completion_tokens == len(CALL) + 3 and r.cached_tokens == len(encode("12+30=") + encode(CALL) + obs) - 1
 
 
@@ -149,7 +150,7 @@ def test_a_malformed_call_is_answered_with_the_error_and_the_trajectory_goes_on(
     send = Scripted(['<tool_call>{"name":"add","arguments":{"a":1,}}</tool_call>\n', CALL, "42\n"])
     r = run(send, executor, max_tokens=800)
     assert r.end_reason == "done" and len(r.turns) == 3
-    assert r.turns[0]["tool_errors"] == 1 and r.turns[0]["errors"] == ("malformed",)
+    assert r.turns[0].tool_errors == 1 and r.turns[0].errors == ("malformed",)
     text = decode(send.requests[1][1])
     assert "<tool_response>error: the tool call is not valid JSON" in text
 
@@ -157,7 +158,7 @@ def test_a_malformed_call_is_answered_with_the_error_and_the_trajectory_goes_on(
 def test_max_turns_ends_without_appending_the_last_answer(executor):
     r = run(Scripted([CALL] * 3), executor, max_turns=2, max_tokens=800)
     assert r.end_reason == "max_turns" and len(r.turns) == 2
-    assert r.output_mask[-1] == 1 and r.turns[-1]["observation_length"] == 0
+    assert r.output_mask[-1] == 1 and r.turns[-1].observation_length == 0
     assert len(r.output_ids) == 2 * len(CALL) + len(encode("<tool_response>42</tool_response>"))
 
 
@@ -176,7 +177,7 @@ def test_tool_time_runs_out_then_tool_error(executor):
     hang = '<tool_call>{"name":"hang","arguments":{"seconds":30}}</tool_call>\n'
     r = run(Scripted([hang, "x\n"]), executor, tool_s=0.4, max_tokens=800)
     assert r.end_reason == "tool_error" and len(r.turns) == 1
-    assert r.turns[0]["errors"] == ("timeout",) and 0.35 < r.turns[0]["tool_seconds"] < 2.0
+    assert r.turns[0].errors == ("timeout",) and 0.35 < r.turns[0].tool_seconds < 2.0
 
 
 def test_an_aborted_turn_ends_with_abort(executor):
@@ -228,7 +229,9 @@ def _trajectories(seed: int) -> list[RolloutResult]:
         ids, lps, mask, turns = [], [], [], []
         for k in range(rng.randint(1, 3)):
             n = rng.randint(1, 7)
-            turns.append({"start": len(ids), "length": n})
+            turns.append(Turn(start=len(ids), length=n, observation_length=0,
+                              finish_reason="stop", cached_tokens=0, prompt_tokens=0,
+                              server_url=""))
             ids += [rng.randint(32, 120) for _ in range(n)]
             lps += [-rng.random() * 3 for _ in range(n)]
             mask += [1] * n
@@ -241,7 +244,7 @@ def _trajectories(seed: int) -> list[RolloutResult]:
         out.append(RolloutResult(rid=f"t{i}", prompt_ids=prompt, output_ids=ids,
                                  output_logprobs=lps, finish_reason="stop", matched_stop=None,
                                  prompt_tokens=len(prompt), completion_tokens=sum(mask),
-                                 weight_version="0", server_url="", output_mask=mask,
+                                 weight_version=0, server_url="", output_mask=mask,
                                  turns=turns))
     return out
 
@@ -269,8 +272,8 @@ def test_s_i_and_the_loss_cover_the_model_tokens_only(variant):
     total, grad = 0.0, torch.zeros_like(lp, dtype=torch.float64)
     log_s = []
     for i, t in enumerate(trajs):
-        pos = [len(t.prompt_ids) - 1 + turn["start"] + j for turn in t.turns
-               for j in range(turn["length"])]
+        pos = [len(t.prompt_ids) - 1 + turn.start + j for turn in t.turns
+               for j in range(turn.length)]
         assert mask[i].nonzero()[:, 0].tolist() == pos  # the mask is exactly those positions
         assert batch["rollout_log_probs"][i, pos].tolist() == pytest.approx(
             [t.output_logprobs[p - len(t.prompt_ids) + 1] for p in pos])

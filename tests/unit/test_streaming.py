@@ -18,7 +18,7 @@ import time
 import pytest
 
 from pipeline.scoring.data import Prompt
-from pipeline.generation.client import RolloutResult, result_from_json, result_to_json
+from pipeline.generation.trajectory import RolloutResult, Span, result_from_json, result_to_json
 from pipeline.sources.stream import (RolloutStream, StreamCounts, admission_limit, difficulty,
                                 oldest_version, step_metrics)
 
@@ -26,12 +26,12 @@ G = 2
 P = 3
 
 
-def spans_of(labels: list[str]) -> list[tuple[str, int, int]]:
-    """Per-token version labels -> SGLang's ``weight_versions`` spans (version, start, end)."""
+def spans_of(labels: list[int]) -> list[Span]:
+    """Per-token versions -> SGLang's ``weight_versions`` spans (version, start, end)."""
     spans, start = [], 0
     for t in range(1, len(labels) + 1):
         if t == len(labels) or labels[t] != labels[start]:
-            spans.append((labels[start], start, t))
+            spans.append(Span(labels[start], start, t))
             start = t
     return spans
 
@@ -56,7 +56,7 @@ class Server:
             labels = []
             for _ in range(self.length(index)):
                 await asyncio.sleep(self.token_s)
-                labels.append(str(self.version))
+                labels.append(self.version)
             spans = spans_of(labels)
             aborted = index in self.abort_first_try and attempt == 0 and s == 0
             out.append(RolloutResult(
@@ -207,7 +207,7 @@ class StoppableServer(Server):
                 break
             await asyncio.sleep(self.token_s)
             ids.append(100 * s + t)
-            labels.append(str(self.version))
+            labels.append(self.version)
         spans = spans_of(labels)
         done = first + len(ids) == length
         return RolloutResult(
@@ -215,7 +215,7 @@ class StoppableServer(Server):
             output_logprobs=[-(first + i) / 100 for i in range(len(ids))],
             finish_reason="stop" if done else "abort", matched_stop=None,
             prompt_tokens=len(prompt_ids), completion_tokens=len(ids),
-            weight_version=labels[-1] if labels else str(self.version), server_url="sim",
+            weight_version=labels[-1] if labels else self.version, server_url="sim",
             weight_versions=spans)
 
     async def generate(self, prompt, seed, rid):
@@ -291,7 +291,7 @@ def test_a_checkpoint_keeps_the_output_of_requests_in_flight_and_continues_it():
         assert r.completion_tokens == len(r.output_ids) and r.prompt_ids == before["prompt_ids"]
         spans = [tuple(x) for x in before["weight_versions"]]
         assert r.weight_versions[:len(spans)] == spans  # the versions that generated them
-        assert r.weight_versions[len(spans):] == [("7", n, len(r.output_ids))]
+        assert r.weight_versions[len(spans):] == [(7, n, len(r.output_ids))]
 
 
 def test_a_stream_that_makes_no_progress_names_what_it_waited_for():
@@ -329,8 +329,8 @@ def test_admission_limit_and_difficulty_and_oldest_version():
     assert [difficulty(x) for x in (None, 0.0, 0.5, 1.0)] == ["new", "hard", "medium", "easy"]
     r = RolloutResult(rid="r", prompt_ids=[1], output_ids=[2, 3, 4], output_logprobs=[0.0] * 3,
                       finish_reason="stop", matched_stop=None, prompt_tokens=1,
-                      completion_tokens=3, weight_version="5", server_url="u",
-                      weight_versions=[("initial", 0, 1), ("4", 1, 2), ("5", 2, 3)])
+                      completion_tokens=3, weight_version=5, server_url="u",
+                      weight_versions=[Span(None, 0, 1), Span(4, 1, 2), Span(5, 2, 3)])
     assert oldest_version([r], default=9) == 4
     assert oldest_version([], default=9) == 9
     assert result_from_json(json.loads(json.dumps(result_to_json(r)))) == r
@@ -420,15 +420,18 @@ def test_a_continuation_joins_only_its_own_partial_sample():
                              completion_tokens=len(out), weight_version=spans[-1][0],
                              server_url="u", weight_versions=spans)
 
-    partial = result("a", [1, 2], [3, 4, 5], [("1", 0, 2), ("2", 2, 3)])
-    cont = result("a-c", [1, 2, 3, 4, 5], [6, 7], [("2", 0, 1), ("3", 1, 2)], finish="stop")
+    partial = result("a", [1, 2], [3, 4, 5], [Span(1, 0, 2), Span(2, 2, 3)])
+    cont = result("a-c", [1, 2, 3, 4, 5], [6, 7], [Span(2, 0, 1), Span(3, 1, 2)], finish="stop")
     joined = join_continuation(partial, cont)
     assert joined.output_ids == [3, 4, 5, 6, 7] and joined.finish_reason == "stop"
-    assert joined.weight_versions == [("1", 0, 2), ("2", 2, 4), ("3", 4, 5)]  # "2" merged
+    assert joined.weight_versions == [(1, 0, 2), (2, 2, 4), (3, 4, 5)]  # 2 merged
     assert joined.rid == "a" and joined.prompt_ids == [1, 2] and joined.completion_tokens == 5
+    # one turn over the whole output, all of it the model's: the reward scores all of it
+    assert joined.output_mask == [1] * 5 and joined.final_turn_ids() == [3, 4, 5, 6, 7]
+    assert joined.end_reason == "done" and joined.turns[0].finish_reason == "stop"
     with pytest.raises(ValueError, match=r"b: the continuation's prompt is not a's prompt"):
-        join_continuation(partial, result("b", [1, 2, 3], [6], [("3", 0, 1)]))
-    turns = result("t", [1], [2], [("1", 0, 1)])
-    turns.output_mask = [1]
+        join_continuation(partial, result("b", [1, 2, 3], [6], [Span(3, 0, 1)]))
+    turns = result("t", [1], [2], [Span(1, 0, 1)])
+    turns.turns.append(turns.turns[0])  # a trajectory of two model turns
     with pytest.raises(ValueError, match=r"t: a multi-turn trajectory is not continued"):
         join_continuation(turns, cont)
