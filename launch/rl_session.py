@@ -16,10 +16,12 @@ import torch.distributed as dist
 
 from launch.session import Session
 from megatron_gspo.config import Config, ConfigError
+from pipeline.signals import PREEMPTED_EXIT_CODE
 
 if TYPE_CHECKING:
     from megatron_gspo.train.rl_trainer import RLTrainer
-    from pipeline.step.loop import LoopContext
+    from pipeline.context import LoopContext
+    from pipeline.sources.base import BatchSource
     from pipeline.weights.push import WeightPusher
 
 
@@ -32,22 +34,6 @@ def weight_pusher_options(r, run_dir: Path) -> dict:
                 full_every=r.weight_sync_full_every,
                 # full: requests in flight live through the update and continue on the new weights
                 pause_mode="retract" if r.async_ == "full" else "abort")
-
-
-def _stream_state(cfg: Config, run_state: dict) -> Optional[dict]:
-    """The ``rollout.async: full`` stream a checkpoint holds (None: none); a run resumed in
-    another mode would lose its groups: refused, naming the field."""
-    from pipeline.sources.stream import STREAM_KEY
-
-    state = run_state.get(STREAM_KEY)
-    if state is not None and cfg.rollout.async_ != "full":
-        raise ConfigError(
-            f"rollout.async: {cfg.rollout.async_}: the checkpoint was written by a "
-            f"rollout.async: full run and holds {len(state['complete'])} complete groups, "
-            f"{len(state.get('partial', []))} groups stopped in flight and "
-            f"{len(state['pending'])} prompts queued, which another mode would not train; "
-            "resume it with rollout.async: full")
-    return state
 
 
 def validate_rl(cfg: Config, *, on_gpu: Optional[bool] = None) -> None:
@@ -97,8 +83,9 @@ class RLSession(Session):
         from pipeline.step import loop
         trainer, start_step, run_state = self.build_trainer()
         ctx = self.build_rollout(trainer, run_state)
+        source = self.build_source(ctx, start_step, run_state)
         ctx.weights = self.build_weight_sync(ctx.server_urls)
-        result = loop.run(ctx, trainer, start_step=start_step)
+        result = loop.run(ctx, trainer, start_step=start_step, source=source)
         return self._finish(trainer, result)
 
     def build_trainer(self) -> tuple[RLTrainer, int, dict]:
@@ -124,14 +111,14 @@ class RLSession(Session):
         servers and the router it starts here; the other ranks get what every rank needs.
 
         Collective when the embedded servers need the initial policy exported first."""
-        from pipeline.step import loop
+        from pipeline.context import LoopContext
         from pipeline.observe.metrics import MetricsLogger
 
         cfg, run_dir = self.cfg, self.run_dir
         server_model = self._embedded_server_model(trainer)  # collective (every rank)
         common = dict(cfg=cfg, run_dir=str(run_dir), stop=self.stop, control_group=self.control)
         if not self.is_main:
-            return loop.LoopContext(**common, logger=MetricsLogger(run_dir, enabled=False),
+            return LoopContext(**common, logger=MetricsLogger(run_dir, enabled=False),
                                     parity=_parity_watchdog(cfg, run_dir))
 
         from pipeline.scoring.data import PromptSampler, build_datasets
@@ -171,7 +158,7 @@ class RLSession(Session):
 
             tools = ToolRollouts(cfg, encoder.encode_text)
             self.resources.callback(tools.close)
-        return loop.LoopContext(
+        return LoopContext(
             tools=tools,
             **common, logger=logger, sampler=sampler,
             eval_prompts=eval_prompts if cfg.run.eval_interval else [],
@@ -180,9 +167,19 @@ class RLSession(Session):
                                    interrupted=lambda: self.stop.signum is not None),
             client=client, decode=encoder.decode,
             stop_token_ids=[encoder.eos_id], server_urls=list(server_urls), servers=pool,
-            parity=_parity_watchdog(cfg, run_dir, eval_set=eval_set, train_set=train_set),
-            rollout_buffer=run_state.get(loop.BUFFER_KEY),
-            rollout_stream=_stream_state(cfg, run_state))
+            parity=_parity_watchdog(cfg, run_dir, eval_set=eval_set, train_set=train_set))
+
+    def build_source(self, ctx: LoopContext, start_step: int, run_state: dict) -> BatchSource:
+        """The run's batch source, chosen once from ``rollout.async`` (every rank holds one, rank
+        0 uses it); rank 0 restores the checkpoint's part of it, or refuses a checkpoint this mode
+        cannot resume exactly (``pipeline.sources.base.resume_refusal``: a ConfigError naming both
+        modes; the launcher refused it already, before the ranks started)."""
+        from pipeline.sources.choice import make_source
+
+        source = make_source(ctx, start_step)
+        if self.is_main:
+            source.restore(run_state)
+        return source
 
     def _embedded_server_model(self, trainer: RLTrainer) -> Optional[str]:
         """The Hugging Face directory embedded servers load (None in external mode): run.init_from,
@@ -221,7 +218,7 @@ class RLSession(Session):
 
     # --- the weight sync: the trainer's HF buckets -> every rollout server -----------------------
     def build_weight_sync(self, server_urls: list[str]) -> WeightPusher:
-        """Every rank: the pusher of the trainer's HF buckets (``loop.sync_weights``) to every
+        """Every rank: the pusher of the trainer's HF buckets (``pipeline.step.phases.sync_weights``) to every
         rollout server (rank 0's ``server_urls``, broadcast here); its update groups are closed
         on exit."""
         from pipeline.weights.push import WeightPusher
@@ -236,7 +233,6 @@ class RLSession(Session):
     # ---------------------------------------------------------------------------------------
     def _finish(self, trainer: RLTrainer, result: dict) -> int:
         """The final policy (a finished run; collective), the summary line, the exit status."""
-        from pipeline.step import loop
         if result["status"] == "finished":
             final = _export_policy(trainer, self.cfg, self.run_dir / "hf")
             if self.is_main:
@@ -246,13 +242,13 @@ class RLSession(Session):
             if result["status"] == "preempted" and not result.get("saved", True):
                 print(f"preempted before a step finished: no checkpoint saved (nothing done "
                       f"after step {result.get('start_step', 0)}); exit "
-                      f"{loop.PREEMPTED_EXIT_CODE}", flush=True)
+                      f"{PREEMPTED_EXIT_CODE}", flush=True)
             elif result["status"] == "preempted":
-                print(f"preempted: checkpoint saved; exit {loop.PREEMPTED_EXIT_CODE}", flush=True)
+                print(f"preempted: checkpoint saved; exit {PREEMPTED_EXIT_CODE}", flush=True)
             elif len(history) >= 2:
                 print(f"held-out reward: step {history[0][0]} {history[0][1]:.3f} -> "
                       f"step {history[-1][0]} {history[-1][1]:.3f}", flush=True)
-        return loop.PREEMPTED_EXIT_CODE if result["status"] == "preempted" else 0
+        return PREEMPTED_EXIT_CODE if result["status"] == "preempted" else 0
 
 
 def _parity_watchdog(cfg: Config, run_dir: Path, *, eval_set=None, train_set=None):

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.step import loop
+from pipeline.signals import StopFlag
+from pipeline.step.rank0 import PhaseFailed
+from pipeline.step.step_guard import StepGuard
 
 from pipeline import relayed_errors
 from pipeline.scoring.data import DataError
@@ -18,19 +20,19 @@ class CustomDataError(DataError):
     pass
 
 
-class NoSignal(loop.StopFlag):
+class NoSignal(StopFlag):
     def any_rank(self) -> bool:  # one process: no collective
         return False
 
 
 def _raise_on_rank0(err):
     """What StepGuard does on every rank after rank 0's phase raised ``err``."""
-    guard = loop.StepGuard(NoSignal(), save=lambda *a: None, data_position=dict, start_step=0)
+    guard = StepGuard(NoSignal(), save=lambda *a: None, data_position=dict, start_step=0)
     guard.begin(1)
     desc = relayed_errors.describe(err)
     with pytest.raises(RelayedError) as info:
         with guard.before_update():
-            raise loop.PhaseFailed(f"evaluation: {desc['type']}: {desc['message']}", error=desc,
+            raise PhaseFailed(f"evaluation: {desc['type']}: {desc['message']}", error=desc,
                                    phase="evaluation")
     return info.value
 
