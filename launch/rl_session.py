@@ -16,12 +16,23 @@ import torch.distributed as dist
 
 from launch.session import Session
 from megatron_gspo.config import Config, ConfigError
+from pipeline.context import LoopContext
+from pipeline.generation.client import RolloutClient, router_workers
+from pipeline.generation.multiturn import ToolRollouts
+from pipeline.observe.metrics import MetricsLogger
+from pipeline.scoring.data import PromptSampler, build_datasets
+from pipeline.scoring.rewards import build_reward
+from pipeline.scoring.tasks import write_byte_tokenizer
+from pipeline.servers.cluster import LocalRolloutCluster
+from pipeline.servers.pool import ServerPool
 from pipeline.signals import PREEMPTED_EXIT_CODE
+from pipeline.sources.base import BatchSource
+from pipeline.sources.choice import make_source
+from pipeline.step import loop
+from pipeline.weights.parity import ParityWatchdog, draw_probe_prompts
 
 if TYPE_CHECKING:
     from megatron_gspo.train.rl_trainer import RLTrainer
-    from pipeline.context import LoopContext
-    from pipeline.sources.base import BatchSource
     from pipeline.weights.push import WeightPusher
 
 
@@ -50,8 +61,6 @@ def validate_rl(cfg: Config, *, on_gpu: Optional[bool] = None) -> None:
 
 
 def _server_urls_from_router(router_url: str) -> list[str]:
-    from pipeline.generation.client import router_workers
-
     return [w["url"] for w in router_workers(router_url)]
 
 
@@ -80,7 +89,6 @@ class RLSession(Session):
     # ---------------------------------------------------------------------------------------
     def run(self) -> int:
         """Build both sides, run the loop, export the final policy; returns the exit status."""
-        from pipeline.step import loop
         trainer, start_step, run_state = self.build_trainer()
         ctx = self.build_rollout(trainer, run_state)
         source = self.build_source(ctx, start_step, run_state)
@@ -111,9 +119,6 @@ class RLSession(Session):
         servers and the router it starts here; the other ranks get what every rank needs.
 
         Collective when the embedded servers need the initial policy exported first."""
-        from pipeline.context import LoopContext
-        from pipeline.observe.metrics import MetricsLogger
-
         cfg, run_dir = self.cfg, self.run_dir
         server_model = self._embedded_server_model(trainer)  # collective (every rank)
         common = dict(cfg=cfg, run_dir=str(run_dir), stop=self.stop, control_group=self.control)
@@ -121,16 +126,11 @@ class RLSession(Session):
             return LoopContext(**common, logger=MetricsLogger(run_dir, enabled=False),
                                     parity=_parity_watchdog(cfg, run_dir))
 
-        from pipeline.scoring.data import PromptSampler, build_datasets
-        from pipeline.scoring.rewards import build_reward
-        from pipeline.generation.client import RolloutClient
-
         train_set, eval_set = build_datasets(cfg.data, seed=cfg.run.seed)
         sampler = PromptSampler(train_set, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
         if run_state.get("sampler"):
             sampler.load_state_dict(run_state["sampler"])
         eval_prompts = [eval_set[i] for i in range(len(eval_set))] if eval_set else []
-        from pipeline.servers.pool import ServerPool
 
         cluster = None
         if cfg.rollout.mode == "embedded":
@@ -154,8 +154,6 @@ class RLSession(Session):
         encoder = train_set.encoder
         tools = None
         if cfg.tools.enabled():  # multi-turn trajectories: the sandbox's workers live for the run
-            from pipeline.generation.multiturn import ToolRollouts
-
             tools = ToolRollouts(cfg, encoder.encode_text)
             self.resources.callback(tools.close)
         return LoopContext(
@@ -174,8 +172,6 @@ class RLSession(Session):
         0 uses it); rank 0 restores the checkpoint's part of it, or refuses a checkpoint this mode
         cannot resume exactly (``pipeline.sources.base.resume_refusal``: a ConfigError naming both
         modes; the launcher refused it already, before the ranks started)."""
-        from pipeline.sources.choice import make_source
-
         source = make_source(ctx, start_step)
         if self.is_main:
             source.restore(run_state)
@@ -193,8 +189,6 @@ class RLSession(Session):
     def _start_local_servers(self, model_path: str):
         """Rank 0, embedded mode: the local rollout servers and the router, stopped on exit;
         returns the started ``LocalRolloutCluster``."""
-        from pipeline.servers.cluster import LocalRolloutCluster
-
         r = self.cfg.rollout
         # deterministic: one request at a time, and no prefix cache (which server cached what
         # depends on the history of the run; a resumed run starts with empty caches)
@@ -218,9 +212,9 @@ class RLSession(Session):
 
     # --- the weight sync: the trainer's HF buckets -> every rollout server -----------------------
     def build_weight_sync(self, server_urls: list[str]) -> WeightPusher:
-        """Every rank: the pusher of the trainer's HF buckets (``pipeline.step.phases.sync_weights``) to every
-        rollout server (rank 0's ``server_urls``, broadcast here); its update groups are closed
-        on exit."""
+        """Every rank: the pusher of the trainer's HF buckets (``pipeline.step.phases.
+        sync_weights``) to every rollout server (rank 0's ``server_urls``, broadcast here); its
+        update groups are closed on exit."""
         from pipeline.weights.push import WeightPusher
 
         rank0_urls = [server_urls if self.is_main else None]
@@ -256,7 +250,6 @@ def _parity_watchdog(cfg: Config, run_dir: Path, *, eval_set=None, train_set=Non
     datasets its probe prompts are drawn from (``pipeline.weights.parity``)."""
     if not cfg.parity.enabled:
         return None
-    from pipeline.weights.parity import ParityWatchdog, draw_probe_prompts
 
     prompts = (draw_probe_prompts(eval_set, train_set, cfg.parity.num_probes, cfg.run.seed)
                if train_set is not None else [])
@@ -274,8 +267,6 @@ def _export_policy(trainer, cfg: Config, out: Path):
         tokenizer_dir = str(Path(cfg.run.init_from) / "hf_config")
     path = export_hf_dir(trainer.gpt, cfg.model, trainer.pg, out, tokenizer_dir=tokenizer_dir)
     if dist.get_rank() == 0 and tokenizer_dir is None and cfg.data.task is not None:
-        from pipeline.scoring.tasks import write_byte_tokenizer
-
         write_byte_tokenizer(out)
     return path
 

@@ -78,8 +78,8 @@ class LoopContext:
     """Every rank, with parity.enabled: the watchdog run after every weight sync
     (``pipeline.step.phases.check_parity``); rank 0's holds the probe prompts."""
     tools: Optional[Any] = None
-    """Rank 0, ``tools`` configured: ``pipeline.generation.multiturn.ToolRollouts`` (every training and
-    evaluation sample a multi-turn trajectory); None: one prompt, one response."""
+    """Rank 0, ``tools`` configured: ``pipeline.generation.multiturn.ToolRollouts`` (every training
+    and evaluation sample a multi-turn trajectory); None: one prompt, one response."""
 
     # --- the run's mutable state
     server_urls: list[str] = field(default_factory=list)

@@ -38,7 +38,8 @@ from pipeline.sources.saved import decode_batch
 
 
 class RolloutProducer:
-    """Runs ``make(step) -> (batch, metrics)`` (``pipeline.sources.batch.rollout_phase``) on a thread.
+    """Runs ``make(step) -> (batch, metrics)`` (``pipeline.sources.batch.rollout_phase``) on a
+    thread.
 
     ``sampler_state``: the data position now (the sampler's ``state_dict``), read before each
     rollout draws its prompts (what a checkpoint holds when the rollout is not complete)."""

@@ -18,13 +18,15 @@ One step::
                 weights -> every rollout server, weight_version = step (then the KV cache back),
                 then source.weights_changed(step) (full: admit more groups)
     parity    = with parity.enabled: servers' and trainer's log-probs of fixed probes compared
-                (past the threshold: sync once more, check again, else stop; pipeline/weights/parity.py)
+                (past the threshold: sync once more, check again, else stop;
+                pipeline/weights/parity.py)
     eval      = every run.eval_interval steps: mean reward and pass@1 over n samples per prompt
     log       = metrics.jsonl / TensorBoard / one progress line
     save      = every run.save_interval steps, at the last step, and on SIGTERM / SIGINT / SIGUSR1
                 (then stop); then W&B / MLflow get the steps it covers (MetricsLogger.commit)
 
-What a failure or a stop signal does is decided in one place, ``pipeline.step.step_guard.StepGuard``.
+What a failure or a stop signal does is decided in one place,
+``pipeline.step.step_guard.StepGuard``.
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ def run(ctx: LoopContext, trainer: Trainer, *, start_step: int,
             waited: dict = {}
             evaluation: dict = {}
             with guard.after_update():
-                if cfg.rollout.colocated:  # weights first, then the sync fills them, then the KV cache
+                if cfg.rollout.colocated:  # weights, then the sync fills them, then the KV cache
                     on_main(ctx, resume_servers, ctx, ["weights"], what="resume server memory")
                 waited = on_main(ctx, source.before_weights_change, what="rollout of the next step")
                 sync = everywhere(sync_weights, ctx, trainer, str(step), what="weight sync")
