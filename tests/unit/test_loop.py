@@ -403,3 +403,53 @@ def test_a_signal_after_a_step_still_says_checkpoint_saved(tmp_path, capsys):
     RLSession._finish(SimpleNamespace(is_main=True, cfg=ctx.cfg, run_dir=tmp_path), None, result)
     out = capsys.readouterr().out
     assert "checkpoint saved (step 2)" in out and "preempted: checkpoint saved; exit 75" in out
+
+
+def test_the_step_drives_its_batch_source_through_the_protocol_only(tmp_path):
+    """The step knows no rollout mode: it calls the source's methods, in this order, around the
+    update and the weight sync (``pipeline.sources.base.BatchSource``)."""
+
+    class Source:
+        mode = "test"
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def restore(self, saved):
+            raise AssertionError("the loop never restores: the session does")
+
+        def start(self):
+            rec.events.append("start")
+
+        def next(self, step):
+            rec.events.append(f"next {step}")
+            return self.inner.next(step)
+
+        def before_weights_change(self):
+            rec.events.append("before change")
+            return {"trainer_wait_rollout_s": 0.25}
+
+        def weights_changed(self, version):
+            rec.events.append(f"changed {version}")
+
+        def state(self):
+            return self.inner.state()
+
+        def busy_s(self):
+            return 0.0
+
+        def close(self):
+            rec.events.append("close")
+
+    from pipeline.sources.choice import make_source
+
+    rec = Recorder()
+    ctx = _ctx(tmp_path, rec, FakeClient(rec), steps=2)
+    result = loop.run(ctx, FakeTrainer(rec), start_step=0, source=Source(make_source(ctx, 0)))
+    assert result["status"] == "finished"
+    assert rec.events == ["sync 0", "start",
+                          "next 1", "generate", "train 1", "before change", "sync 1", "changed 1",
+                          "next 2", "generate", "train 2", "before change", "sync 2", "changed 2",
+                          "save 2", "close"]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/trainer_wait_rollout_s"] for r in records] == [0.25, 0.25]
