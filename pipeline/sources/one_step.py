@@ -22,7 +22,9 @@ tensors and metrics are part of rank 0's run state (:meth:`state`, a safetensors
 ``run_state.json``) and the sampler's position is the one after its prompts, so a resumed run
 trains exactly the batch the uninterrupted run would have trained. A rollout that failed or was
 interrupted is not saved: the state then holds the sampler position from before its prompts and
-the resumed run makes it again (with the newer weights; said in docs/async.md).
+the resumed run makes it again (with the newer weights; said in docs/async.md). The batch is
+trained on resume under ``one_step`` or ``off``; ``full`` refuses the checkpoint before the ranks
+start (the resume matrix, ``pipeline.sources.base``).
 """
 
 from __future__ import annotations
