@@ -17,7 +17,7 @@ passed. The checks, in order (each uses the project's real code paths, nothing r
   rl_train_rollout               RLTrainer.train_rollout on a real rollout batch: the trainer's
                                  initial weights exported, one local rollout server started from
                                  them with its model on the device (--device), and
-                                 pipeline.step.loop.rollout_phase samples and scores it
+                                 pipeline.sources.batch.rollout_phase samples and scores it
   checkpoint_exact_resume        RLTrainer.save, then a second trainer .load: its weights equal
                                  the saved ones bit for bit, and one more update from each gives
                                  bit-identical weights (torch deterministic algorithms on; on
@@ -425,7 +425,9 @@ class Smoke:
 
         from megatron_gspo.hf.export import export_hf_dir
         from megatron_gspo.train.rl_trainer import RLTrainer
-        from pipeline.step import loop
+        from pipeline.context import LoopContext
+        from pipeline.signals import StopFlag
+        from pipeline.sources.batch import rollout_phase
         from pipeline.scoring.data import PromptSampler, build_datasets
         from pipeline.observe.metrics import MetricsLogger
         from pipeline.scoring.rewards import build_reward
@@ -449,12 +451,12 @@ class Smoke:
             if info.get("device") != self.device:
                 raise AssertionError(f"the rollout server runs on {info.get('device')}, "
                                      f"expected {self.device}")
-            ctx = loop.LoopContext(
+            ctx = LoopContext(
                 cfg=cfg, run_dir=str(run_dir), logger=MetricsLogger(run_dir, enabled=False),
-                stop=loop.StopFlag(), sampler=PromptSampler(train_set, seed=cfg.run.seed),
+                stop=StopFlag(), sampler=PromptSampler(train_set, seed=cfg.run.seed),
                 reward_fn=build_reward(cfg.reward, cfg.data), client=client,
                 decode=train_set.encoder.decode, stop_token_ids=[train_set.encoder.eos_id])
-            batch, rollout_metrics = loop.rollout_phase(ctx, 1)
+            batch, rollout_metrics = rollout_phase(ctx, 1)
         self.rl_batch = {k: v.clone() for k, v in batch.items()}
         metrics = trainer.train_rollout(batch, 1)
         for key in ("grad_norm", "entropy_mean", "rollout_trainer_logprob_abs_diff"):

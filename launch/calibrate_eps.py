@@ -45,7 +45,9 @@ from megatron_gspo.loss.gspo import sequence_log_ratio
 from megatron_gspo.loss.variants import OWN_RANGE_VARIANTS, clips_token_ratio
 from megatron_gspo.parallel import minimal_world_size
 from megatron_gspo.train.batching import select_rows
-from pipeline.step import loop
+from pipeline.sources.batch import rollout_phase
+from pipeline.step.phases import sync_weights
+from pipeline.step.rank0 import everywhere, on_main
 
 DEFAULT_TARGET = 0.10
 
@@ -120,8 +122,8 @@ def run_calibration(cfg: Config, session_cfg: Config, *, target: float, rollouts
         trainer, _, _ = session.build_trainer()
         ctx = session.build_rollout(trainer, {})
         ctx.weights = session.build_weight_sync(ctx.server_urls)
-        loop.everywhere(loop.sync_weights, ctx, trainer, "0", what="weight sync")
-        batches = [loop.on_main(ctx, loop.rollout_phase, ctx, r + 1, what="rollout")[0]
+        everywhere(sync_weights, ctx, trainer, 0, what="weight sync")
+        batches = [on_main(ctx, rollout_phase, ctx, r + 1, what="rollout")[0]
                    for r in range(rollouts)]
         rows = batches[0]["tokens"].shape[0]
         size = rows // cfg.gspo.updates_per_rollout

@@ -23,6 +23,8 @@ external router reachable (5 s)           note    yes     -       - (the job sta
 run directory writable (probed)           -       yes     yes     yes
 run directory not locked by a live run    -       yes     yes     yes
 ``--resume``: the checkpoint's model       -       yes     yes     -
+``--resume``: the checkpoint's rollout     -       yes     yes     -
+mode (``rollout.async``)
 ``run.loggers`` packages (wandb, mlflow)   -       yes     yes     -
 GPU-only limits (``validate_rl``)          -       yes     -       -
 apex wgrad kernel (with CUDA, when         -       yes     yes     -
@@ -45,6 +47,7 @@ run it themselves, every rank alike.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import tempfile
@@ -64,6 +67,7 @@ from pipeline.observe.trackers import check_installed
 from pipeline.scoring.data import DataError, build_datasets
 from pipeline.scoring.rewards import build_reward
 from pipeline.scoring.tasks import TASKS
+from pipeline.sources.base import check_resume as check_source_resume
 
 Program = Literal["config", "train", "sft", "launch slurm"]
 ROUTER_TIMEOUT_S = 5.0
@@ -146,7 +150,9 @@ def check_resume(cfg: Config) -> None:
     model field (``megatron_gspo.train.checkpoint.model_changes``: sizes, experts, vocabulary,
     ...) or a vocabulary this tensor parallelism pads differently is a ``ConfigError`` naming the
     fields and both values. A changed parallel layout is fine (the ranks reshard the checkpoint
-    and say so); no checkpoint, or one written before checkpoints recorded their model, passes."""
+    and say so); no checkpoint, or one written before checkpoints recorded their model, passes.
+    Its run state must be one this ``rollout.async`` resumes exactly
+    (:func:`check_rollout_resume`)."""
     found = resume_candidate(cfg.run.output_dir)
     if found is None:
         return
@@ -154,6 +160,19 @@ def check_resume(cfg: Config) -> None:
     refusal = resume_refusal(path, manifest, cfg.model, cfg.parallel.tensor)
     if refusal is not None:
         raise ConfigError(refusal)
+    check_rollout_resume(cfg, path)
+
+
+def check_rollout_resume(cfg: Config, checkpoint: Path) -> None:
+    """``--resume``: the checkpoint's ``run_state.json`` must be one that ``rollout.async``
+    resumes exactly (``pipeline.sources.base.resume_refusal``: e.g. a ``full`` stream's groups
+    are refused by the other modes); a ``ConfigError`` naming both modes, before any rank
+    starts. A checkpoint without a readable ``run_state.json`` is left to the ranks."""
+    try:
+        run_state = json.loads((checkpoint / "run_state.json").read_text())
+    except (OSError, ValueError):
+        return
+    check_source_resume(run_state, cfg.rollout.async_)
 
 
 def check_writable(run_dir: str | os.PathLike) -> None:

@@ -30,7 +30,7 @@ from typing import Optional
 
 STATUS_DIR_ENV = "MEGATRON_GSPO_STATUS_DIR"
 PREEMPTED = 75
-"""``pipeline.step.loop.PREEMPTED_EXIT_CODE`` (this module imports no torch)."""
+"""``pipeline.signals.PREEMPTED_EXIT_CODE`` (this module imports no torch)."""
 
 
 def status_dir() -> Optional[Path]:
@@ -136,7 +136,7 @@ def outcome(directory: Path, *, world_size: int, agent_code: int, command: str,
         if agent_code == 0:
             return Outcome(0)
         # every rank finished (0): a stop signal came during the last step, too late to stop
-        # it (pipeline.step.loop.StepGuard finishes the last step and exports the policy); torchrun,
+        # it (pipeline.step.step_guard.StepGuard finishes the last step and exports the policy); torchrun,
         # stopped by the signal itself, exits 128 + N. The run is complete: 0, nothing to resume
         return Outcome(0, f"{prefix}: the run finished (the stop signal came during its last "
                           "step); nothing to resume")

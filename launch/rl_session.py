@@ -17,12 +17,24 @@ import torch.distributed as dist
 from launch.session import Session
 from megatron_gspo.collectives import broadcast
 from megatron_gspo.config import Config, ConfigError
+from pipeline.context import LoopContext
+from pipeline.generation.client import RolloutClient, router_workers
 from pipeline.generation.generator import SingleTurnGenerator
 from pipeline.generation.multiturn import ToolGenerator
+from pipeline.observe.metrics import MetricsLogger
+from pipeline.scoring.data import PromptSampler, build_datasets
+from pipeline.scoring.rewards import build_reward
+from pipeline.scoring.tasks import write_byte_tokenizer
+from pipeline.servers.cluster import LocalRolloutCluster
+from pipeline.servers.pool import ServerPool
+from pipeline.signals import PREEMPTED_EXIT_CODE
+from pipeline.sources.base import BatchSource
+from pipeline.sources.choice import make_source
+from pipeline.step import loop
+from pipeline.weights.parity import ParityWatchdog, draw_probe_prompts
 
 if TYPE_CHECKING:
     from megatron_gspo.train.rl_trainer import RLTrainer
-    from pipeline.step.loop import LoopContext
     from pipeline.weights.push import WeightPusher
 
 
@@ -36,22 +48,6 @@ def weight_pusher_options(r, run_dir: Path) -> dict:
                 full_every=sync.full_every,
                 # full: requests in flight live through the update and continue on the new weights
                 pause_mode="retract" if r.async_ == "full" else "abort")
-
-
-def _stream_state(cfg: Config, run_state: dict) -> Optional[dict]:
-    """The ``rollout.async: full`` stream a checkpoint holds (None: none); a run resumed in
-    another mode would lose its groups: refused, naming the field."""
-    from pipeline.sources.stream import STREAM_KEY
-
-    state = run_state.get(STREAM_KEY)
-    if state is not None and cfg.rollout.async_ != "full":
-        raise ConfigError(
-            f"rollout.async: {cfg.rollout.async_}: the checkpoint was written by a "
-            f"rollout.async: full run and holds {len(state['complete'])} complete groups, "
-            f"{len(state.get('partial', []))} groups stopped in flight and "
-            f"{len(state['pending'])} prompts queued, which another mode would not train; "
-            "resume it with rollout.async: full")
-    return state
 
 
 def validate_rl(cfg: Config, *, on_gpu: Optional[bool] = None) -> None:
@@ -68,8 +64,6 @@ def validate_rl(cfg: Config, *, on_gpu: Optional[bool] = None) -> None:
 
 
 def _server_urls_from_router(router_url: str) -> list[str]:
-    from pipeline.generation.client import router_workers
-
     return [w["url"] for w in router_workers(router_url)]
 
 
@@ -98,11 +92,11 @@ class RLSession(Session):
     # ---------------------------------------------------------------------------------------
     def run(self) -> int:
         """Build both sides, run the loop, export the final policy; returns the exit status."""
-        from pipeline.step import loop
         trainer, start_step, run_state = self.build_trainer()
         ctx = self.build_rollout(trainer, run_state)
+        source = self.build_source(ctx, start_step, run_state)
         ctx.weights = self.build_weight_sync(ctx.server_urls)
-        result = loop.run(ctx, trainer, start_step=start_step)
+        result = loop.run(ctx, trainer, start_step=start_step, source=source)
         return self._finish(trainer, result)
 
     def build_trainer(self) -> tuple[RLTrainer, int, dict]:
@@ -128,26 +122,18 @@ class RLSession(Session):
         servers and the router it starts here; the other ranks get what every rank needs.
 
         Collective when the embedded servers need the initial policy exported first."""
-        from pipeline.step import loop
-        from pipeline.observe.metrics import MetricsLogger
-
         cfg, run_dir = self.cfg, self.run_dir
         server_model = self._embedded_server_model(trainer)  # collective (every rank)
         common = dict(cfg=cfg, run_dir=str(run_dir), stop=self.stop, control_group=self.control)
         if not self.is_main:
-            return loop.LoopContext(**common, logger=MetricsLogger(run_dir, enabled=False),
+            return LoopContext(**common, logger=MetricsLogger(run_dir, enabled=False),
                                     parity=_parity_watchdog(cfg, run_dir))
-
-        from pipeline.scoring.data import PromptSampler, build_datasets
-        from pipeline.scoring.rewards import build_reward
-        from pipeline.generation.client import RolloutClient
 
         train_set, eval_set = build_datasets(cfg.data, seed=cfg.run.seed)
         sampler = PromptSampler(train_set, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
         if run_state.get("sampler"):
             sampler.load_state_dict(run_state["sampler"])
         eval_prompts = [eval_set[i] for i in range(len(eval_set))] if eval_set else []
-        from pipeline.servers.pool import ServerPool
 
         cluster = None
         if cfg.rollout.mode == "embedded":
@@ -175,7 +161,7 @@ class RLSession(Session):
             self.resources.callback(generator.close)
         else:
             generator = SingleTurnGenerator(client)
-        return loop.LoopContext(
+        return LoopContext(
             generator=generator,
             **common, logger=logger, sampler=sampler,
             eval_prompts=eval_prompts if cfg.run.eval_interval else [],
@@ -184,9 +170,17 @@ class RLSession(Session):
                                    interrupted=lambda: self.stop.signum is not None),
             client=client, decode=encoder.decode,
             stop_token_ids=[encoder.eos_id], server_urls=list(server_urls), servers=pool,
-            parity=_parity_watchdog(cfg, run_dir, eval_set=eval_set, train_set=train_set),
-            rollout_buffer=run_state.get(loop.BUFFER_KEY),
-            rollout_stream=_stream_state(cfg, run_state))
+            parity=_parity_watchdog(cfg, run_dir, eval_set=eval_set, train_set=train_set))
+
+    def build_source(self, ctx: LoopContext, start_step: int, run_state: dict) -> BatchSource:
+        """The run's batch source, chosen once from ``rollout.async`` (every rank holds one, rank
+        0 uses it); rank 0 restores the checkpoint's part of it, or refuses a checkpoint this mode
+        cannot resume exactly (``pipeline.sources.base.resume_refusal``: a ConfigError naming both
+        modes; the launcher refused it already, before the ranks started)."""
+        source = make_source(ctx, start_step)
+        if self.is_main:
+            source.restore(run_state)
+        return source
 
     def _embedded_server_model(self, trainer: RLTrainer) -> Optional[str]:
         """The Hugging Face directory embedded servers load (None in external mode): run.init_from,
@@ -200,8 +194,6 @@ class RLSession(Session):
     def _start_local_servers(self, model_path: str):
         """Rank 0, embedded mode: the local rollout servers and the router, stopped on exit;
         returns the started ``LocalRolloutCluster``."""
-        from pipeline.servers.cluster import LocalRolloutCluster
-
         r = self.cfg.rollout
         # deterministic: one request at a time, and no prefix cache (which server cached what
         # depends on the history of the run; a resumed run starts with empty caches)
@@ -225,9 +217,9 @@ class RLSession(Session):
 
     # --- the weight sync: the trainer's HF buckets -> every rollout server -----------------------
     def build_weight_sync(self, server_urls: list[str]) -> WeightPusher:
-        """Every rank: the pusher of the trainer's HF buckets (``loop.sync_weights``) to every
-        rollout server (rank 0's ``server_urls``, broadcast here); its update groups are closed
-        on exit."""
+        """Every rank: the pusher of the trainer's HF buckets (``pipeline.step.phases.
+        sync_weights``) to every rollout server (rank 0's ``server_urls``, broadcast here); its
+        update groups are closed on exit."""
         from pipeline.weights.push import WeightPusher
 
         urls = broadcast(server_urls if self.is_main else None, group=self.control)
@@ -239,7 +231,6 @@ class RLSession(Session):
     # ---------------------------------------------------------------------------------------
     def _finish(self, trainer: RLTrainer, result: dict) -> int:
         """The final policy (a finished run; collective), the summary line, the exit status."""
-        from pipeline.step import loop
         if result["status"] == "finished":
             final = _export_policy(trainer, self.cfg, self.run_dir / "hf")
             if self.is_main:
@@ -249,13 +240,13 @@ class RLSession(Session):
             if result["status"] == "preempted" and not result.get("saved", True):
                 print(f"preempted before a step finished: no checkpoint saved (nothing done "
                       f"after step {result.get('start_step', 0)}); exit "
-                      f"{loop.PREEMPTED_EXIT_CODE}", flush=True)
+                      f"{PREEMPTED_EXIT_CODE}", flush=True)
             elif result["status"] == "preempted":
-                print(f"preempted: checkpoint saved; exit {loop.PREEMPTED_EXIT_CODE}", flush=True)
+                print(f"preempted: checkpoint saved; exit {PREEMPTED_EXIT_CODE}", flush=True)
             elif len(history) >= 2:
                 print(f"held-out reward: step {history[0][0]} {history[0][1]:.3f} -> "
                       f"step {history[-1][0]} {history[-1][1]:.3f}", flush=True)
-        return loop.PREEMPTED_EXIT_CODE if result["status"] == "preempted" else 0
+        return PREEMPTED_EXIT_CODE if result["status"] == "preempted" else 0
 
 
 def _parity_watchdog(cfg: Config, run_dir: Path, *, eval_set=None, train_set=None):
@@ -263,7 +254,6 @@ def _parity_watchdog(cfg: Config, run_dir: Path, *, eval_set=None, train_set=Non
     datasets its probe prompts are drawn from (``pipeline.weights.parity``)."""
     if not cfg.parity.enabled:
         return None
-    from pipeline.weights.parity import ParityWatchdog, draw_probe_prompts
 
     prompts = (draw_probe_prompts(eval_set, train_set, cfg.parity.num_probes, cfg.run.seed)
                if train_set is not None else [])
@@ -281,8 +271,6 @@ def _export_policy(trainer, cfg: Config, out: Path):
         tokenizer_dir = str(Path(cfg.run.init_from) / "hf_config")
     path = export_hf_dir(trainer.gpt, cfg.model, trainer.pg, out, tokenizer_dir=tokenizer_dir)
     if dist.get_rank() == 0 and tokenizer_dir is None and cfg.data.task is not None:
-        from pipeline.scoring.tasks import write_byte_tokenizer
-
         write_byte_tokenizer(out)
     return path
 

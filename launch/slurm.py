@@ -70,7 +70,7 @@ from megatron_gspo.config import Config, ConfigError, dump_config, load_config
 TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "slurm"
 PREEMPTED_EXIT_STATUS = 75
 """The trainer's exit status after it checkpointed on SIGTERM / SIGUSR1 (EX_TEMPFAIL, "requeue
-me"; ``pipeline.step.loop.PREEMPTED_EXIT_CODE``): the batch script requeues the job on it."""
+me"; ``pipeline.signals.PREEMPTED_EXIT_CODE``): the batch script requeues the job on it."""
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ themselves under torchrun (``launch.local.ensure_ranks``); :func:`run_ranks` is 
 * **Signals.** The launcher passes SIGTERM, SIGINT and SIGUSR1 on to torchrun (SIGHUP as
   SIGTERM) and waits for it; torchrun sends the signal to every rank's process group and waits
   (``--shutdown-timeout``, :data:`SHUTDOWN_TIMEOUT_S` unless TORCH_ELASTIC_SHUTDOWN_TIMEOUT is
-  set) while they finish their step and write the checkpoint (``pipeline.step.loop.StepGuard``).
+  set) while they finish their step and write the checkpoint (``pipeline.step.step_guard.StepGuard``).
   torchrun has a session of its own, so a Ctrl-C reaches it once, through the launcher; a
   ``killpg`` of torchrun's group, or of the launcher's, works the same way. A second SIGTERM,
   SIGINT or SIGHUP (a second Ctrl-C, a second ``kill``; one second or more after the first)

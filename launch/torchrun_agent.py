@@ -15,7 +15,7 @@ agent), with four changes:
   directly; a user presses Ctrl-C twice) would raise again inside the stop and leave the ranks,
   which are in sessions of their own, running without anyone waiting for them. Here only the
   first signal counts; later ones are logged. SIGHUP and SIGQUIT reach the ranks as SIGTERM, the
-  signal they checkpoint on (``pipeline.step.loop.StopFlag``).
+  signal they checkpoint on (``pipeline.signals.StopFlag``).
 * **Quiet.** torchrun's log (its warnings, and when a rank fails the ``ChildFailedError`` report
   with every rank's traceback) goes to ``<log dir>/torchrun.log``; the launcher prints the one
   root cause (``launch.rank_status``).

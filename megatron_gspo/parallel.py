@@ -119,7 +119,7 @@ def init_distributed(parallel: Optional[ParallelConfig] = None):
     Timeouts come from ``parallel`` (defaults of :class:`ParallelConfig` without one): every
     training group gets ``distributed_timeout_minutes`` (NCCL's watchdog on GPUs); the control
     group, gloo over the whole world, gets ``control_timeout_minutes``. Rank 0's rollout batches,
-    outcomes and the stop flag travel on it (``pipeline.step.loop.LoopContext.control_group``), so
+    outcomes and the stop flag travel on it (``pipeline.context.LoopContext.control_group``), so
     ranks 1..N wait for rank 0's long rollouts, evaluations and disk syncs in gloo, never inside
     an NCCL collective. When torch.distributed is already up (tests), only the control group is
     created. Collective: every rank calls it.

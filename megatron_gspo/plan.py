@@ -38,7 +38,7 @@ Besides the training ranks' GPU peak, the plan reports:
   (4 + 4 + 8). Without the gradient copy the estimate was 25% low (12 of 16 bytes); with
   ``gspo.routing_replay: rollout`` also the routed-experts tensor below;
 * the routing-replay batch tensor (``gspo.routing_replay: rollout``): int16 ``[rollout samples,
-  run.seq_length, layers, top-k]`` per step, built whole on rank 0 (``pipeline.step.loop.rollout_phase``);
+  run.seq_length, layers, top-k]`` per step, built whole on rank 0 (``pipeline.sources.batch.rollout_phase``);
   each other rank receives only the rows it trains on, 1/dp of it
   (``RLTrainer.scatter_routed_experts``: raw bytes, no pickling); printed with its size also
   when replay is off;

@@ -70,7 +70,7 @@ class RewardError(RuntimeError, InputError):
 
 class RewardInterrupted(RuntimeError):
     """A stop signal came while a reward was being computed: the reward was abandoned (its worker
-    killed) so that the rank can save its checkpoint and stop (``pipeline.step.loop.StepGuard``). Not
+    killed) so that the rank can save its checkpoint and stop (``pipeline.step.step_guard.StepGuard``). Not
     a ``RewardError``: ``reward.on_error`` does not apply."""
 
 
@@ -641,7 +641,7 @@ def build_reward(reward: "RewardConfig", data: "DataConfig", *,
                  interrupted: Optional[Callable[[], bool]] = None) -> RewardFn:
     """The reward function of a config's ``reward:`` (and ``data:``) sections.
 
-    ``interrupted``: the rank's "a stop signal came" (``pipeline.step.loop.StopFlag``); a user
+    ``interrupted``: the rank's "a stop signal came" (``pipeline.signals.StopFlag``); a user
     function's call (:class:`FunctionReward`) is abandoned as soon as it is true."""
     kind = reward_kind(reward, data)
     if kind == "function":

@@ -1,11 +1,12 @@
 """The rollout producer of ``rollout.async: one_step``: step n+1's rollout runs while step n trains.
 
-Rank 0 only. The loop (``pipeline.step.loop.run``) drives it once per step::
+Rank 0 only. The step (``pipeline.step.loop.run``) drives :class:`OneStepSource` once per step::
 
-    batch_n = producer.take()        # the batch made during step n-1 (or at the start)
-    producer.start(n + 1)            # a thread: prompts -> samples -> rewards -> batch n+1
+    source.next(n)                   # producer.take(n): the batch made during step n-1 (or now,
+                                     # at the start); producer.start(n + 1): a thread, prompts ->
+                                     # samples -> rewards -> batch n+1
     trainer.train_rollout(batch_n)   # meanwhile, on every rank
-    producer.wait()                  # batch n+1 is complete (made with the weights of n-1)
+    source.before_weights_change()   # producer.wait(): batch n+1 is complete (weights of n-1)
     sync_weights(version n)          # then the servers take the new weights
 
 So every sample of batch n+1 comes from the policy of step n-1: the trained policy is exactly one
@@ -21,24 +22,26 @@ tensors and metrics are part of rank 0's run state (:meth:`state`, a safetensors
 ``run_state.json``) and the sampler's position is the one after its prompts, so a resumed run
 trains exactly the batch the uninterrupted run would have trained. A rollout that failed or was
 interrupted is not saved: the state then holds the sampler position from before its prompts and
-the resumed run makes it again (with the newer weights; said in docs/async.md).
+the resumed run makes it again (with the newer weights; said in docs/async.md). The batch is
+trained on resume under ``one_step`` or ``off``; ``full`` refuses the checkpoint before the ranks
+start (the resume matrix, ``pipeline.sources.base``).
 """
 
 from __future__ import annotations
 
-import base64
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
-import torch
-
-BUFFER_KEY = "rollout_buffer"
-"""rank 0's run-state key of the finished batch of the next step."""
+from pipeline.context import LoopContext
+from pipeline.sources.base import BUFFER_KEY, check_resume
+from pipeline.sources.batch import rollout_phase
+from pipeline.sources.saved import decode_batch
 
 
 class RolloutProducer:
-    """Runs ``make(step) -> (batch, metrics)`` (``pipeline.step.loop.rollout_phase``) on a thread.
+    """Runs ``make(step) -> (batch, metrics)`` (``pipeline.sources.batch.rollout_phase``) on a
+    thread.
 
     ``sampler_state``: the data position now (the sampler's ``state_dict``), read before each
     rollout draws its prompts (what a checkpoint holds when the rollout is not complete)."""
@@ -114,7 +117,8 @@ class RolloutProducer:
     # --- checkpoints
     def state(self, sampler_now: Optional[dict]) -> dict:
         """Rank 0's run state: the sampler position and, when the next step's batch is complete,
-        that batch (its tensors: :func:`encode_batch` makes them JSON text when it is saved) and
+        that batch (its tensors: ``pipeline.sources.saved.checkpoint_json`` makes them JSON text when
+        it is saved) and
         its metrics."""
         if self._thread is None and self._result is not None:
             batch, metrics = self._result
@@ -130,18 +134,59 @@ class RolloutProducer:
         self._result = (decode_batch(buffer["batch"]), dict(buffer["metrics"]))
 
 
-def encode_batch(batch: dict[str, Any]) -> str:
-    """A batch of tensors as base64 safetensors (bit-exact; JSON-safe)."""
-    from safetensors.torch import save
+class OneStepSource:
+    """:class:`pipeline.sources.base.BatchSource` of ``rollout.async: one_step``: the producer,
+    making step n+1's batch while step n trains."""
 
-    bad = [k for k, v in batch.items() if not isinstance(v, torch.Tensor)]
-    if bad:
-        raise TypeError(f"rollout batch entries {bad} are not tensors")
-    tensors = {k: v.contiguous() for k, v in batch.items()}
-    return base64.b64encode(save(tensors)).decode("ascii")
+    mode = "one_step"
 
+    def __init__(self, ctx: LoopContext, start_step: int):
+        self._ctx = ctx
+        self._producer = RolloutProducer(
+            lambda n: rollout_phase(ctx, n), lambda: ctx.sampler.state_dict(),
+            timeout_s=60.0 * ctx.cfg.parallel.control_timeout_minutes)
+        self._busy_s = 0.0
 
-def decode_batch(text: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load
+    def restore(self, saved: dict) -> None:
+        check_resume(saved, self.mode)
+        if saved.get(BUFFER_KEY) is not None:
+            self._producer.restore(saved[BUFFER_KEY])
 
-    return load(base64.b64decode(text))
+    def start(self) -> None:
+        """The first rollout starts with the first step (:meth:`next`)."""
+
+    def next(self, step: int) -> tuple[dict, dict]:
+        """Step ``step``'s batch (made during the previous step, or now if none is pending: the
+        first step of a run, or a resume without a finished buffer); then the next step's
+        rollout begins, with the weights of the last sync."""
+        producer = self._producer
+        if producer.pending_step != step:
+            producer.start(step)
+            producer.wait()
+            self._busy_s += producer.busy_s
+        result = producer.take(step)
+        if step < self._ctx.cfg.run.num_steps:
+            producer.start(step + 1)
+        return result
+
+    def before_weights_change(self) -> dict:
+        """The next rollout uses the servers' weights: it ends before they change."""
+        t0 = time.monotonic()
+        running = self._producer.pending_step is not None
+        self._producer.wait()
+        if running:
+            self._busy_s += self._producer.busy_s
+        return {"trainer_wait_rollout_s": time.monotonic() - t0}
+
+    def weights_changed(self, version: int) -> None:
+        """The next rollout starts at the next step, with these weights."""
+
+    def state(self) -> dict:
+        return self._producer.state(self._ctx.sampler.state_dict())
+
+    def busy_s(self) -> float:
+        """The rollouts' own wall time, each counted when it is waited for."""
+        return self._busy_s
+
+    def close(self) -> None:
+        """A rollout still running is a daemon thread; its batch is not needed."""

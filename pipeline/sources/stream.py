@@ -2,8 +2,8 @@
 
 Rank 0 only. A thread runs an event loop that keeps prompt groups (G samples of one prompt) in
 flight on the rollout servers, scores each group as it completes and holds it in a buffer; the
-loop (``pipeline.step.loop.run``) takes the batch of each step from the buffer and pushes the new
-weights after every update without waiting for anything::
+step (``pipeline.step.loop.run``, through :class:`StreamSource`) takes the batch of each step from
+the buffer and pushes the new weights after every update without waiting for anything::
 
     version v = the weights the servers hold (the loop labels the weights after step k with k)
     admitted  = groups drawn and not yet trained (in flight, or complete in the buffer)
@@ -44,6 +44,7 @@ generated again on resume.
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 import time
 from collections import deque
@@ -51,13 +52,16 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
-from pipeline.generation.client import stream_seed
+import torch
+
+from megatron_gspo.loss.advantages import is_zero_std_group
+from pipeline.context import LoopContext
+from pipeline.generation.client import sampling_params, stream_seed
 from pipeline.generation.trajectory import RolloutResult, result_from_json, result_to_json
 from pipeline.generation.version import WeightVersion
 from pipeline.scoring.data import Prompt
-
-STREAM_KEY = "rollout_stream"
-"""rank 0's run-state key of the stream (``rollout.async: full``)."""
+from pipeline.sources.base import STREAM_KEY, check_resume
+from pipeline.sources.batch import build_batch, reward_metrics, routed_experts_shape, score_groups
 
 DIFFICULTIES = ("hard", "medium", "easy", "new")
 
@@ -524,3 +528,108 @@ def group_seed(run_seed: int, index: int, attempt: int) -> int:
     """The sampling seed base of the stream's group ``index`` on its ``attempt``-th try."""
     return stream_seed("full", run_seed, index, attempt)
 
+
+# ------------------------------------------------------------------ the batch source
+
+
+def stream_batch(ctx: LoopContext, stream: RolloutStream, step: int) -> tuple[dict, dict]:
+    """Rank 0, ``rollout.async: full``: step ``step``'s batch from the stream's oldest complete
+    groups (``pipeline.sources.stream``); ``rollout_s`` is how long the trainer waited for them."""
+    t0 = time.monotonic()
+    before = copy.deepcopy(stream.counts)
+    chosen = stream.take(step)
+    waited = time.monotonic() - t0
+    prompts = [g.prompt for g in chosen]
+    groups = [list(g.results) for g in chosen]
+    rewards = [x for g in chosen for x in g.rewards]
+    metrics = reward_metrics(rewards, ctx.cfg.gspo.group_size)
+    batch, more = build_batch(ctx, step, prompts, groups, rewards)
+    metrics.update(more)
+    metrics.update(step_metrics(before, stream.counts))
+    metrics.update(stream.snapshot())
+    metrics.update({"reward_failures": sum(g.failures for g in chosen), "rollout_s": waited,
+                    "admitted_version_min": float(min(g.admitted_version for g in chosen))})
+    return batch, metrics
+
+
+def make_stream(ctx: LoopContext, start_step: int) -> RolloutStream:
+    """Rank 0, ``rollout.async: full``: the rollout stream of this run (not started)."""
+    cfg = ctx.cfg
+    G = cfg.gspo.group_size
+    shape = routed_experts_shape(cfg)
+    sampling = sampling_params(cfg.rollout, ctx.stop_token_ids)
+    can_continue = ctx.generator.can_continue()
+
+    async def generate(prompt: Prompt, seed: int, rid_prefix: str) -> list:
+        groups = await ctx.generator.generate_async([prompt], G, sampling, seed=seed,
+                                                    rid_prefix=rid_prefix, routed_experts=shape)
+        return groups[0]
+
+    async def resume(prompt: Prompt, seed: int, rid_prefix: str, partial: list) -> list:
+        return await ctx.generator.continue_group(prompt, partial, sampling, seed=seed,
+                                                  rid_prefix=rid_prefix, routed_experts=shape)
+
+    def score(prompt: Prompt, results: list) -> tuple[list[float], int]:
+        return score_groups(ctx, [prompt], [results])
+
+    def informative(group) -> bool:  # dynamic sampling: all rewards equal carry no gradient
+        return not bool(is_zero_std_group(torch.tensor(group.rewards, dtype=torch.float64), G)[0])
+    stream = RolloutStream(
+        generate=generate, score=score, draw=lambda: ctx.sampler.next_batch(1)[0],
+        prompts_per_step=cfg.run.global_batch_size // G,
+        max_staleness=cfg.rollout.max_staleness, version=start_step, taken=start_step,
+        seed_of=lambda index, attempt: group_seed(cfg.run.seed, index, attempt),
+        keep=informative if cfg.gspo.dynamic_sampling else None,
+        # samples in flight at a checkpoint are continued from their output so far when the
+        # generator can (single turn); multi-turn trajectories are generated again (docs/async.md)
+        abort=ctx.generator.abort_all if can_continue else None,
+        resume=resume if can_continue else None,
+        timeout_s=60.0 * cfg.parallel.control_timeout_minutes)
+    return stream
+
+
+class StreamSource:
+    """:class:`pipeline.sources.base.BatchSource` of ``rollout.async: full``: the stream (made on
+    rank 0 at its first use: :meth:`restore` or :meth:`start`) and its batches."""
+
+    mode = "full"
+
+    def __init__(self, ctx: LoopContext, start_step: int):
+        self._ctx, self._start_step = ctx, start_step
+        self._stream: Optional[RolloutStream] = None
+
+    def _the_stream(self) -> RolloutStream:
+        if self._stream is None:
+            self._stream = make_stream(self._ctx, self._start_step)
+        return self._stream
+
+    def restore(self, saved: dict) -> None:
+        check_resume(saved, self.mode)
+        if saved.get(STREAM_KEY) is not None:
+            self._the_stream().restore(saved[STREAM_KEY])
+
+    def start(self) -> None:
+        """The stream generates from now on (after the first weight sync)."""
+        self._the_stream().start()
+
+    def next(self, step: int) -> tuple[dict, dict]:
+        return stream_batch(self._ctx, self._the_stream(), step)
+
+    def before_weights_change(self) -> dict:
+        """Requests in flight live through the update (the pusher pauses them with ``retract``)."""
+        return {}
+
+    def weights_changed(self, version: int) -> None:
+        """The servers hold ``version``'s weights: admit more groups."""
+        self._the_stream().set_version(version)
+
+    def state(self) -> dict:
+        return self._the_stream().state(self._ctx.sampler.state_dict)
+
+    def busy_s(self) -> float:
+        """Measured by the stream: time with a request on a server."""
+        return self._stream.busy_s() if self._stream is not None else 0.0
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()

@@ -7,7 +7,7 @@ broadcast on the control group (gloo, ``parallel.control_timeout_minutes``). Whi
 rank 0 may have them all take part in a weight sync (``RESYNC``: a rollout server it restarted
 needs the current weights, ``pipeline.servers.pool.SyncChannel``).
 
-``ctx`` is the loop's context (``pipeline.step.loop.LoopContext``): ``control_group``, and for the
+``ctx`` is the loop's context (``pipeline.context.LoopContext``): ``control_group``, and for the
 resync ``servers`` (its ``channel``), ``resync`` and ``weights_version``.
 """
 

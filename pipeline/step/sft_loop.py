@@ -11,7 +11,7 @@ run (``start_step`` and that ``run_state``, from ``trainer.load``) draws exactly
 uninterrupted run would have drawn. Every step logs ``train/lr``, the learning rate it used. After
 each checkpoint, and at the end, ``logger.commit`` hands the steps it covers to W&B / MLflow.
 
-Stop signals (``stop``, a ``pipeline.step.loop.StopFlag``: SIGTERM, SIGINT, SIGUSR1 to any rank): after
+Stop signals (``stop``, a ``pipeline.signals.StopFlag``: SIGTERM, SIGINT, SIGUSR1 to any rank): after
 each step every rank learns whether any rank was signalled (one tiny all-reduce); if so, every
 rank saves that step's checkpoint (whatever ``run.save_interval`` says, unless the step was just
 saved) and the loop returns with ``preempted`` set; ``sft --resume`` continues right after it.

@@ -1,7 +1,7 @@
 """Stand-ins for the GSPO loop's trainer, weight pusher and rollout client (no Megatron, no
 servers), for reliability tests of the loop's own bookkeeping: metrics on resume, server events.
 
-``loop_context(tmp_path, steps=..., ...)`` gives a :class:`pipeline.step.loop.LoopContext` on a world
+``loop_context(tmp_path, steps=..., ...)`` gives a :class:`pipeline.context.LoopContext` on a world
 of one (``world_of_one`` below: gloo over a HashStore) with the synthetic addition task.
 """
 
@@ -13,7 +13,8 @@ from typing import Optional
 import torch.distributed as dist
 
 from megatron_gspo.config import config_from_dict
-from pipeline.step import loop
+from pipeline.context import LoopContext
+from pipeline.signals import StopFlag
 from pipeline.scoring.data import PromptSampler, TaskPromptDataset
 from pipeline.observe.metrics import MetricsLogger
 from pipeline.scoring.rewards import build_reward
@@ -92,16 +93,16 @@ class FakeClient:
 
 
 def loop_context(tmp_path, *, steps: int, save_interval: int = 0, tensorboard: bool = False,
-                 client=None, pusher=None, **fields) -> loop.LoopContext:
+                 client=None, pusher=None, **fields) -> LoopContext:
     cfg = config_from_dict({
         "gspo": {"group_size": 4},
         "run": {"num_steps": steps, "global_batch_size": 8, "micro_batch_size": 4,
                 "seq_length": 16, "eval_interval": 0, "save_interval": save_interval},
     })
     dataset = TaskPromptDataset(AdditionTask(digits=2, seed=0))
-    return loop.LoopContext(
+    return LoopContext(
         cfg=cfg, run_dir=str(tmp_path), sampler=PromptSampler(dataset, seed=0),
         reward_fn=build_reward(cfg.reward, cfg.data), client=client or FakeClient(),
         decode=decode, stop_token_ids=[10],
         logger=MetricsLogger(tmp_path, enabled=True, tensorboard=tensorboard),
-        stop=loop.StopFlag(), weights=pusher or FakePusher(), **fields)
+        stop=StopFlag(), weights=pusher or FakePusher(), **fields)

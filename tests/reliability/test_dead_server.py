@@ -40,6 +40,9 @@ import pytest
 import torch.distributed as dist
 
 from pipeline.step import loop
+from pipeline.context import LoopContext
+from pipeline.step.phases import sync_weights
+from pipeline.step.rank0 import PhaseFailed, on_main
 from pipeline.generation.client import RolloutClient, SamplingParams, http_json
 from pipeline.servers.pool import ServerPool, ServerPoolError, SyncChannel
 from pipeline.servers.cluster import LocalRolloutCluster, RotatingLog
@@ -123,7 +126,7 @@ def prompts(n: int) -> list[list[int]]:
 
 
 class Trainer:
-    """The trainer's side of ``loop.sync_weights``: HF tensors as a bucket stream."""
+    """The trainer's side of ``sync_weights``: HF tensors as a bucket stream."""
 
     def __init__(self, weights: dict):
         self.weights = weights
@@ -184,8 +187,8 @@ def only_server_rollout(cluster, url: str, weights: dict, pusher, tmp_path):
                            max_concurrency=8, servers=pool)
     ctx = loop_context(tmp_path, steps=1, client=client, pusher=pusher, servers=pool)
     trainer = Trainer(weights)
-    ctx.resync = lambda version: loop.sync_weights(ctx, trainer, version)  # as loop.run
-    loop.sync_weights(ctx, trainer, 6)  # the server holds version 6
+    ctx.resync = lambda version: sync_weights(ctx, trainer, version)  # as loop.run
+    sync_weights(ctx, trainer, 6)  # the server holds version 6
     ctx.weights_version = 7  # what the trainer's weights are called now (a new label)
     return pool, client, ctx, trainer
 
@@ -207,7 +210,7 @@ def test_a_rollout_waits_for_its_only_server_to_come_back_synced(cluster, only_s
         killer = KillWhenBusy(cluster, 0, done=8)
         killer.start()
         t0 = time.monotonic()
-        groups = loop.on_main(ctx, lambda: client.generate_groups(
+        groups = on_main(ctx, lambda: client.generate_groups(
             prompts(8), 4, SamplingParams(max_new_tokens=48), seed=5))
         took = time.monotonic() - t0
         killer.join()
@@ -277,7 +280,7 @@ def test_full_mode_the_trainers_sync_reaches_a_server_the_stream_waits_for(clust
         assert killer.killed.is_set()
         time.sleep(2.0)  # "training": the stream's requests wait for a live server
         t0 = time.monotonic()
-        loop.sync_weights(ctx, trainer, 7)  # the loop's sync after the update
+        sync_weights(ctx, trainer, 7)  # the loop's sync after the update
         took = time.monotonic() - t0
         stream.set_version(7)
         groups = stream.take(7)
@@ -335,7 +338,7 @@ def test_external_mode_waits_for_the_router_to_have_a_server_again(cluster, only
 
     synced = []
 
-    def sync():  # what loop.sync_weights does with the pool around its push
+    def sync():  # what sync_weights does with the pool around its push
         members = pool.check()
         synced.append((members, pool.take_renewed()))
         pool.admit()
@@ -386,7 +389,7 @@ def _resync_protocol_rank(rank: int, store_path: str, out_dir: str) -> None:
                 raise RuntimeError("push failed")
 
         servers = type("Pool", (), {"channel": SyncChannel()})() if rank == 0 else None
-        ctx = loop.LoopContext(cfg=None, run_dir=out_dir, logger=None, stop=None,
+        ctx = LoopContext(cfg=None, run_dir=out_dir, logger=None, stop=None,
                                servers=servers, resync=resync)
         outcomes = []
         for version in ("5", "bad"):
@@ -401,8 +404,8 @@ def _resync_protocol_rank(rank: int, store_path: str, out_dir: str) -> None:
                     raise box[0]
                 return box[0]
             try:
-                outcomes.append(loop.on_main(ctx, phase, what="rollout"))
-            except loop.PhaseFailed as failed:
+                outcomes.append(on_main(ctx, phase, what="rollout"))
+            except PhaseFailed as failed:
                 outcomes.append(failed.message)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"calls": calls,
                                                                  "outcomes": outcomes}))

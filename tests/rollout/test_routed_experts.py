@@ -386,7 +386,9 @@ def test_batch_layout_unknown_samples_and_shape_errors():
 
 def test_rollout_phase_asks_for_them_only_with_rollout_replay_and_batches_them(tmp_path):
     from megatron_gspo.config import config_from_dict
-    from pipeline.step import loop
+    from pipeline.context import LoopContext
+    from pipeline.signals import StopFlag
+    from pipeline.sources.batch import rollout_phase
     from pipeline.scoring.data import PromptSampler, TaskPromptDataset
     from pipeline.observe.metrics import MetricsLogger
     from pipeline.scoring.rewards import build_reward
@@ -422,14 +424,14 @@ def test_rollout_phase_asks_for_them_only_with_rollout_replay_and_batches_them(t
             "run": {"num_steps": 1, "global_batch_size": 4, "micro_batch_size": 2,
                     "seq_length": 16, "eval_interval": 0, "save_interval": 0}})
         dataset = TaskPromptDataset(AdditionTask(digits=2, seed=0))
-        return loop.LoopContext(
+        return LoopContext(
             cfg=cfg, run_dir=str(tmp_path), sampler=PromptSampler(dataset, seed=0),
             reward_fn=build_reward(cfg.reward, cfg.data), client=Client(), decode=decode,
             stop_token_ids=[10], logger=MetricsLogger(tmp_path, enabled=False),
-            stop=loop.StopFlag())
+            stop=StopFlag())
 
     ctx = ctx_for("rollout")
-    batch, _ = loop.rollout_phase(ctx, 1)
+    batch, _ = rollout_phase(ctx, 1)
     assert ctx.client.asked == [(3, 2)]
     routed = batch["routed_experts"]
     assert routed.shape == (4, 16, 3, 2) and routed.dtype == torch.int16
@@ -440,7 +442,7 @@ def test_rollout_phase_asks_for_them_only_with_rollout_replay_and_batches_them(t
 
     for replay in ("none", "old"):
         ctx = ctx_for(replay)
-        batch, _ = loop.rollout_phase(ctx, 1)
+        batch, _ = rollout_phase(ctx, 1)
         assert ctx.client.asked == [None] and "routed_experts" not in batch
 
 

@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from megatron_gspo.config import ConfigError, config_from_dict, dump_config, load_config
-from pipeline.step.phases import staleness_metrics
-from pipeline.sources.one_step import BUFFER_KEY, RolloutProducer, decode_batch, encode_batch
+from pipeline.sources.base import BUFFER_KEY
+from pipeline.sources.batch import staleness_metrics
+from pipeline.sources.one_step import RolloutProducer
+from pipeline.sources.saved import decode_batch, encode_batch
 from pipeline.generation.client import RolloutResult
 from pipeline.generation.trajectory import Span
 from pipeline.generation.version import from_wire

@@ -26,7 +26,10 @@ from megatron_gspo.hf.hf_config import HFConfigError
 from megatron_gspo.train import checkpoint
 from pipeline.scoring.data import DataError
 from pipeline.scoring.rewards import RewardError
-from pipeline.step import loop, phases
+from pipeline.signals import StopFlag
+from pipeline.step import phases
+from pipeline.step.rank0 import everywhere, on_main
+from pipeline.step.step_guard import StepGuard
 from tests.distributed.spawn import run_on_ranks
 
 
@@ -34,13 +37,13 @@ class CustomDataError(DataError):
     pass
 
 
-class NoSignal(loop.StopFlag):
+class NoSignal(StopFlag):
     def any_rank(self) -> bool:  # no collective
         return False
 
 
-def _guard() -> loop.StepGuard:
-    guard = loop.StepGuard(NoSignal(), save=lambda *a: None, data_position=dict, start_step=0)
+def _guard() -> StepGuard:
+    guard = StepGuard(NoSignal(), save=lambda *a: None, data_position=dict, start_step=0)
     guard.begin(1)
     return guard
 
@@ -53,7 +56,7 @@ def _raise_on_rank0(err: BaseException) -> BaseException:
         raise err
     with pytest.raises(BaseException) as info:
         with _guard().before_update():
-            loop.on_main(ctx, phase, what="evaluation")
+            on_main(ctx, phase, what="evaluation")
     return info.value
 
 
@@ -141,17 +144,17 @@ def _input_error_mid_run_rank(rank: int, world: int) -> dict:
 
     def step():
         with _guard().before_update():
-            loop.on_main(ctx, rollout, what="rollout")
+            on_main(ctx, rollout, what="rollout")
 
     def sync():
         with _guard().after_update():
-            loop.everywhere(phases._pool_call, ctx, pool_check, what="weight sync")
+            everywhere(phases._pool_call, ctx, pool_check, what="weight sync")
 
     not_typed = type("Unimportable", (RewardError,), {})
 
     def remote():
         with _guard().before_update():
-            loop.on_main(ctx, lambda: (_ for _ in ()).throw(not_typed("reward.function: x")),
+            on_main(ctx, lambda: (_ for _ in ()).throw(not_typed("reward.function: x")),
                          what="evaluation")
 
     return {"on_main": _run_cli(step), "pool_call": _run_cli(sync), "remote": _run_cli(remote)}
@@ -178,7 +181,7 @@ def _crash_mid_run_rank(rank: int, world: int) -> tuple[int, str]:
 
     def step():
         with _guard().before_update():
-            loop.on_main(ctx, lambda: {}["step"], what="rollout")
+            on_main(ctx, lambda: {}["step"], what="rollout")
     return _run_cli(step)
 
 

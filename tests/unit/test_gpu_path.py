@@ -83,7 +83,8 @@ def _control_group_worker(rank, world, short_s, wait_s):
     with the training timeout (``short_s``) does not."""
     import torch.distributed as dist
 
-    from pipeline.step import loop, rank0
+    from pipeline.signals import StopFlag
+    from pipeline.step import rank0
 
     cfg = config_from_dict({"parallel": {"control_timeout_minutes": 5}})
     control = parallel.init_distributed(cfg.parallel)
@@ -97,7 +98,7 @@ def _control_group_worker(rank, world, short_s, wait_s):
 
     ctx = SimpleNamespace(control_group=control, servers=None, resync=None)  # no mid-phase resync
     outcome = rank0.run_on_rank0(ctx, slow)
-    stop = loop.StopFlag(group=control)
+    stop = StopFlag(group=control)
     if rank == 1:
         stop.signum = 15
     stopped = stop.any_rank()

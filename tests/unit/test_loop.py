@@ -21,6 +21,11 @@ import torch.distributed as dist
 from megatron_gspo.config import config_from_dict
 from megatron_gspo.errors import one_line
 from pipeline.step import loop
+from pipeline.context import LoopContext
+from pipeline.signals import PREEMPTED_EXIT_CODE, StopFlag
+from pipeline.sources.batch import MAX_DYNAMIC_SAMPLING_ROUNDS
+from pipeline.step.rank0 import PhaseFailed, everywhere
+from pipeline.step.step_guard import Preempted, StepGuard
 from pipeline.scoring.data import PromptSampler, TaskPromptDataset
 from pipeline.observe.metrics import MetricsLogger
 from pipeline.scoring.rewards import build_reward
@@ -73,7 +78,7 @@ class FakePusher:
 class FakeClient:
     """Answers every prompt with the right sum for the first half of each group."""
 
-    def __init__(self, rec: Recorder, fail_from_step: int | None = None, stop: loop.StopFlag = None):
+    def __init__(self, rec: Recorder, fail_from_step: int | None = None, stop: StopFlag = None):
         self.rec, self.calls, self.fail_from_step, self.stop = rec, 0, fail_from_step, stop
         self.requests = []  # (sampling params, base seed) of every call
 
@@ -105,7 +110,7 @@ class ControlServer:
     event text of one call) makes that call answer 500 and signal ``stop`` (Slurm stopping the
     job while the server goes down)."""
 
-    def __init__(self, rec: Recorder, *, fail: str | None = None, stop: loop.StopFlag = None):
+    def __init__(self, rec: Recorder, *, fail: str | None = None, stop: StopFlag = None):
         outer = rec
 
         class Handler(BaseHTTPRequestHandler):
@@ -143,12 +148,12 @@ def _ctx(tmp_path, rec, client, *, colocated=False, server_urls=(), stop=None, s
                 "seq_length": 16, "eval_interval": eval_interval, "save_interval": 0},
     })
     dataset = TaskPromptDataset(AdditionTask(digits=2, seed=0))
-    return loop.LoopContext(
+    return LoopContext(
         cfg=cfg, run_dir=str(tmp_path), sampler=PromptSampler(dataset, seed=0),
         eval_prompts=[dataset[i] for i in range(2)] if eval_interval else [],
         reward_fn=build_reward(cfg.reward, cfg.data), client=client, decode=decode,
         stop_token_ids=[10], logger=MetricsLogger(tmp_path, enabled=True, tensorboard=False),
-        stop=stop or loop.StopFlag(), server_urls=list(server_urls), weights=FakePusher(rec))
+        stop=stop or StopFlag(), server_urls=list(server_urls), weights=FakePusher(rec))
 
 
 def test_phases_in_order_and_advantages_from_rewards(tmp_path):
@@ -183,7 +188,7 @@ def test_colocated_servers_release_memory_around_training(tmp_path):
 
 def test_signal_with_servers_gone_checkpoints_the_last_consistent_step(tmp_path):
     rec = Recorder()
-    stop = loop.StopFlag()
+    stop = StopFlag()
     client = FakeClient(rec, fail_from_step=3, stop=stop)
     ctx = _ctx(tmp_path, rec, client, stop=stop, steps=5)
     trainer = FakeTrainer(rec)
@@ -198,7 +203,7 @@ def test_signal_with_servers_gone_checkpoints_the_last_consistent_step(tmp_path)
 
 def test_failure_without_a_signal_is_an_error(tmp_path):
     rec = Recorder()
-    client = FakeClient(rec, fail_from_step=2, stop=loop.StopFlag())
+    client = FakeClient(rec, fail_from_step=2, stop=StopFlag())
     client.stop = type("NoSignal", (), {"signum": None})()  # the failure sets no signal
     ctx = _ctx(tmp_path, rec, client, steps=3)
     with pytest.raises(ConnectionError, match="Cannot connect") as info:  # rank 0's, as its type
@@ -210,7 +215,7 @@ def test_a_failed_resume_after_the_update_under_a_signal_saves_the_trained_step(
     """The servers' weight memory cannot come back (Slurm is stopping them) AFTER step 1's update:
     step 1 is checkpointed (the trainer's weights are step 1's), without the sync."""
     rec = Recorder()
-    stop = loop.StopFlag()
+    stop = StopFlag()
     server = ControlServer(rec, fail="/resume_memory_occupation ['weights']", stop=stop)
     try:
         ctx = _ctx(tmp_path, rec, FakeClient(rec), colocated=True, server_urls=[server.url],
@@ -245,9 +250,9 @@ def test_generation_and_evaluation_sample_with_the_configured_params_and_named_s
 
 def test_rollout_seeds_are_distinct_for_every_step_round_and_run():
     seeds = {rollout_seed(run, step, round_) for run in (0, 1, 1234) for step in range(200)
-             for round_ in range(loop.MAX_DYNAMIC_SAMPLING_ROUNDS + 1)}
+             for round_ in range(MAX_DYNAMIC_SAMPLING_ROUNDS + 1)}
     seeds |= {eval_seed(run) for run in (0, 1, 1234)}
-    assert len(seeds) == 3 * 200 * (loop.MAX_DYNAMIC_SAMPLING_ROUNDS + 1) + 3
+    assert len(seeds) == 3 * 200 * (MAX_DYNAMIC_SAMPLING_ROUNDS + 1) + 3
     assert rollout_seed(1234, 5, 0) == rollout_seed(1234, 5, 0)  # a resumed run redraws them
     assert all(0 <= s < 2 ** 62 for s in seeds)
 
@@ -255,7 +260,7 @@ def test_rollout_seeds_are_distinct_for_every_step_round_and_run():
 # --- StepGuard: the failure / preemption rules on their own -------------------------------------
 
 
-class CountingStop(loop.StopFlag):
+class CountingStop(StopFlag):
     """A StopFlag that counts its collectives (each any_rank is one all-reduce)."""
 
     def __init__(self):
@@ -270,7 +275,7 @@ class CountingStop(loop.StopFlag):
 def _guard(start_step=0):
     saves, position = [], {"index": 0}
     stop = CountingStop()
-    guard = loop.StepGuard(stop, save=lambda step, pos: saves.append((step, dict(pos))),
+    guard = StepGuard(stop, save=lambda step, pos: saves.append((step, dict(pos))),
                            data_position=lambda: dict(position), start_step=start_step)
     return guard, stop, saves, position
 
@@ -280,11 +285,11 @@ def test_guard_failure_without_a_signal_is_an_error_naming_the_step():
     guard.begin(1)
     with pytest.raises(RuntimeError, match=r"^step 1: evaluation: ConnectionError: gone$"):
         with guard.before_update():
-            raise loop.PhaseFailed("evaluation: ConnectionError: gone")
+            raise PhaseFailed("evaluation: ConnectionError: gone")
     guard.begin(2)
     with pytest.raises(RuntimeError, match=r"^step 2: resume server memory: 500$"):
         with guard.after_update():
-            raise loop.PhaseFailed("resume server memory: 500")
+            raise PhaseFailed("resume server memory: 500")
     assert saves == []
 
 
@@ -293,7 +298,7 @@ def test_guard_failed_collective_without_a_signal_raises_its_own_error():
     guard.begin(1)
     with pytest.raises(OSError, match="disk full"):
         with guard.after_update():
-            loop.everywhere(lambda: (_ for _ in ()).throw(OSError("disk full")), what="weight sync")
+            everywhere(lambda: (_ for _ in ()).throw(OSError("disk full")), what="weight sync")
 
 
 def test_guard_signal_before_the_update_saves_the_previous_step_at_its_data_position():
@@ -304,9 +309,9 @@ def test_guard_signal_before_the_update_saves_the_previous_step_at_its_data_posi
     guard.begin(2)
     position["index"] = 4  # step 2 drew its prompts, then its rollout failed under a signal
     stop.signum = signal.SIGTERM
-    with pytest.raises(loop.Preempted, match="ConnectionError"):
+    with pytest.raises(Preempted, match="ConnectionError"):
         with guard.before_update():
-            raise loop.PhaseFailed("ConnectionError: gone")
+            raise PhaseFailed("ConnectionError: gone")
     assert saves == [(1, {"index": 2})]
 
 
@@ -317,14 +322,14 @@ def test_guard_signal_after_the_update_skips_the_rest_then_saves_this_step():
 
     def sync():
         stop.signum = signal.SIGTERM
-        raise loop.PhaseFailed("weight sync: refused")
+        raise PhaseFailed("weight sync: refused")
 
     with guard.after_update():
         sync()
         ran.append("eval")  # skipped
     assert ran == [] and guard.interrupted == "weight sync: refused"
     position["index"] = 2
-    with pytest.raises(loop.Preempted, match="weight sync: refused"):
+    with pytest.raises(Preempted, match="weight sync: refused"):
         guard.end(save_due=False, last=False)
     assert saves == [(1, {"index": 2})]
 
@@ -340,14 +345,14 @@ def test_guard_signal_at_the_last_step_finishes_with_the_checkpoint():
 def test_guard_never_saves_the_start_step_or_a_step_twice():
     guard, stop, saves, _ = _guard(start_step=3)
     stop.signum = signal.SIGTERM
-    with pytest.raises(loop.Preempted):
+    with pytest.raises(Preempted):
         guard.begin(4)  # signalled before anything was trained: the step-3 checkpoint stands
     assert saves == []
     guard, stop, saves, _ = _guard(start_step=3)
     guard.begin(4)
     guard.end(save_due=True, last=False)
     stop.signum = signal.SIGTERM
-    with pytest.raises(loop.Preempted, match="signal between steps"):
+    with pytest.raises(Preempted, match="signal between steps"):
         guard.begin(5)
     assert saves == [(4, {"index": 0})]  # saved when due, not again on the signal
 
@@ -373,26 +378,26 @@ def test_a_signal_during_start_up_does_not_claim_a_checkpoint(tmp_path, capsys, 
     from launch.rl_session import RLSession
 
     rec = Recorder()
-    stop = loop.StopFlag()
+    stop = StopFlag()
     stop.signum = signal.SIGTERM  # arrived while the session was starting
     ctx = _ctx(tmp_path, rec, FakeClient(rec), stop=stop, steps=5)
     result = loop.run(ctx, FakeTrainer(rec), start_step=start_step)
     assert result["status"] == "preempted" and result["saved"] is False
     assert not any(e.startswith("save") for e in rec.events)
     session = SimpleNamespace(is_main=True, cfg=ctx.cfg, run_dir=tmp_path)
-    assert RLSession._finish(session, None, result) == loop.PREEMPTED_EXIT_CODE
+    assert RLSession._finish(session, None, result) == PREEMPTED_EXIT_CODE
     out = capsys.readouterr().out
     assert "; checkpoint saved" not in out and "preempted: checkpoint saved" not in out, out
     assert f"no checkpoint saved (no step finished after step {start_step})" in out
     assert f"preempted before a step finished: no checkpoint saved (nothing done after step " \
-           f"{start_step}); exit {loop.PREEMPTED_EXIT_CODE}" in out
+           f"{start_step}); exit {PREEMPTED_EXIT_CODE}" in out
 
 
 def test_a_signal_after_a_step_still_says_checkpoint_saved(tmp_path, capsys):
     from launch.rl_session import RLSession
 
     rec = Recorder()
-    stop = loop.StopFlag()
+    stop = StopFlag()
     client = FakeClient(rec, fail_from_step=3, stop=stop)
     ctx = _ctx(tmp_path, rec, client, stop=stop, steps=5)
     result = loop.run(ctx, FakeTrainer(rec), start_step=0)
@@ -400,3 +405,53 @@ def test_a_signal_after_a_step_still_says_checkpoint_saved(tmp_path, capsys):
     RLSession._finish(SimpleNamespace(is_main=True, cfg=ctx.cfg, run_dir=tmp_path), None, result)
     out = capsys.readouterr().out
     assert "checkpoint saved (step 2)" in out and "preempted: checkpoint saved; exit 75" in out
+
+
+def test_the_step_drives_its_batch_source_through_the_protocol_only(tmp_path):
+    """The step knows no rollout mode: it calls the source's methods, in this order, around the
+    update and the weight sync (``pipeline.sources.base.BatchSource``)."""
+
+    class Source:
+        mode = "test"
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def restore(self, saved):
+            raise AssertionError("the loop never restores: the session does")
+
+        def start(self):
+            rec.events.append("start")
+
+        def next(self, step):
+            rec.events.append(f"next {step}")
+            return self.inner.next(step)
+
+        def before_weights_change(self):
+            rec.events.append("before change")
+            return {"trainer_wait_rollout_s": 0.25}
+
+        def weights_changed(self, version):
+            rec.events.append(f"changed {version}")
+
+        def state(self):
+            return self.inner.state()
+
+        def busy_s(self):
+            return 0.0
+
+        def close(self):
+            rec.events.append("close")
+
+    from pipeline.sources.choice import make_source
+
+    rec = Recorder()
+    ctx = _ctx(tmp_path, rec, FakeClient(rec), steps=2)
+    result = loop.run(ctx, FakeTrainer(rec), start_step=0, source=Source(make_source(ctx, 0)))
+    assert result["status"] == "finished"
+    assert rec.events == ["sync 0", "start",
+                          "next 1", "generate", "train 1", "before change", "sync 1", "changed 1",
+                          "next 2", "generate", "train 2", "before change", "sync 2", "changed 2",
+                          "save 2", "close"]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/trainer_wait_rollout_s"] for r in records] == [0.25, 0.25]

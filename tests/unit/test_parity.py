@@ -1,5 +1,5 @@
 """The parity watchdog's pure parts and its decision rule (``pipeline/weights/parity.py``,
-``pipeline.step.loop.check_parity``), with a stand-in trainer and servers on a world of one.
+``pipeline.step.phases.check_parity``), with a stand-in trainer and servers on a world of one.
 
 The real servers' answers are tested in tests/rollout/test_parity_server.py, a real session with
 a faithful and a perturbed server in tests/e2e/test_parity_watchdog.py.
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.config import ConfigError, config_from_dict
-from pipeline.step import loop
+from pipeline.step.phases import check_parity
 from pipeline.weights import parity
 from pipeline.scoring.data import TaskPromptDataset
 from pipeline.weights.parity import (ParityError, ParityResult, ParityWatchdog, Probe, gap_stats,
@@ -155,7 +155,7 @@ def _ctx(tmp_path, offsets):
 
 def test_a_gap_is_logged_and_nothing_is_resynced_below_the_threshold(tmp_path):
     ctx = _ctx(tmp_path, [1e-3])
-    metrics = loop.check_parity(ctx, Trainer(), 3)
+    metrics = check_parity(ctx, Trainer(), 3)
     assert metrics["parity/logprob_gap_mean"] == pytest.approx(1e-3)
     assert metrics["parity/servers"] == 2 and "parity/resyncs" not in metrics
     assert ctx.weights.pushes == []
@@ -163,7 +163,7 @@ def test_a_gap_is_logged_and_nothing_is_resynced_below_the_threshold(tmp_path):
 
 def test_one_resync_that_cures_the_gap(tmp_path):
     ctx = _ctx(tmp_path, [0.5, 1e-4])
-    metrics = loop.check_parity(ctx, Trainer(), 3)
+    metrics = check_parity(ctx, Trainer(), 3)
     assert ctx.weights.pushes == ["3"] and metrics["parity/resyncs"] == 1
     assert metrics["parity/logprob_gap_mean"] == pytest.approx(1e-4)
 
@@ -171,7 +171,7 @@ def test_one_resync_that_cures_the_gap(tmp_path):
 def test_a_gap_that_persists_stops_the_run_naming_gap_server_and_threshold(tmp_path):
     ctx = _ctx(tmp_path, [0.5, 0.25])
     with pytest.raises(ParityError) as err:
-        loop.check_parity(ctx, Trainer(), 3)
+        check_parity(ctx, Trainer(), 3)
     assert ctx.weights.pushes == ["3"]  # synced once more, then stopped
     message = str(err.value)
     assert message.startswith("rollout server http://127.0.0.1:1: mean per-token log-prob gap 0.25")
@@ -180,7 +180,7 @@ def test_a_gap_that_persists_stops_the_run_naming_gap_server_and_threshold(tmp_p
 
 def test_without_a_watchdog_nothing_is_checked(tmp_path):
     ctx = loop_context(tmp_path, steps=1)
-    assert loop.check_parity(ctx, Trainer(), 1) == {}
+    assert check_parity(ctx, Trainer(), 1) == {}
 
 
 def test_a_server_that_died_after_the_sync_is_counted_not_checked(tmp_path, capsys):

@@ -397,17 +397,17 @@ def test_the_loop_in_full_mode_trains_every_step_and_saves_the_stream(tmp_path):
 
 
 def test_a_full_mode_checkpoint_resumed_in_another_mode_is_refused():
-    from launch.rl_session import _stream_state
-    from megatron_gspo.config import ConfigError, config_from_dict
+    from megatron_gspo.config import ConfigError
+    from pipeline.sources.base import check_resume
 
     saved = {"rollout_stream": {"complete": [{}] * 3, "pending": [{}]}}
-    assert _stream_state(config_from_dict({"rollout": {"async": "full"}}), saved) is not None
+    check_resume(saved, "full")  # consumed
     with pytest.raises(ConfigError, match=r"rollout\.async: one_step: the checkpoint was written "
                                           r"by a rollout\.async: full run and holds 3 complete "
                                           r"groups, 0 groups stopped in flight and 1 prompts "
                                           r"queued"):
-        _stream_state(config_from_dict({"rollout": {"async": "one_step"}}), saved)
-    assert _stream_state(config_from_dict({}), {}) is None
+        check_resume(saved, "one_step")
+    check_resume({}, "off")  # a fresh start: nothing to refuse
 
 
 def test_a_continuation_joins_only_its_own_partial_sample():
