@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from bench.spawn import run_on_ranks
 from launch import cli
 from launch.run_lock import RunDirLocked
 from megatron_gspo import collectives
@@ -30,7 +31,6 @@ from pipeline.signals import StopFlag
 from pipeline.step import phases
 from pipeline.step.rank0 import everywhere, on_main
 from pipeline.step.step_guard import StepGuard
-from tests.distributed.spawn import run_on_ranks
 
 
 class CustomDataError(DataError):
