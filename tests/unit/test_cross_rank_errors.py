@@ -118,7 +118,7 @@ def _run_cli(body) -> tuple[int, str]:
     parser = argparse.ArgumentParser()
     parser.add_subparsers(dest="command").add_parser("train").set_defaults(
         func=lambda args, argv: body())
-    real, cli.build_parser = cli.build_parser, lambda: parser
+    real, cli.build_parser = cli.build_parser, lambda command=None: parser
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
