@@ -1263,14 +1263,12 @@ def _build(cls: type, data: Any, path: str) -> Any:
              f"{path}: {shown(data)} is a plain value, but {path} is a section now; write "
              f"{path}.{former}: {shown(data)}")
     _require(isinstance(data, dict), f"{path or 'config'}: expected a mapping, got {shown(data)}")
-    moved = getattr(cls, "MOVED_KEYS", {})
-    _require(not any(k in moved for k in data), "; ".join(
-        f"{prefix}{k}: moved to {prefix}{moved[k]}" for k in data if k in moved))
     hints = typing.get_type_hints(cls)
     names = {_yaml_key(cls, f.name): f.name for f in dataclasses.fields(cls)}
     moved = [k for k in data if k in getattr(cls, "MOVED_KEYS", {})]
     if moved:  # ``MOVED_KEYS``: old key -> its new place, dotted, within the same section
-        raise ConfigError("; ".join(f"{prefix}{k}: moved; write {prefix}{cls.MOVED_KEYS[k]}" for k in moved))
+        raise ConfigError("; ".join(f"{prefix}{k}: moved; write {prefix}{cls.MOVED_KEYS[k]}"
+                                    for k in moved))
     unknown = [k for k in data if k not in names]
     if unknown:
         raise ConfigError("; ".join(

@@ -29,7 +29,7 @@ def test_the_section_reads_every_field_and_resolves_senders():
 
 @pytest.mark.parametrize("name", FLAT)
 def test_a_flat_key_is_refused_naming_its_new_key(name):
-    with pytest.raises(ConfigError, match=rf"^rollout\.weight_sync_{name}: moved to "
+    with pytest.raises(ConfigError, match=rf"^rollout\.weight_sync_{name}: moved; write "
                                           rf"rollout\.weight_sync\.{name}$"):
         config_from_dict({"rollout": {f"weight_sync_{name}": None}})
     with pytest.raises(ConfigError, match=rf"rollout\.weight_sync\.{name}"):
