@@ -111,7 +111,7 @@ class WeightTable:
     def apply_update(self, full: dict[str, torch.Tensor],
                      deltas: dict[str, tuple[torch.Tensor, torch.Tensor]], *,
                      checksum: bool = False) -> Optional[str]:
-        """Full tensors and bf16 deltas (``weight_transport.delta_apply``); checked first, so a
+        """Full tensors and bf16 deltas (``pipeline.weights.transport.delta_apply``); checked first, so a
         bad update changes nothing. ``checksum``: returns :meth:`bucket_checksum` of every
         touched weight, each summed right after it is written (while its bytes are in cache)."""
         problems = self.check(full)
