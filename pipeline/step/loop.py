@@ -117,15 +117,8 @@ def run(ctx: LoopContext, trainer: Trainer, *, start_step: int,
                     metrics.update(evaluation)
                     history["eval/reward_mean"].append((step, evaluation["eval/reward_mean"]))
 
-            metrics["train/step_s"] = step_s = time.monotonic() - t0
-            # measured, not derived: the trainer idles whenever it is not in train_rollout; the
-            # servers are busy for what the source measured in this step's window
-            metrics["train/train_s"] = train_s
-            metrics["train/trainer_idle_frac"] = max(0.0, 1.0 - train_s / step_s)
-            busy = source.busy_s() - busy0
-            metrics["train/rollout_idle_frac"] = max(0.0, 1.0 - busy / step_s)
-            metrics.update({f"train/{k}": v for k, v in waited.items()})
-            metrics["train/batch_wait_s"] = t_batch - t0
+            step_s = time.monotonic() - t0
+            metrics.update(_timings(step_s, train_s, source.busy_s() - busy0, waited, t_batch - t0))
             progress = progress_line(cfg, step, rollout_metrics, train_metrics, evaluation, step_s)
             if is_main:
                 shown = step % cfg.run.log_interval == 0 or step == cfg.run.num_steps
@@ -134,18 +127,35 @@ def run(ctx: LoopContext, trainer: Trainer, *, start_step: int,
             guard.end(save_due=bool(cfg.run.save_interval) and step % cfg.run.save_interval == 0,
                       last=step == cfg.run.num_steps)
     except Preempted as why:
-        # a stop before any step of this run finished saves nothing (the start needs no
-        # checkpoint: a fresh run has none to write, a resumed one still has its own)
-        saved = guard.saved_step > start_step
-        if is_main:
-            print(f"stopping on signal ({why}); " + (
-                f"checkpoint saved (step {guard.saved_step})" if saved else
-                f"no checkpoint saved (no step finished after step {start_step})"), flush=True)
-        return {"status": "preempted", "history": history, "saved": saved,
-                "start_step": start_step}
+        return _preempted(why, guard.saved_step, start_step, history, is_main)
     finally:
         source.close()
     return {"status": "finished", "history": history}
+
+
+def _timings(step_s: float, train_s: float, busy_s: float, waited: dict,
+             batch_wait_s: float) -> dict:
+    """The step's time metrics: measured, not derived. The trainer idles whenever it is not in
+    ``train_rollout``; the servers are busy for ``busy_s``, what the source measured in this
+    step's window; ``waited``: the source's own (one_step: how long the trainer waited)."""
+    return {"train/step_s": step_s, "train/train_s": train_s,
+            "train/trainer_idle_frac": max(0.0, 1.0 - train_s / step_s),
+            "train/rollout_idle_frac": max(0.0, 1.0 - busy_s / step_s),
+            **{f"train/{k}": v for k, v in waited.items()},
+            "train/batch_wait_s": batch_wait_s}
+
+
+def _preempted(why: BaseException, saved_step: int, start_step: int, history: dict,
+               is_main: bool) -> dict:
+    """The run's result after a stop signal. A stop before any step of this run finished saves
+    nothing (the start needs no checkpoint: a fresh run has none to write, a resumed one still
+    has its own)."""
+    saved = saved_step > start_step
+    if is_main:
+        print(f"stopping on signal ({why}); " + (
+            f"checkpoint saved (step {saved_step})" if saved else
+            f"no checkpoint saved (no step finished after step {start_step})"), flush=True)
+    return {"status": "preempted", "history": history, "saved": saved, "start_step": start_step}
 
 
 def _first_sync(ctx: LoopContext, trainer: Trainer, start_step: int, history: dict) -> None:
