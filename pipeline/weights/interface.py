@@ -24,8 +24,9 @@ all-gathered, the error raised again at the end as its own type (:func:`failure_
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Executor
-from typing import Any, Callable, ClassVar, Optional, Protocol
+from typing import Any, ClassVar, Optional, Protocol
 
 import torch
 

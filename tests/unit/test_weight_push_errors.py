@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from bench.spawn import run_on_ranks
+from pipeline.generation import client
+from pipeline.weights.push import WeightPusher, WeightPushError
 
 URL = "http://server-a"
 RESUMED = ("; generation resumed on every server (weights may be half-updated: the next push is "
@@ -47,9 +49,6 @@ class _Stream:
 def _push_on_rank(rank: int, world_size: int, failing: str, failing_rank: int) -> dict:
     """One push with ``failing`` (a server path) answering HTTP 500 when called on
     ``failing_rank``: what the push raised on this rank, and the server calls it made."""
-    from pipeline.generation import client
-    from pipeline.weights.push import WeightPusher, WeightPushError
-
     calls: list[str] = []
 
     def http_json(method, url, body=None, *, timeout_s, headers=None):
