@@ -107,6 +107,9 @@ class RolloutError(RuntimeError):
         shown = f"HTTP {status}" if status is not None else "no HTTP answer"
         super().__init__(f"{url}: {shown}: {message}")
 
+    def __reduce__(self):  # it crosses ranks as itself (megatron_gspo.collectives.Failure)
+        return type(self), (self.url, self.status, self.message), self.__dict__
+
 
 def error_message(text: str) -> str:
     """The message of an SGLang error body, whichever of its shapes (protocol doc §1.3)."""

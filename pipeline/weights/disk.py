@@ -15,16 +15,14 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
 from pipeline.generation import client as rollout
 from pipeline.weights import transport as wt
-from pipeline.weights.interface import Transport
-
-if TYPE_CHECKING:
-    from pipeline.weights.push import SyncStats, WeightPusher
+from pipeline.weights.interface import Pusher, Transport
+from pipeline.weights.stats import SyncStats
 
 
 class DiskTransport(Transport):
@@ -33,7 +31,7 @@ class DiskTransport(Transport):
 
     supports_delta = False
 
-    def __init__(self, pusher: WeightPusher, *, shared_dir: Optional[str | Path],
+    def __init__(self, pusher: Pusher, *, shared_dir: Optional[str | Path],
                  keep_versions: int, spare_name: str):
         if shared_dir is None:
             raise ValueError("transport 'disk' needs shared_dir (a filesystem the servers read)")

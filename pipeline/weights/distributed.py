@@ -13,17 +13,16 @@ Inside a weight-update session (:class:`SessionTransport`).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.collectives import Failure, Outcome
 from pipeline.generation import client as rollout
 from pipeline.weights import transport as wt
-from pipeline.weights.interface import SessionTransport, all_gather, guard
-
-if TYPE_CHECKING:
-    from pipeline.weights.push import SyncStats, WeightPusher
+from pipeline.weights.interface import Pusher, SessionTransport, first_failure
+from pipeline.weights.stats import SyncStats
 
 
 class DistributedTransport(SessionTransport):
@@ -34,7 +33,7 @@ class DistributedTransport(SessionTransport):
 
     takes_turns = True
 
-    def __init__(self, pusher: WeightPusher, *, master_address: Optional[str], group_name: str,
+    def __init__(self, pusher: Pusher, *, master_address: Optional[str], group_name: str,
                  backend: Optional[str]):
         super().__init__(pusher)
         self.master_address = master_address
@@ -53,28 +52,27 @@ class DistributedTransport(SessionTransport):
                              f"pp_size {info.get('pp_size')} > 1 are not supported (their "
                              "update-group ranks are not tp_rank + rank_offset); use disk")
 
-    def connect(self, sources: list[int], stats: SyncStats) -> Optional[str]:
+    def connect(self, sources: list[int], stats: SyncStats) -> Optional[Failure]:
         """The update groups, on the first push (and after :meth:`reset`)."""
         if self._group_made:
             return None
         t0 = time.perf_counter()
-        error = self._make_groups(sources)
+        failure = self._make_groups(sources)
         stats.phases["init_groups_s"] = time.perf_counter() - t0
-        return error
+        return failure
 
-    def _make_groups(self, sources: list[int]) -> Optional[str]:
-        """One update group per source rank, made one after the other (collective)."""
-        error = None
+    def _make_groups(self, sources: list[int]) -> Optional[Failure]:
+        """One update group per source rank, made one after the other (collective); the first
+        failing source's failure, on every rank."""
         rank = dist.get_rank()
         tp = self.pusher.tp
         world = 1 + sum(tp)
         offsets = [1 + sum(tp[:i]) for i in range(len(tp))]
         for src in sources:
-            if rank == src and error is None:
-                error, _ = guard(self._make_group, world, offsets)
-            errors = [e for e in all_gather(error, self.pusher.group) if e is not None]
-            if errors:
-                return errors[0]
+            mine = Outcome.of(self._make_group, world, offsets).failure if rank == src else None
+            failure = first_failure(mine, self.pusher.group)
+            if failure is not None:
+                return failure
         self._group_made = True
         return None
 

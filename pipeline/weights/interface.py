@@ -13,51 +13,81 @@ calls it at the same points of every push (module docstring of :mod:`pipeline.we
 * per bucket, on its source rank, step 3: :meth:`Transport.send`;
 * rank 0, step 4: :meth:`Transport.end`, or :meth:`Transport.recover` after a failure.
 
-The cross-rank helpers (:func:`guard`, :func:`broadcast_from_rank0`, :func:`all_gather`) carry a
-step's outcome to every rank: a failure is a message string, re-raised on every rank as
-``WeightPushError``.
+A transport sees its pusher only through :class:`Pusher` (no import of the pusher's module).
+
+A step's outcome crosses ranks as the library's one cross-rank outcome protocol
+(:mod:`megatron_gspo.collectives`): an :class:`~megatron_gspo.collectives.Outcome`, or a
+:class:`~megatron_gspo.collectives.Failure` where only the error matters, broadcast or
+all-gathered, the error raised again at the end as its own type (:func:`failure_at`,
+:func:`first_failure`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import Any, ClassVar, Optional, Protocol
 
 import torch
-import torch.distributed as dist
 
+from megatron_gspo.collectives import Failure, all_gather
+from megatron_gspo.errors import RemoteError
 from pipeline.generation import client as rollout
-
-if TYPE_CHECKING:
-    from pipeline.weights.push import SyncStats, WeightPusher
+from pipeline.weights.stats import SyncStats
 
 
 # ---------------------------------------------------------------------------------- cross-rank
-def guard(fn, *args) -> tuple[Optional[str], Any]:
-    """(None, result) or (message, None): failures travel to every rank."""
-    try:
-        return None, fn(*args)
-    except Exception as err:  # noqa: BLE001 - re-raised on every rank
-        return f"{type(err).__name__}: {err}", None
+def failure_at(err: BaseException, where: str) -> Failure:
+    """``err`` as it crosses ranks, ``where`` (e.g. ``rank 1, bucket 3``) added as its note, so
+    that :func:`megatron_gspo.errors.one_line` of it reads ``rank 1, bucket 3: Type: message``
+    on every rank. An error that does not survive pickling crosses as a
+    :class:`~megatron_gspo.errors.RemoteError` that keeps the note too."""
+    err.add_note(where)
+    failure = Failure.of(err)
+    if failure.pickled is None:
+        remote = RemoteError.of(failure.kind, failure.message, failure.input_error)
+        remote.add_note(where)
+        failure = Failure.of(remote)
+    return failure
 
 
-def broadcast_from_rank0(obj, group):
-    """Rank 0's ``obj`` on every rank of ``group`` (None: the default group)."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
+def first_failure(failure: Optional[Failure], group) -> Optional[Failure]:
+    """Collective over ``group``: the failure of the first rank (in rank order) that has one,
+    the same on every rank (None: no rank failed)."""
+    return next((f for f in all_gather(failure, group) if f is not None), None)
 
 
-def all_gather(obj, group) -> list:
-    """Every rank's ``obj``, in rank order."""
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+class Pusher(Protocol):
+    """What a transport uses of the pusher that owns it (``WeightPusher``)."""
+
+    server_urls: list[str]
+    transport: str
+    """The transport's name (``rollout.weight_sync.transport``), for messages."""
+    timeout_s: float
+    """The bound of every HTTP call of a push."""
+    pool: Executor
+    """The pusher's thread pool (answers are collected bucket by bucket)."""
+    tp: Optional[list[int]]
+    """Per server, its TP size (``/server_info``, read at each push's start)."""
+    verify_now: bool
+    """This push verifies checksums (negotiated)."""
+    group: Any
+    """The process group of the push's control messages (None: the default group)."""
+
+    def each_server(self, fn: Callable[[str], Any]) -> list:
+        """``fn(url)`` for every server, concurrently; the results in server order."""
+
+    def headers(self, server_index: int) -> Optional[dict]:
+        """The negotiation header of a request to server ``server_index`` (None: plain SGLang)."""
+
+    def check(self, url: str, what: str, answer, expected: str) -> None:
+        """Raise unless every TP rank's checksum of ``what`` in ``answer`` is ``expected``."""
 
 
 # ---------------------------------------------------------------------------------- interface
 class Transport:
-    """How the buckets reach the servers. ``pusher``: the :class:`WeightPusher` that owns it
-    (its servers, their TP sizes, the negotiated extensions, the thread pool, the HTTP bound)."""
+    """How the buckets reach the servers. ``pusher``: the pusher that owns it (its servers, their
+    TP sizes, the negotiated extensions, the thread pool, the HTTP bound: :class:`Pusher`)."""
 
     takes_turns: ClassVar[bool] = False
     """The sources pass a turn token bucket by bucket (``WeightPusher._send_all``): needed where
@@ -65,7 +95,7 @@ class Transport:
     supports_delta: ClassVar[bool] = True
     """Whether the bf16 delta pushes (``delta``) can go over it."""
 
-    def __init__(self, pusher: WeightPusher):
+    def __init__(self, pusher: Pusher):
         self.pusher = pusher
 
     def check_server(self, url: str, info: dict) -> None:
@@ -74,9 +104,9 @@ class Transport:
     def begin(self, version: str) -> None:
         """Rank 0, step 1, after the pause and the negotiation: prepare the push."""
 
-    def connect(self, sources: list[int], stats: SyncStats) -> Optional[str]:
+    def connect(self, sources: list[int], stats: SyncStats) -> Optional[Failure]:
         """Every rank, step 2 (collective): whatever must exist before the first bucket; the
-        first rank's error, the same on every rank (None: ready)."""
+        first failing rank's failure, the same on every rank (None: ready)."""
         return None
 
     def send(self, bucket, version: str, wire: list[tuple[str, torch.Tensor]],
@@ -108,7 +138,7 @@ class SessionTransport(Transport):
     """A transport whose updates SGLang 0.5.23 accepts only inside a weight-update session
     (``/begin_weight_update`` ... ``/end_weight_update``): ``tensor`` and ``distributed``."""
 
-    def __init__(self, pusher: WeightPusher):
+    def __init__(self, pusher: Pusher):
         super().__init__(pusher)
         self.session_open = False  # rank 0: a weight-update session is open on the servers
 

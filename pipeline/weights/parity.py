@@ -48,6 +48,8 @@ import torch
 
 from megatron_gspo.config import Config
 from megatron_gspo.train.batching import rl_batch
+from pipeline.generation.client import RolloutError, SamplingParams, error_message, http_json
+from pipeline.scoring.tasks import PAD_ID
 
 if TYPE_CHECKING:
     from pipeline.scoring.data import Prompt
@@ -122,8 +124,6 @@ def score_request(rid: str, probe: Probe, *, routed_experts: bool = False) -> di
 def parse_score_response(body: Any, probe: Probe, url: str) -> list[float]:
     """The response tokens' log-probs from a /generate answer to :func:`score_request`: the last
     ``len(response)`` entries of ``input_token_logprobs``, their token ids checked."""
-    from pipeline.generation.client import RolloutError
-
     if isinstance(body, list) and len(body) == 1:
         body = body[0]
     n = len(probe.response_ids)
@@ -147,8 +147,6 @@ def score_on_server(url: str, probes: Sequence[Probe], *, timeout_s: float,
                     routed_experts: bool = False) -> tuple[list[list[float]], list[Any]]:
     """Every probe scored by the server at ``url``: (log-probs per probe, ``routed_experts`` per
     probe or None). One request per probe, sent straight to the server."""
-    from pipeline.generation.client import RolloutError, error_message, http_json
-
     tag = uuid.uuid4().hex[:10]
     values, routed = [], []
     for i, probe in enumerate(probes):
@@ -172,8 +170,6 @@ def score_on_server(url: str, probes: Sequence[Probe], *, timeout_s: float,
 
 def probe_batch(probes: Sequence[Probe], seq_length: int) -> dict[str, torch.Tensor]:
     """The probes as ``rl_batch`` rows (the trainer's input); ValueError if one does not fit."""
-    from pipeline.scoring.tasks import PAD_ID
-
     num = len(probes)
     try:
         return rl_batch([p.prompt_ids for p in probes], [p.response_ids for p in probes],
@@ -271,8 +267,6 @@ class ParityWatchdog:
             return self.probes
         if not self.prompts:
             raise ValueError("parity: no probe prompts on rank 0")
-        from pipeline.generation.client import SamplingParams
-
         sampling = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens,
                                   stop_token_ids=list(stop_token_ids))
         results = client.generate_sync([(f"parity-probe-{uuid.uuid4().hex[:8]}-{i}",
@@ -290,8 +284,6 @@ class ParityWatchdog:
 
     def server_scores(self, urls: Sequence[str], client, stop_token_ids) -> dict:
         """Rank 0: the probes and every server's scores of them (what is broadcast)."""
-        from pipeline.generation.client import RolloutError
-
         probes = self.ensure_probes(client, stop_token_ids)
         want_routing = self.routing_hook is not None
         scores, routed, unreachable = {}, {}, []

@@ -65,7 +65,10 @@ not the one last pushed (a restarted server).
 
 If anything fails, rank 0 closes the weight-update session, resumes generation on every server
 that still answers (their weights may be half-updated: the next push is a full one), and every
-rank raises the same :class:`WeightPushError`, naming the server and the call that failed.
+rank raises the same :class:`WeightPushError`, naming the server and the call that failed. Each
+step's outcome crosses ranks as the library's outcome protocol (``megatron_gspo.collectives``):
+rank 0 raises the error there, every other rank a copy of it, raised from a copy of the error
+behind it (its own type, e.g. ``RolloutError``).
 """
 
 from __future__ import annotations
@@ -73,18 +76,20 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.collectives import Failure, Outcome, all_gather, broadcast, on_rank0
+from megatron_gspo.errors import one_line
 from pipeline.generation import client as rollout
 from pipeline.weights import transport as wt
 from pipeline.weights.disk import DiskTransport
 from pipeline.weights.distributed import DistributedTransport
-from pipeline.weights.interface import Transport, all_gather, broadcast_from_rank0, guard
+from pipeline.weights.interface import Transport, failure_at
+from pipeline.weights.stats import SyncStats
 from pipeline.weights.tensor import TensorTransport
 
 TransportName = Literal["disk", "tensor", "distributed"]
@@ -113,37 +118,18 @@ class _Done:
 
 
 class WeightPushError(RuntimeError):
-    """The weight push failed; raised on every rank with the failing rank's message."""
+    """The weight push failed; raised on every rank alike (the same message, naming the server,
+    the call and the rank that failed). ``cause``: the failure behind it, which every rank
+    raises it from (``__cause__``: that error as its own type where it crosses ranks)."""
 
+    def __init__(self, message: str, cause: Optional[Failure] = None):
+        super().__init__(message)
+        self.cause = cause
 
-@dataclass
-class SyncStats:
-    weight_version: str
-    transport: str
-    num_tensors: int = 0
-    num_buckets: int = 0
-    bytes: int = 0
-    """Bytes of the full model (the weights the servers now hold)."""
-    wire_bytes: int = 0
-    """Bytes the sources sent (less than ``bytes`` for a delta push)."""
-    delta: bool = False
-    verified_buckets: int = 0
-    seconds_total: float = 0.0
-    seconds_gather: float = 0.0
-    """Time the source ranks waited for the gather (what did not overlap a send), max over ranks."""
-    seconds_send: float = 0.0
-    phases: dict = field(default_factory=dict)
-
-    @property
-    def gbytes_per_s(self) -> float:
-        return self.bytes / max(self.seconds_total, 1e-9) / 1e9
-
-    def metrics(self) -> dict:
-        """What the loop logs under ``sync/``."""
-        return {"seconds": self.seconds_total, "gbytes_per_s": self.gbytes_per_s,
-                "bytes": self.bytes, "wire_bytes": self.wire_bytes, "delta": float(self.delta),
-                "verified_buckets": self.verified_buckets,
-                "paused_s": float(self.phases.get("paused_s", 0.0))}
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)  # unpickled on another rank: raised from its cause there too
+        if getattr(self, "cause", None) is not None:
+            self.__cause__ = self.cause.error()
 
 
 def offered_extensions(info: dict) -> set[str]:
@@ -228,11 +214,12 @@ class WeightPusher:
                           num_tensors=stream.num_tensors, num_buckets=len(stream),
                           bytes=stream.total_bytes)
         # 1. pause, server info, full or delta
-        begin = None
-        if rank == 0:
-            begin = guard(self._begin, stream, stats)
-        error, info = broadcast_from_rank0(begin, self.group)
-        if error is None:
+        begin = Outcome.of(self._begin, stream, stats) if rank == 0 else None
+        shipped = broadcast(begin, self.group)
+        begin = begin if begin is not None else shipped
+        failure = begin.failure
+        if failure is None:
+            info = begin.value
             self.tp, full = info["tp"], info["full"]
             self._ext, self.verify_now = info["ext"], info["verify"]
             stats.delta = not full
@@ -240,18 +227,18 @@ class WeightPusher:
         else:
             full = True
         # 2. what the transport needs before the first bucket (update groups: first push)
-        if error is None:
-            error = self._transport.connect(stream.sources, stats)
+        if failure is None:
+            failure = self._transport.connect(stream.sources, stats)
         # 3. the buckets (the trainer's checksum summed per tensor during the gather, in cache)
-        if error is None and self.verify_now and hasattr(stream, "tensor_hook"):
+        if failure is None and self.verify_now and hasattr(stream, "tensor_hook"):
             stream.tensor_hook = _tensor_sums
         mine: dict[int, dict] = {}  # bucket index -> {"checksum", "shard", "wire"}
-        local_error = self._send_all(stream, version, full, mine, stats) if error is None \
+        local = self._send_all(stream, version, full, mine, stats) if failure is None \
             else self._drain(stream)
-        outcomes = all_gather((local_error, mine, stats.seconds_gather, stats.seconds_send),
+        outcomes = all_gather((local, mine, stats.seconds_gather, stats.seconds_send),
                               self.group)
-        errors = [e for e, _, _, _ in outcomes if e is not None]
-        error = error or (errors[0] if errors else None)
+        if failure is None:  # the first rank's, in rank order
+            failure = next((f for f, _, _, _ in outcomes if f is not None), None)
         buckets = {b: v for _, m, _, _ in outcomes for b, v in m.items()}
         stats.seconds_gather = max(o[2] for o in outcomes)
         stats.seconds_send = max(o[3] for o in outcomes)
@@ -260,20 +247,15 @@ class WeightPusher:
         for v in buckets.values():  # the servers' own timings (local-server extension), summed
             for key, sec in (v.get("timings") or {}).items():
                 stats.phases[f"server_{key}"] = stats.phases.get(f"server_{key}", 0.0) + sec
-        # 4. load from disk / close the session, tag the version, flush, continue
-        end = None
-        if rank == 0:
-            end = error if error is not None else \
-                guard(self._end, version, buckets, stats, stream)[0]
-            if end is not None:
-                end = self._recover(end)
-        final = broadcast_from_rank0((end, stats.verified_buckets, stats.phases), self.group)
-        if final[0] is not None:
+        # 4. load from disk / close the session, tag the version, flush, continue (rank 0)
+        try:
+            stats.verified_buckets, stats.phases = on_rank0(
+                self._finish, version, buckets, stats, stream, begin.raised, failure,
+                group=self.group)
+        except Exception:  # the same error on every rank: the next push is a full one
             self._last_ok = None
             self._base.clear()
-            raise WeightPushError(f"weight sync of version {version} to {self.server_urls} "
-                                  f"failed: {final[0]}")
-        stats.verified_buckets, stats.phases = final[1], final[2]
+            raise
         self._pushes += 1
         self._last_ok = version
         stats.seconds_total = time.perf_counter() - t_start
@@ -405,6 +387,20 @@ class WeightPusher:
         # what generation waited: from the pause request to the last server's continue
         stats.phases["paused_s"] = time.perf_counter() - self._paused_at
 
+    def _finish(self, version: str, buckets: dict, stats: SyncStats, stream,
+                raised: Optional[BaseException], failure: Optional[Failure]) -> tuple[int, dict]:
+        """Rank 0, step 4: :meth:`_end` unless an earlier step failed (``failure``; ``raised``:
+        the original error where it was raised on this rank); the push's verified buckets and
+        phases. After a failure, :meth:`_recover`, then :class:`WeightPushError` naming it."""
+        if failure is None:
+            end = Outcome.of(self._end, version, buckets, stats, stream)
+            failure, raised = end.failure, end.raised
+        if failure is None:
+            return stats.verified_buckets, stats.phases
+        cause = raised if raised is not None else failure.error()
+        raise WeightPushError(f"weight sync of version {version} to {self.server_urls} failed: "
+                              f"{self._recover(one_line(cause))}", failure) from cause
+
     def _recover(self, error: str) -> str:
         """Rank 0, after a failed step: close the session, resume generation on every server that
         answers; returns ``error`` with what recovery could not do."""
@@ -426,22 +422,26 @@ class WeightPusher:
         return None
 
     def _send_all(self, stream, version: str, full: bool, mine: dict, stats: SyncStats
-                  ) -> Optional[str]:
-        """Iterate the stream; send this rank's buckets. Returns this rank's first error."""
+                  ) -> Optional[Failure]:
+        """Iterate the stream; send this rank's buckets. Returns this rank's first failure (None
+        also where it stopped sending because an earlier bucket, another source's, failed: that
+        source reports it)."""
         rank = dist.get_rank()
         meta = stream.meta
         turns = self._transport.takes_turns
-        error: Optional[str] = None
+        failure: Optional[Failure] = None
+        behind = False  # an earlier bucket (another source's) failed: send nothing more
         pending: list = []  # (index, finish) of buckets whose answers are not in
 
         def settle(keep: int) -> None:
-            nonlocal error
+            nonlocal failure
             while len(pending) > keep:
                 index, finish = pending.pop(0)
                 try:
                     mine[index] = finish()
                 except Exception as err:  # noqa: BLE001 - reported like a send failure
-                    error = error or f"rank {rank}, bucket {index}: {type(err).__name__}: {err}"
+                    if failure is None:
+                        failure = failure_at(err, f"rank {rank}, bucket {index}")
 
         for bucket in stream:
             if bucket.source != rank:
@@ -451,27 +451,26 @@ class WeightPusher:
             if turns and prev != rank:  # wait for the previous bucket's source to finish
                 token = torch.zeros(1, dtype=torch.int64)
                 dist.recv(token, src=prev, group=self.group, tag=_TOKEN_TAG)
-                if token.item() and error is None:
-                    error = "an earlier bucket failed"
-            if error is None:
+                behind = behind or bool(token.item())
+            if failure is None and not behind:
                 try:
                     pending.append((bucket.index, self._send_bucket(bucket, version, full)))
                 except Exception as err:  # noqa: BLE001 - keep draining the gathers, then raise
-                    error = f"rank {rank}, bucket {bucket.index}: {type(err).__name__}: {err}"
+                    failure = failure_at(err, f"rank {rank}, bucket {bucket.index}")
                 # Every server's answer to this bucket before the next request leaves (from this
                 # source or, through the token, the next): the order is the stream's by
                 # construction, not by the timing of host threads (module docstring, step 3).
                 settle(0)
             nxt = meta[bucket.index + 1].source if bucket.index + 1 < len(meta) else rank
             if turns and nxt != rank:
-                dist.send(torch.tensor([int(error is not None)]), dst=nxt, group=self.group,
-                          tag=_TOKEN_TAG)
+                dist.send(torch.tensor([int(failure is not None or behind)]), dst=nxt,
+                          group=self.group, tag=_TOKEN_TAG)
             stats.seconds_send += time.perf_counter() - t0
         t0 = time.perf_counter()
         settle(0)
         stats.seconds_send += time.perf_counter() - t0
         stats.seconds_gather = getattr(stream, "seconds_waited", 0.0)
-        return error
+        return failure
 
     def _send_bucket(self, bucket, version: str, full: bool):
         """Send one bucket; returns ``finish()``, which waits for the servers' answers, checks
