@@ -21,8 +21,9 @@ values (padded vocabulary, data-parallel size) are computed by functions, never 
 Every check that the file alone decides runs when it is loaded, in ``Config.__post_init__`` (one
 section's fields in that section's ``__post_init__``, cross-section ones in the ``validate_*``
 functions of :mod:`~megatron_gspo.config.validate` it calls), so ``megatron-gspo config``,
-``launch slurm``, ``sft`` and ``train`` accept and reject the same files with the same message. The one check that needs the world size (the data-parallel
-split of a batch) is :func:`validate_data_parallel`, called where the world is known.
+``launch slurm``, ``sft`` and ``train`` accept and reject the same files with the same message.
+The one check that needs the world size (the data-parallel split of a batch) is
+:func:`validate_data_parallel`, called where the world is known.
 
 The modules: ``checks`` (:class:`ConfigError`), the sections by concern (``model``: model and
 parallel; ``gspo``; ``rollout``: rollout, its weight sync, parity; ``run``: optim and run;

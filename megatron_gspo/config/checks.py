@@ -9,6 +9,7 @@ class ConfigError(ValueError, InputError):
     """An invalid configuration; the message names the field (``section.key``) and the fix."""
 
 
-def _require(condition: bool, message: str) -> None:
+def require(condition: bool, message: str) -> None:
+    """Raise :class:`ConfigError` with ``message`` unless ``condition`` holds."""
     if not condition:
         raise ConfigError(message)

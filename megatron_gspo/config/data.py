@@ -8,7 +8,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from megatron_gspo.config.checks import _require
+from megatron_gspo.config.checks import require
 
 
 @dataclass(kw_only=True, slots=True)
@@ -58,25 +58,25 @@ class DataConfig:
     """Count and report malformed rows instead of stopping at the first one (never silent)."""
 
     def __post_init__(self) -> None:
-        _require(1 <= self.digits <= 32, f"data.digits: must be in [1, 32], got {self.digits}")
-        _require(self.num_eval_prompts is None or self.num_eval_prompts >= 1,
-                 f"data.num_eval_prompts: must be >= 1 (or null for all rows of data.eval_path), "
-                 f"got {self.num_eval_prompts}")
-        _require((self.task is None) != (self.train_path is None),
-                 "data.task: exactly one of data.task and data.train_path must be set "
-                 f"(got task {self.task!r}, train_path {self.train_path!r}); "
-                 "write task: null to train on a prompt file")
+        require(1 <= self.digits <= 32, f"data.digits: must be in [1, 32], got {self.digits}")
+        require(self.num_eval_prompts is None or self.num_eval_prompts >= 1,
+                f"data.num_eval_prompts: must be >= 1 (or null for all rows of data.eval_path), "
+                f"got {self.num_eval_prompts}")
+        require((self.task is None) != (self.train_path is None),
+                "data.task: exactly one of data.task and data.train_path must be set "
+                f"(got task {self.task!r}, train_path {self.train_path!r}); "
+                "write task: null to train on a prompt file")
         if self.task is not None:
-            _require(self.num_eval_prompts is not None,
-                     f"data.num_eval_prompts: must be set for data.task {self.task!r}")
+            require(self.num_eval_prompts is not None,
+                    f"data.num_eval_prompts: must be set for data.task {self.task!r}")
             for name in ("eval_path", "tokenizer_dir"):
-                _require(getattr(self, name) is None,
-                         f"data.{name}: only used with data.train_path (data.task {self.task!r} "
-                         "generates its own byte-level prompts and eval split); unset it")
-        _require(bool(self.prompt_key and self.prompt_key.strip(".")),
-                 f"data.prompt_key: must name a field, got {self.prompt_key!r}")
-        _require(self.label_key is None or bool(self.label_key.strip(".")),
-                 f"data.label_key: must name a field or be null, got {self.label_key!r}")
+                require(getattr(self, name) is None,
+                        f"data.{name}: only used with data.train_path (data.task {self.task!r} "
+                        "generates its own byte-level prompts and eval split); unset it")
+        require(bool(self.prompt_key and self.prompt_key.strip(".")),
+                f"data.prompt_key: must name a field, got {self.prompt_key!r}")
+        require(self.label_key is None or bool(self.label_key.strip(".")),
+                f"data.label_key: must name a field or be null, got {self.label_key!r}")
 
 
 RewardKind = Literal["exact_match", "math", "addition", "carry_addition", "tool_addition",
@@ -117,18 +117,18 @@ class RewardConfig:
     it in the step's metrics."""
 
     def __post_init__(self) -> None:
-        _require(self.kind != "function" or bool(self.function),
-                 "reward.function: required when reward.kind is 'function' "
-                 "(\"package.module:function\" or \"file.py:function\")")
-        _require(self.function is None or ":" in self.function,
-                 f"reward.function: expected \"module:function\", got {self.function!r}")
-        _require(self.kind != "http" or bool(self.url),
-                 "reward.url: required when reward.kind is 'http'")
-        _require(self.url is None or self.url.startswith(("http://", "https://")),
-                 f"reward.url: expected an http:// or https:// URL, got {self.url!r}")
-        _require(self.timeout_s > 0, f"reward.timeout_s: must be > 0, got {self.timeout_s}")
-        _require(self.max_retries >= 0, f"reward.max_retries: must be >= 0, got {self.max_retries}")
-        _require(self.batch_size >= 1, f"reward.batch_size: must be >= 1, got {self.batch_size}")
+        require(self.kind != "function" or bool(self.function),
+                "reward.function: required when reward.kind is 'function' "
+                "(\"package.module:function\" or \"file.py:function\")")
+        require(self.function is None or ":" in self.function,
+                f"reward.function: expected \"module:function\", got {self.function!r}")
+        require(self.kind != "http" or bool(self.url),
+                "reward.url: required when reward.kind is 'http'")
+        require(self.url is None or self.url.startswith(("http://", "https://")),
+                f"reward.url: expected an http:// or https:// URL, got {self.url!r}")
+        require(self.timeout_s > 0, f"reward.timeout_s: must be > 0, got {self.timeout_s}")
+        require(self.max_retries >= 0, f"reward.max_retries: must be >= 0, got {self.max_retries}")
+        require(self.batch_size >= 1, f"reward.batch_size: must be >= 1, got {self.batch_size}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -174,14 +174,14 @@ class ToolsConfig:
 
     def __post_init__(self) -> None:
         for i, spec in enumerate(self.functions):
-            _require(":" in spec and all(spec.split(":", 1)),
-                     f"tools.functions[{i}]: expected \"package.module:function\", got {spec!r}")
-        _require(self.environment is None or ":" in self.environment,
-                 f"tools.environment: expected \"package.module:Class\", got {self.environment!r}")
-        _require(self.max_turns >= 1, f"tools.max_turns: must be >= 1, got {self.max_turns}")
-        _require(self.max_tokens is None or self.max_tokens >= 1,
-                 f"tools.max_tokens: must be >= 1, got {self.max_tokens}")
+            require(":" in spec and all(spec.split(":", 1)),
+                    f"tools.functions[{i}]: expected \"package.module:function\", got {spec!r}")
+        require(self.environment is None or ":" in self.environment,
+                f"tools.environment: expected \"package.module:Class\", got {self.environment!r}")
+        require(self.max_turns >= 1, f"tools.max_turns: must be >= 1, got {self.max_turns}")
+        require(self.max_tokens is None or self.max_tokens >= 1,
+                f"tools.max_tokens: must be >= 1, got {self.max_tokens}")
         for name in ("max_tool_time_s", "timeout_s"):
-            _require(getattr(self, name) > 0, f"tools.{name}: must be > 0, got {getattr(self, name)}")
+            require(getattr(self, name) > 0, f"tools.{name}: must be > 0, got {getattr(self, name)}")
         for name in ("memory_mb", "output_bytes", "workers"):
-            _require(getattr(self, name) >= 1, f"tools.{name}: must be >= 1, got {getattr(self, name)}")
+            require(getattr(self, name) >= 1, f"tools.{name}: must be >= 1, got {getattr(self, name)}")

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional
 
-from megatron_gspo.config.checks import _require
+from megatron_gspo.config.checks import require
 from megatron_gspo.loss.variants import (SEQUENCE_RANGE, SPECS, CispoParams, GmpoParams,
                                          SapoParams, Variant)
 
@@ -100,23 +100,23 @@ class GSPOConfig:
     def __post_init__(self) -> None:
         for name in ("eps_low", "eps_high", "token_eps_low", "token_eps_high"):
             value = getattr(self, name)
-            _require(0 < value < 1, f"gspo.{name}: must be in (0, 1), got {value}")
-        _require(0 < self.cispo.eps_low <= 1,
-                 f"gspo.cispo.eps_low: must be in (0, 1] (1: no lower bound), got {self.cispo.eps_low}")
+            require(0 < value < 1, f"gspo.{name}: must be in (0, 1), got {value}")
+        require(0 < self.cispo.eps_low <= 1,
+                f"gspo.cispo.eps_low: must be in (0, 1] (1: no lower bound), got {self.cispo.eps_low}")
         for section, name in (("cispo", "eps_high"), ("sapo", "tau_pos"), ("sapo", "tau_neg"),
                               ("gmpo", "log_eps_low"), ("gmpo", "log_eps_high")):
             value = getattr(getattr(self, section), name)
-            _require(value > 0 and math.isfinite(value), f"gspo.{section}.{name}: must be > 0, got {value}")
-        _require(self.group_size >= 2,
-                 f"gspo.group_size: must be >= 2 for group-relative advantages, got {self.group_size}")
-        _require(self.kl_coef >= 0, f"gspo.kl_coef: must be >= 0, got {self.kl_coef}")
-        _require(self.mismatch_cap >= 1, f"gspo.mismatch_cap: must be >= 1, got {self.mismatch_cap}")
-        _require(not (self.mismatch_correction and self.old_logprobs == "rollout"),
-                 "gspo.mismatch_correction: true needs gspo.old_logprobs: recompute (with the "
-                 "rollout's log-probs as pi_old, the bypass form, the weight is always 1); leave it "
-                 "unset or set it to false")
-        _require(self.updates_per_rollout >= 1,
-                 f"gspo.updates_per_rollout: must be >= 1, got {self.updates_per_rollout}")
+            require(value > 0 and math.isfinite(value), f"gspo.{section}.{name}: must be > 0, got {value}")
+        require(self.group_size >= 2,
+                f"gspo.group_size: must be >= 2 for group-relative advantages, got {self.group_size}")
+        require(self.kl_coef >= 0, f"gspo.kl_coef: must be >= 0, got {self.kl_coef}")
+        require(self.mismatch_cap >= 1, f"gspo.mismatch_cap: must be >= 1, got {self.mismatch_cap}")
+        require(not (self.mismatch_correction and self.old_logprobs == "rollout"),
+                "gspo.mismatch_correction: true needs gspo.old_logprobs: recompute (with the "
+                "rollout's log-probs as pi_old, the bypass form, the weight is always 1); leave it "
+                "unset or set it to false")
+        require(self.updates_per_rollout >= 1,
+                f"gspo.updates_per_rollout: must be >= 1, got {self.updates_per_rollout}")
 
     def uses_behaviour_weight(self) -> bool:
         """Whether the loss multiplies J_i by the behaviour weight m_i (mismatch_correction, None

@@ -17,8 +17,8 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-from megatron_gspo.config.checks import ConfigError, _require
-from megatron_gspo.config.root import Config, _yaml_key
+from megatron_gspo.config.checks import ConfigError, require
+from megatron_gspo.config.root import Config, yaml_key
 from megatron_gspo.config.yaml_load import MAX_SHOWN, YAMLLoadError, shown
 from megatron_gspo.config.yaml_load import load as load_yaml
 
@@ -34,13 +34,13 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         allowed = typing.get_args(tp)
         if value is False and "off" in allowed:
             value = "off"  # YAML 1.1 reads a bare off as false
-        _require(isinstance(value, str) == all(isinstance(a, str) for a in allowed)
-                 and value in allowed, f"{path}: {shown(value)} is not one of {list(allowed)}")
+        require(isinstance(value, str) == all(isinstance(a, str) for a in allowed)
+                and value in allowed, f"{path}: {shown(value)} is not one of {list(allowed)}")
         return value
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(tp)
         if value is None:
-            _require(type(None) in options, f"{path}: must not be null")
+            require(type(None) in options, f"{path}: must not be null")
             return None
         errors = []
         for option in options:
@@ -52,17 +52,17 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
                 errors.append(str(err))
         raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {shown(value)} does not match {tp}")
     if origin in (list, tuple):
-        _require(isinstance(value, (list, tuple)), f"{path}: expected a list, got {shown(value)}")
+        require(isinstance(value, (list, tuple)), f"{path}: expected a list, got {shown(value)}")
         (item_tp, *_) = typing.get_args(tp) or (Any,)
         return [_coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
     if tp is Any:
         return value
     if tp is bool:
-        _require(isinstance(value, bool), f"{path}: expected true or false, got {shown(value)}")
+        require(isinstance(value, bool), f"{path}: expected true or false, got {shown(value)}")
         return value
     if tp is int:
-        _require(isinstance(value, int) and not isinstance(value, bool),
-                 f"{path}: expected an integer, got {shown(value)}")
+        require(isinstance(value, int) and not isinstance(value, bool),
+                f"{path}: expected an integer, got {shown(value)}")
         return value
     if tp is float:
         if isinstance(value, str):
@@ -70,14 +70,14 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
                 value = float(value)
             except ValueError:
                 pass
-        _require(isinstance(value, (int, float)) and not isinstance(value, bool),
-                 f"{path}: expected a number, got {shown(value)}")
+        require(isinstance(value, (int, float)) and not isinstance(value, bool),
+                f"{path}: expected a number, got {shown(value)}")
         # no field means anything by inf or nan (YAML's .inf / .nan); they would pass the range
         # checks below or turn every loss into nan much later
-        _require(math.isfinite(value), f"{path}: must be a finite number, got {shown(value)}")
+        require(math.isfinite(value), f"{path}: must be a finite number, got {shown(value)}")
         return float(value)
     if tp is str:
-        _require(isinstance(value, str), f"{path}: expected a string, got {shown(value)}")
+        require(isinstance(value, str), f"{path}: expected a string, got {shown(value)}")
         return value
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, path)
@@ -94,12 +94,12 @@ def _build(cls: type, data: Any, path: str) -> Any:
         data = {}
     prefix = f"{path}." if path else ""
     former = getattr(cls, "FORMER_SCALAR", None)
-    _require(isinstance(data, dict) or former is None or isinstance(data, (list, tuple)),
-             f"{path}: {shown(data)} is a plain value, but {path} is a section now; write "
-             f"{path}.{former}: {shown(data)}")
-    _require(isinstance(data, dict), f"{path or 'config'}: expected a mapping, got {shown(data)}")
+    require(isinstance(data, dict) or former is None or isinstance(data, (list, tuple)),
+            f"{path}: {shown(data)} is a plain value, but {path} is a section now; write "
+            f"{path}.{former}: {shown(data)}")
+    require(isinstance(data, dict), f"{path or 'config'}: expected a mapping, got {shown(data)}")
     hints = typing.get_type_hints(cls)
-    names = {_yaml_key(cls, f.name): f.name for f in dataclasses.fields(cls)}
+    names = {yaml_key(cls, f.name): f.name for f in dataclasses.fields(cls)}
     moved = [k for k in data if k in getattr(cls, "MOVED_KEYS", {})]
     if moved:  # ``MOVED_KEYS``: old key -> its new place, dotted, within the same section
         raise ConfigError("; ".join(f"{prefix}{k}: moved; write {prefix}{cls.MOVED_KEYS[k]}"

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from megatron_gspo.config.checks import _require
+from megatron_gspo.config.checks import require
 
 
 @dataclass(kw_only=True, slots=True)
@@ -72,20 +72,20 @@ class ModelConfig:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                      "head_dim", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
                      "vocab_size", "make_vocab_size_divisible_by", "max_position_embeddings"):
-            _require(getattr(self, name) >= 1, f"model.{name}: must be >= 1, got {getattr(self, name)}")
-        _require(
+            require(getattr(self, name) >= 1, f"model.{name}: must be >= 1, got {getattr(self, name)}")
+        require(
             self.num_attention_heads % self.num_query_groups == 0,
             f"model.num_query_groups: {self.num_query_groups} does not divide "
             f"model.num_attention_heads {self.num_attention_heads}",
         )
-        _require(
+        require(
             self.moe_router_topk <= self.num_experts,
             f"model.moe_router_topk: {self.moe_router_topk} exceeds model.num_experts {self.num_experts}",
         )
-        _require(self.rope_theta > 0, f"model.rope_theta: must be > 0, got {self.rope_theta}")
-        _require(self.rms_norm_eps > 0, f"model.rms_norm_eps: must be > 0, got {self.rms_norm_eps}")
-        _require(self.moe_aux_loss_coeff >= 0,
-                 f"model.moe_aux_loss_coeff: must be >= 0, got {self.moe_aux_loss_coeff}")
+        require(self.rope_theta > 0, f"model.rope_theta: must be > 0, got {self.rope_theta}")
+        require(self.rms_norm_eps > 0, f"model.rms_norm_eps: must be > 0, got {self.rms_norm_eps}")
+        require(self.moe_aux_loss_coeff >= 0,
+                f"model.moe_aux_loss_coeff: must be >= 0, got {self.moe_aux_loss_coeff}")
         validate_recompute(self)
 
 
@@ -130,28 +130,28 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("tensor", "pipeline", "expert", "context", "distributed_timeout_minutes",
                      "control_timeout_minutes"):
-            _require(getattr(self, name) >= 1, f"parallel.{name}: must be >= 1, got {getattr(self, name)}")
+            require(getattr(self, name) >= 1, f"parallel.{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
             value = getattr(self, name)
-            _require(value is None or value >= 1, f"parallel.{name}: must be >= 1, got {value}")
-            _require(value is None or self.pipeline > 1,
-                     f"parallel.{name}: only with parallel.pipeline > 1 (got pipeline 1)")
-        _require(not (self.overlap_param_gather and not self.overlap_grad_reduce),
-                 "parallel.overlap_param_gather: needs parallel.overlap_grad_reduce: true "
-                 "(Megatron overlaps the gather only together with the reduce)")
-        _require(self.expert_tensor is None or self.expert_tensor >= 1,
-                 f"parallel.expert_tensor: must be >= 1, got {self.expert_tensor}")
+            require(value is None or value >= 1, f"parallel.{name}: must be >= 1, got {value}")
+            require(value is None or self.pipeline > 1,
+                    f"parallel.{name}: only with parallel.pipeline > 1 (got pipeline 1)")
+        require(not (self.overlap_param_gather and not self.overlap_grad_reduce),
+                "parallel.overlap_param_gather: needs parallel.overlap_grad_reduce: true "
+                "(Megatron overlaps the gather only together with the reduce)")
+        require(self.expert_tensor is None or self.expert_tensor >= 1,
+                f"parallel.expert_tensor: must be >= 1, got {self.expert_tensor}")
         # Megatron marks expert weights as expert-parallel (reduced over the expert-data-parallel
         # group) only when expert > 1. With expert == 1 they are reduced like dense weights, over
         # the data-parallel group, which does not contain the other tensor-parallel ranks: with
         # expert_tensor < tensor their gradients (each TP rank sees other tokens) are never summed.
-        _require(
+        require(
             not (self.expert == 1 and self.expert_tensor_size() != self.tensor),
             f"parallel.expert_tensor: {self.expert_tensor} must equal parallel.tensor "
             f"{self.tensor} when parallel.expert is 1 (or leave it unset): Megatron would not "
             "sum the expert gradients over the tensor-parallel ranks",
         )
-        _require(
+        require(
             not (self.tensor > 1 and not self.sequence_parallel),
             f"parallel.sequence_parallel: must be true when parallel.tensor is {self.tensor} "
             "(Megatron requires sequence parallelism for MoE with tensor parallelism)",
@@ -168,30 +168,30 @@ def validate_recompute(model: ModelConfig) -> None:
     g = model.recompute_granularity
     if g is None:
         for name in ("recompute_method", "recompute_num_layers", "recompute_modules"):
-            _require(getattr(model, name) is None,
-                     f"model.{name}: only with model.recompute_granularity (full or selective); "
-                     "unset it or set the granularity")
+            require(getattr(model, name) is None,
+                    f"model.{name}: only with model.recompute_granularity (full or selective); "
+                    "unset it or set the granularity")
         return
     if g == "full":
-        _require(model.recompute_method is not None,
-                 "model.recompute_method: required with model.recompute_granularity full "
-                 "(uniform or block)")
-        _require(model.recompute_num_layers is not None and model.recompute_num_layers >= 1,
-                 f"model.recompute_num_layers: must be >= 1 with full recompute, got "
-                 f"{model.recompute_num_layers}")
-        _require(model.recompute_modules is None,
-                 "model.recompute_modules: only with model.recompute_granularity selective")
+        require(model.recompute_method is not None,
+                "model.recompute_method: required with model.recompute_granularity full "
+                "(uniform or block)")
+        require(model.recompute_num_layers is not None and model.recompute_num_layers >= 1,
+                f"model.recompute_num_layers: must be >= 1 with full recompute, got "
+                f"{model.recompute_num_layers}")
+        require(model.recompute_modules is None,
+                "model.recompute_modules: only with model.recompute_granularity selective")
         return
-    _require(model.recompute_method is None and model.recompute_num_layers is None,
-             "model.recompute_method / model.recompute_num_layers: only with "
-             "model.recompute_granularity full (selective recomputes recompute_modules in every "
-             "layer)")
+    require(model.recompute_method is None and model.recompute_num_layers is None,
+            "model.recompute_method / model.recompute_num_layers: only with "
+            "model.recompute_granularity full (selective recomputes recompute_modules in every "
+            "layer)")
     allowed = ("core_attn", "layernorm", "moe_act", "moe")
     bad = [m for m in (model.recompute_modules or []) if m not in allowed]
-    _require(not bad, f"model.recompute_modules: {bad} not among {list(allowed)} (Qwen3-MoE has "
-                      "no MLA, dense MLP or shared experts)")
-    _require(model.recompute_modules is None or len(model.recompute_modules) > 0,
-             "model.recompute_modules: empty; list at least one module or unset recompute")
+    require(not bad, f"model.recompute_modules: {bad} not among {list(allowed)} (Qwen3-MoE has "
+                     "no MLA, dense MLP or shared experts)")
+    require(model.recompute_modules is None or len(model.recompute_modules) > 0,
+            "model.recompute_modules: empty; list at least one module or unset recompute")
 
 
 def pipeline_stage_layers(model: ModelConfig, parallel: ParallelConfig) -> list[int]:
@@ -202,20 +202,20 @@ def pipeline_stage_layers(model: ModelConfig, parallel: ParallelConfig) -> list[
     first, last = (parallel.num_layers_in_first_pipeline_stage,
                    parallel.num_layers_in_last_pipeline_stage)
     if first is None and last is None:
-        _require(total % pp == 0,
-                 f"parallel.pipeline: {pp} does not divide model.num_layers {total} (or set "
-                 "parallel.num_layers_in_first/last_pipeline_stage for uneven stages)")
+        require(total % pp == 0,
+                f"parallel.pipeline: {pp} does not divide model.num_layers {total} (or set "
+                "parallel.num_layers_in_first/last_pipeline_stage for uneven stages)")
         return [total // pp] * pp
     middle_stages = pp - (first is not None) - (last is not None)
     middle_layers = total - (first or 0) - (last or 0)
     fields = "parallel.num_layers_in_first_pipeline_stage / _last_pipeline_stage"
-    _require(middle_layers >= 0, f"{fields}: {first} + {last} exceed model.num_layers {total}")
-    _require(bool(middle_layers) == bool(middle_stages),
-             f"{fields}: leave {middle_layers} layers for {middle_stages} middle stages of "
-             f"parallel.pipeline {pp}; each stage needs at least one layer")
-    _require(middle_stages == 0 or middle_layers % middle_stages == 0,
-             f"{fields}: the {middle_layers} remaining layers do not split evenly over the "
-             f"{middle_stages} other stages of parallel.pipeline {pp}")
+    require(middle_layers >= 0, f"{fields}: {first} + {last} exceed model.num_layers {total}")
+    require(bool(middle_layers) == bool(middle_stages),
+            f"{fields}: leave {middle_layers} layers for {middle_stages} middle stages of "
+            f"parallel.pipeline {pp}; each stage needs at least one layer")
+    require(middle_stages == 0 or middle_layers % middle_stages == 0,
+            f"{fields}: the {middle_layers} remaining layers do not split evenly over the "
+            f"{middle_stages} other stages of parallel.pipeline {pp}")
     each = middle_layers // middle_stages if middle_stages else 0
     return ([first] if first is not None else []) + [each] * middle_stages + (
         [last] if last is not None else [])

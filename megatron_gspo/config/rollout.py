@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional
 
-from megatron_gspo.config.checks import _require
+from megatron_gspo.config.checks import require
 
 
 @dataclass(kw_only=True, slots=True)
@@ -71,13 +71,13 @@ class WeightSyncConfig:
         return "node" if self.transport == "distributed" else "rank"
 
     def __post_init__(self) -> None:
-        _require(self.bucket_mb >= 1,
-                 f"rollout.weight_sync.bucket_mb: must be >= 1, got {self.bucket_mb}")
-        _require(self.full_every >= 1,
-                 f"rollout.weight_sync.full_every: must be >= 1, got {self.full_every}")
-        _require(not self.delta or self.transport in ("tensor", "distributed"),
-                 "rollout.weight_sync.delta: needs rollout.weight_sync.transport tensor or "
-                 f"distributed (got {self.transport}: a disk sync rewrites whole shards)")
+        require(self.bucket_mb >= 1,
+                f"rollout.weight_sync.bucket_mb: must be >= 1, got {self.bucket_mb}")
+        require(self.full_every >= 1,
+                f"rollout.weight_sync.full_every: must be >= 1, got {self.full_every}")
+        require(not self.delta or self.transport in ("tensor", "distributed"),
+                "rollout.weight_sync.delta: needs rollout.weight_sync.transport tensor or "
+                f"distributed (got {self.transport}: a disk sync rewrites whole shards)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -175,52 +175,52 @@ class RolloutConfig:
     """Old YAML key -> its key now (refused, naming the new key)."""
 
     def __post_init__(self) -> None:
-        _require(self.max_staleness >= 0,
-                 f"rollout.max_staleness: must be >= 0, got {self.max_staleness}")
-        _require(self.async_ != "one_step" or self.max_staleness >= 1,
-                 f"rollout.max_staleness: {self.max_staleness} is below rollout.async one_step's "
-                 "staleness (every sample is exactly 1 version stale); use async: off, or full")
-        _require(self.async_ == "off" or not self.colocated,
-                 f"rollout.async: {self.async_} needs the rollout servers on their own devices; "
-                 "rollout.colocated servers release their memory while the trainer runs")
-        _require(self.mode != "external" or bool(self.router_url),
-                 "rollout.router_url: required when rollout.mode is 'external'")
-        _require(self.num_servers >= 1, f"rollout.num_servers: must be >= 1, got {self.num_servers}")
-        _require(self.tp_size >= 1, f"rollout.tp_size: must be >= 1, got {self.tp_size}")
-        _require(re.fullmatch(r"cpu|cuda(:\d+)?", self.local_server_device) is not None,
-                 f"rollout.local_server_device: {self.local_server_device!r} is not cpu, cuda or "
-                 "cuda:N")
-        _require(self.min_servers >= 1, f"rollout.min_servers: must be >= 1, got {self.min_servers}")
-        _require(self.outage_timeout_s > 0,
-                 f"rollout.outage_timeout_s: must be > 0, got {self.outage_timeout_s}")
-        _require(self.mode != "embedded" or self.min_servers <= self.num_servers,
-                 f"rollout.min_servers: {self.min_servers} exceeds rollout.num_servers "
-                 f"{self.num_servers} (the embedded run's servers)")
-        _require(self.temperature > 0, f"rollout.temperature: must be > 0, got {self.temperature}")
-        _require(0 < self.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {self.top_p}")
-        _require(self.top_k == -1 or self.top_k >= 1, f"rollout.top_k: must be -1 or >= 1, got {self.top_k}")
-        _require(self.eval_samples_per_prompt >= 1,
-                 f"rollout.eval_samples_per_prompt: must be >= 1, got {self.eval_samples_per_prompt}")
-        _require(self.max_new_tokens >= 1,
-                 f"rollout.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
-        _require(self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
-                 f"rollout.mem_fraction_static: must be in (0, 1), got {self.mem_fraction_static}")
+        require(self.max_staleness >= 0,
+                f"rollout.max_staleness: must be >= 0, got {self.max_staleness}")
+        require(self.async_ != "one_step" or self.max_staleness >= 1,
+                f"rollout.max_staleness: {self.max_staleness} is below rollout.async one_step's "
+                "staleness (every sample is exactly 1 version stale); use async: off, or full")
+        require(self.async_ == "off" or not self.colocated,
+                f"rollout.async: {self.async_} needs the rollout servers on their own devices; "
+                "rollout.colocated servers release their memory while the trainer runs")
+        require(self.mode != "external" or bool(self.router_url),
+                "rollout.router_url: required when rollout.mode is 'external'")
+        require(self.num_servers >= 1, f"rollout.num_servers: must be >= 1, got {self.num_servers}")
+        require(self.tp_size >= 1, f"rollout.tp_size: must be >= 1, got {self.tp_size}")
+        require(re.fullmatch(r"cpu|cuda(:\d+)?", self.local_server_device) is not None,
+                f"rollout.local_server_device: {self.local_server_device!r} is not cpu, cuda or "
+                "cuda:N")
+        require(self.min_servers >= 1, f"rollout.min_servers: must be >= 1, got {self.min_servers}")
+        require(self.outage_timeout_s > 0,
+                f"rollout.outage_timeout_s: must be > 0, got {self.outage_timeout_s}")
+        require(self.mode != "embedded" or self.min_servers <= self.num_servers,
+                f"rollout.min_servers: {self.min_servers} exceeds rollout.num_servers "
+                f"{self.num_servers} (the embedded run's servers)")
+        require(self.temperature > 0, f"rollout.temperature: must be > 0, got {self.temperature}")
+        require(0 < self.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {self.top_p}")
+        require(self.top_k == -1 or self.top_k >= 1, f"rollout.top_k: must be -1 or >= 1, got {self.top_k}")
+        require(self.eval_samples_per_prompt >= 1,
+                f"rollout.eval_samples_per_prompt: must be >= 1, got {self.eval_samples_per_prompt}")
+        require(self.max_new_tokens >= 1,
+                f"rollout.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+        require(self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
+                f"rollout.mem_fraction_static: must be in (0, 1), got {self.mem_fraction_static}")
         for name in ("ep_size", "dp_size"):
             value = getattr(self, name)
-            _require(value >= 1 and self.tp_size % value == 0,
-                     f"rollout.{name}: {value} does not divide rollout.tp_size {self.tp_size}")
-        _require(not self.enable_dp_attention or self.dp_size > 1,
-                 "rollout.enable_dp_attention: needs rollout.dp_size > 1 (the number of attention "
-                 f"data-parallel groups), got {self.dp_size}")
+            require(value >= 1 and self.tp_size % value == 0,
+                    f"rollout.{name}: {value} does not divide rollout.tp_size {self.tp_size}")
+        require(not self.enable_dp_attention or self.dp_size > 1,
+                "rollout.enable_dp_attention: needs rollout.dp_size > 1 (the number of attention "
+                f"data-parallel groups), got {self.dp_size}")
         transport = self.weight_sync.transport
-        _require(self.enable_dp_attention or self.dp_size == 1 or transport == "disk",
-                 f"rollout.dp_size: {self.dp_size} data-parallel replicas per server (no "
-                 "rollout.enable_dp_attention): SGLang updates such servers only from disk, not "
-                 f"with rollout.weight_sync.transport {transport} (its update_weights_from_"
-                 "distributed / _tensor require dp_size 1); use rollout.weight_sync.transport: "
-                 "disk, or set rollout.enable_dp_attention: true for data-parallel attention")
-        _require(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
-                 f"rollout.cuda_graph_max_bs: must be >= 1, got {self.cuda_graph_max_bs}")
+        require(self.enable_dp_attention or self.dp_size == 1 or transport == "disk",
+                f"rollout.dp_size: {self.dp_size} data-parallel replicas per server (no "
+                "rollout.enable_dp_attention): SGLang updates such servers only from disk, not "
+                f"with rollout.weight_sync.transport {transport} (its update_weights_from_"
+                "distributed / _tensor require dp_size 1); use rollout.weight_sync.transport: "
+                "disk, or set rollout.enable_dp_attention: true for data-parallel attention")
+        require(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
+                f"rollout.cuda_graph_max_bs: must be >= 1, got {self.cuda_graph_max_bs}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -245,6 +245,6 @@ class ParityConfig:
     it against a healthy run's parity/logprob_gap_mean)."""
 
     def __post_init__(self) -> None:
-        _require(self.num_probes >= 1, f"parity.num_probes: must be >= 1, got {self.num_probes}")
-        _require(math.isfinite(self.max_gap_mean) and self.max_gap_mean > 0,
-                 f"parity.max_gap_mean: must be a positive number, got {self.max_gap_mean}")
+        require(self.num_probes >= 1, f"parity.num_probes: must be >= 1, got {self.num_probes}")
+        require(math.isfinite(self.max_gap_mean) and self.max_gap_mean > 0,
+                f"parity.max_gap_mean: must be a positive number, got {self.max_gap_mean}")

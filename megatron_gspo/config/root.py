@@ -46,7 +46,7 @@ class Config:
         return {f.name: _to_plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
-def _yaml_key(cls: type, name: str) -> str:
+def yaml_key(cls: type, name: str) -> str:
     """The YAML key of field ``name`` (``YAML_KEYS`` maps the keys that are not field names)."""
     for key, field_name in getattr(cls, "YAML_KEYS", {}).items():
         if field_name == name:
@@ -56,7 +56,7 @@ def _yaml_key(cls: type, name: str) -> str:
 
 def _to_plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
-        return {_yaml_key(type(value), f.name): _to_plain(getattr(value, f.name))
+        return {yaml_key(type(value), f.name): _to_plain(getattr(value, f.name))
                 for f in dataclasses.fields(value)}
     if isinstance(value, (list, tuple)):
         return [_to_plain(v) for v in value]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from megatron_gspo.config.checks import _require
+from megatron_gspo.config.checks import require
 from megatron_gspo.config.yaml_load import shown
 
 
@@ -56,23 +56,23 @@ class OptimConfig:
     the distributed optimizer)."""
 
     def __post_init__(self) -> None:
-        _require(self.lr > 0, f"optim.lr: must be > 0, got {self.lr}")
-        _require(0 <= self.min_lr <= self.lr, f"optim.min_lr: must be in [0, optim.lr], got {self.min_lr}")
-        _require(self.clip_grad >= 0, f"optim.clip_grad: must be >= 0 (0 disables), got {self.clip_grad}")
-        _require(self.warmup_steps >= 0, f"optim.warmup_steps: must be >= 0, got {self.warmup_steps}")
-        _require(self.min_lr == 0 or self.lr_decay_style != "constant",
-                 f"optim.min_lr: {self.min_lr} is only used by a decaying schedule and "
-                 "optim.lr_decay_style is 'constant'; set lr_decay_style linear or cosine, or "
-                 "min_lr 0")
-        _require(0 <= self.optimizer_offload_fraction <= 1,
-                 f"optim.optimizer_offload_fraction: must be in [0, 1], got {self.optimizer_offload_fraction}")
+        require(self.lr > 0, f"optim.lr: must be > 0, got {self.lr}")
+        require(0 <= self.min_lr <= self.lr, f"optim.min_lr: must be in [0, optim.lr], got {self.min_lr}")
+        require(self.clip_grad >= 0, f"optim.clip_grad: must be >= 0 (0 disables), got {self.clip_grad}")
+        require(self.warmup_steps >= 0, f"optim.warmup_steps: must be >= 0, got {self.warmup_steps}")
+        require(self.min_lr == 0 or self.lr_decay_style != "constant",
+                f"optim.min_lr: {self.min_lr} is only used by a decaying schedule and "
+                "optim.lr_decay_style is 'constant'; set lr_decay_style linear or cosine, or "
+                "min_lr 0")
+        require(0 <= self.optimizer_offload_fraction <= 1,
+                f"optim.optimizer_offload_fraction: must be in [0, 1], got {self.optimizer_offload_fraction}")
         for name in ("optimizer_cpu_offload", "use_precision_aware_optimizer"):
-            _require(not getattr(self, name) or self.use_distributed_optimizer,
-                     f"optim.{name}: needs optim.use_distributed_optimizer: true (Megatron offers "
-                     "it only inside the distributed optimizer)")
-        _require(not self.use_precision_aware_optimizer or self.optimizer == "adam",
-                 f"optim.use_precision_aware_optimizer: only with optim.optimizer adam, got "
-                 f"{self.optimizer!r}")
+            require(not getattr(self, name) or self.use_distributed_optimizer,
+                    f"optim.{name}: needs optim.use_distributed_optimizer: true (Megatron offers "
+                    "it only inside the distributed optimizer)")
+        require(not self.use_precision_aware_optimizer or self.optimizer == "adam",
+                f"optim.use_precision_aware_optimizer: only with optim.optimizer adam, got "
+                f"{self.optimizer!r}")
 
 
 LOGGERS: tuple[str, ...] = ("jsonl", "tensorboard", "wandb", "mlflow")
@@ -80,7 +80,7 @@ LOGGERS: tuple[str, ...] = ("jsonl", "tensorboard", "wandb", "mlflow")
 
 
 def _require_name(value: Optional[str], path: str) -> None:
-    _require(value is None or bool(value.strip()), f"{path}: empty; name it or leave it null")
+    require(value is None or bool(value.strip()), f"{path}: empty; name it or leave it null")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -179,21 +179,21 @@ class RunSettings:
 
     def __post_init__(self) -> None:
         for name in ("num_steps", "micro_batch_size", "global_batch_size", "seq_length", "log_interval"):
-            _require(getattr(self, name) >= 1, f"run.{name}: must be >= 1, got {getattr(self, name)}")
-        _require(bool(self.output_dir.strip()),
-                 "run.output_dir: empty; name the run directory (checkpoints, metrics, logs)")
-        _require(self.init_from is None or bool(self.init_from.strip()),
-                 "run.init_from: empty; name a Hugging Face directory or a Megatron checkpoint, "
-                 "or null for random weights from run.seed")
-        _require(self.global_batch_size % self.micro_batch_size == 0,
-                 f"run.global_batch_size: {self.global_batch_size} is not a multiple of "
-                 f"run.micro_batch_size {self.micro_batch_size}")
-        _require(self.keep_checkpoints is None or self.keep_checkpoints >= 1,
-                 f"run.keep_checkpoints: must be >= 1 (or null to keep all), got "
-                 f"{self.keep_checkpoints}")
-        _require(self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 1,
-                 f"run.max_tokens_per_micro_batch: must be >= 1 (or null for padded rows), got "
-                 f"{self.max_tokens_per_micro_batch}")
+            require(getattr(self, name) >= 1, f"run.{name}: must be >= 1, got {getattr(self, name)}")
+        require(bool(self.output_dir.strip()),
+                "run.output_dir: empty; name the run directory (checkpoints, metrics, logs)")
+        require(self.init_from is None or bool(self.init_from.strip()),
+                "run.init_from: empty; name a Hugging Face directory or a Megatron checkpoint, "
+                "or null for random weights from run.seed")
+        require(self.global_batch_size % self.micro_batch_size == 0,
+                f"run.global_batch_size: {self.global_batch_size} is not a multiple of "
+                f"run.micro_batch_size {self.micro_batch_size}")
+        require(self.keep_checkpoints is None or self.keep_checkpoints >= 1,
+                f"run.keep_checkpoints: must be >= 1 (or null to keep all), got "
+                f"{self.keep_checkpoints}")
+        require(self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 1,
+                f"run.max_tokens_per_micro_batch: must be >= 1 (or null for padded rows), got "
+                f"{self.max_tokens_per_micro_batch}")
         validate_loggers(self)
 
 
@@ -201,13 +201,13 @@ def validate_loggers(run: RunSettings) -> None:
     """Known names, each once, jsonl among them; run.wandb / run.mlflow only with their logger."""
     choices = ", ".join(LOGGERS)
     for i, name in enumerate(run.loggers):
-        _require(name in LOGGERS, f"run.loggers[{i}]: unknown logger {shown(name)} (choose from "
-                                  f"{choices})")
-        _require(name not in run.loggers[:i], f"run.loggers[{i}]: {name!r} is listed twice")
-    _require("jsonl" in run.loggers,
-             f"run.loggers: must include jsonl (got {run.loggers}): metrics.jsonl is what plots, "
-             "--resume and the parity checks read")
+        require(name in LOGGERS, f"run.loggers[{i}]: unknown logger {shown(name)} (choose from "
+                                 f"{choices})")
+        require(name not in run.loggers[:i], f"run.loggers[{i}]: {name!r} is listed twice")
+    require("jsonl" in run.loggers,
+            f"run.loggers: must include jsonl (got {run.loggers}): metrics.jsonl is what plots, "
+            "--resume and the parity checks read")
     for name, default in (("wandb", WandbConfig()), ("mlflow", MLflowConfig())):
-        _require(getattr(run, name) == default or name in run.loggers,
-                 f"run.{name}: set, but run.loggers does not list {name}; add it to run.loggers "
-                 f"or unset run.{name}")
+        require(getattr(run, name) == default or name in run.loggers,
+                f"run.{name}: set, but run.loggers does not list {name}; add it to run.loggers "
+                f"or unset run.{name}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megatron_gspo.config.checks import ConfigError, _require
+from megatron_gspo.config.checks import ConfigError, require
 from megatron_gspo.config.data import REWARD_KINDS, DataConfig, RewardConfig
 from megatron_gspo.config.gspo import GSPOConfig
 from megatron_gspo.config.model import ModelConfig, ParallelConfig, pipeline_stage_layers
@@ -53,9 +53,9 @@ def validate_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> Non
 
 
 def validate_parallel_optim(parallel: ParallelConfig, optim: OptimConfig) -> None:
-    _require(not (parallel.overlap_param_gather and not optim.use_distributed_optimizer),
-             "parallel.overlap_param_gather: needs optim.use_distributed_optimizer: true (it "
-             "overlaps the distributed optimizer's parameter all-gather)")
+    require(not (parallel.overlap_param_gather and not optim.use_distributed_optimizer),
+            "parallel.overlap_param_gather: needs optim.use_distributed_optimizer: true (it "
+            "overlaps the distributed optimizer's parameter all-gather)")
 
 
 def validate_routing_replay(gspo: GSPOConfig, model: ModelConfig) -> None:
@@ -65,24 +65,24 @@ def validate_routing_replay(gspo: GSPOConfig, model: ModelConfig) -> None:
         return
     recomputes_router = model.recompute_granularity == "full" or (
         model.recompute_granularity == "selective" and "moe" in (model.recompute_modules or []))
-    _require(not recomputes_router,
-             f"gspo.routing_replay: {gspo.routing_replay} is not supported with activation "
-             "recompute that re-runs the router (model.recompute_granularity full, or selective "
-             "with 'moe' in model.recompute_modules); use core_attn / moe_act or no recompute")
+    require(not recomputes_router,
+            f"gspo.routing_replay: {gspo.routing_replay} is not supported with activation "
+            "recompute that re-runs the router (model.recompute_granularity full, or selective "
+            "with 'moe' in model.recompute_modules); use core_attn / moe_act or no recompute")
 
 
 def validate_data_reward(data: DataConfig, reward: RewardConfig) -> None:
     """The reward must fit the prompts: files need an explicit kind, labels where it reads them."""
-    _require(not (reward.kind is None and data.train_path is not None),
-             f"reward.kind: required with data.train_path (one of {', '.join(REWARD_KINDS)})")
-    _require(not (reward.kind in ("exact_match", "math", "addition", "carry_addition",
-                                  "tool_addition")
-                  and data.task is None and data.label_key is None),
-             f"data.label_key: reward.kind {reward.kind!r} compares with a label; set the label field")
-    _require(not (reward.kind in ("addition", "carry_addition", "tool_addition")
-                  and data.tokenizer_dir is not None),
-             f"reward.kind: {reward.kind!r} reads byte-level responses; with data.tokenizer_dir "
-             "use exact_match")
+    require(not (reward.kind is None and data.train_path is not None),
+            f"reward.kind: required with data.train_path (one of {', '.join(REWARD_KINDS)})")
+    require(not (reward.kind in ("exact_match", "math", "addition", "carry_addition",
+                                 "tool_addition")
+                 and data.task is None and data.label_key is None),
+            f"data.label_key: reward.kind {reward.kind!r} compares with a label; set the label field")
+    require(not (reward.kind in ("addition", "carry_addition", "tool_addition")
+                 and data.tokenizer_dir is not None),
+            f"reward.kind: {reward.kind!r} reads byte-level responses; with data.tokenizer_dir "
+            "use exact_match")
 
 
 def validate_batches(run: RunSettings, gspo: GSPOConfig) -> None:
@@ -93,38 +93,38 @@ def validate_batches(run: RunSettings, gspo: GSPOConfig) -> None:
     micro-batches.
     """
     g, gbs, k, mbs = gspo.group_size, run.global_batch_size, gspo.updates_per_rollout, run.micro_batch_size
-    _require(gbs % g == 0,
-             f"run.global_batch_size: {gbs} is not a multiple of gspo.group_size {g}")
-    _require(gbs % k == 0,
-             f"run.global_batch_size: {gbs} does not split into gspo.updates_per_rollout = {k} "
-             "mini-batches")
-    _require((gbs // k) % mbs == 0,
-             f"run.global_batch_size: a mini-batch of {gbs} / gspo.updates_per_rollout {k} = "
-             f"{gbs // k} sequences is not a multiple of run.micro_batch_size {mbs}")
+    require(gbs % g == 0,
+            f"run.global_batch_size: {gbs} is not a multiple of gspo.group_size {g}")
+    require(gbs % k == 0,
+            f"run.global_batch_size: {gbs} does not split into gspo.updates_per_rollout = {k} "
+            "mini-batches")
+    require((gbs // k) % mbs == 0,
+            f"run.global_batch_size: a mini-batch of {gbs} / gspo.updates_per_rollout {k} = "
+            f"{gbs // k} sequences is not a multiple of run.micro_batch_size {mbs}")
 
 
 def validate_schedule(optim: OptimConfig, run: RunSettings) -> None:
     """Megatron's scheduler needs the warmup to end before the run does."""
-    _require(optim.warmup_steps < run.num_steps,
-             f"optim.warmup_steps: {optim.warmup_steps} must be < run.num_steps {run.num_steps} "
-             "(the warmup has to end before the run)")
+    require(optim.warmup_steps < run.num_steps,
+            f"optim.warmup_steps: {optim.warmup_steps} must be < run.num_steps {run.num_steps} "
+            "(the warmup has to end before the run)")
 
 
 def validate_sft_context_parallel(parallel: ParallelConfig) -> None:
     """SFT's rows are not split over context-parallel ranks (the RL trainer's are: zigzag rows or
     packed sequences, ``train.batching``); called by the SFT trainer."""
-    _require(parallel.context == 1,
-             f"parallel.context: {parallel.context}: SFT does not split its rows over "
-             "context-parallel ranks (GSPO training does); run SFT with parallel.context 1")
+    require(parallel.context == 1,
+            f"parallel.context: {parallel.context}: SFT does not split its rows over "
+            "context-parallel ranks (GSPO training does); run SFT with parallel.context 1")
 
 
 def validate_weight_sync(rollout: RolloutConfig, model: ModelConfig) -> None:
     """A delta sync compares bf16 bits: the wire dtype must be bfloat16."""
     wire = rollout.weight_sync.dtype or model.params_dtype
-    _require(not rollout.weight_sync.delta or wire == "bfloat16",
-             "rollout.weight_sync.delta: needs bf16 weights on the wire "
-             f"(rollout.weight_sync.dtype resolves to {wire}); set rollout.weight_sync.dtype: "
-             "bfloat16")
+    require(not rollout.weight_sync.delta or wire == "bfloat16",
+            "rollout.weight_sync.delta: needs bf16 weights on the wire "
+            f"(rollout.weight_sync.dtype resolves to {wire}); set rollout.weight_sync.dtype: "
+            "bfloat16")
 
 
 def validate_data_parallel(cfg: Config, data_parallel_size: int) -> None:
@@ -135,7 +135,7 @@ def validate_data_parallel(cfg: Config, data_parallel_size: int) -> None:
     trainers and by ``megatron-gspo config --world-size``; the message names the fields."""
     dp, mbs, k = data_parallel_size, cfg.run.micro_batch_size, cfg.gspo.updates_per_rollout
     gbs = cfg.run.global_batch_size
-    _require((gbs // k) % (dp * mbs) == 0,
-             f"run.global_batch_size: a mini-batch of {gbs} / gspo.updates_per_rollout {k} = "
-             f"{gbs // k} sequences does not split into data-parallel size {dp} x "
-             f"run.micro_batch_size {mbs}")
+    require((gbs // k) % (dp * mbs) == 0,
+            f"run.global_batch_size: a mini-batch of {gbs} / gspo.updates_per_rollout {k} = "
+            f"{gbs // k} sequences does not split into data-parallel size {dp} x "
+            f"run.micro_batch_size {mbs}")

@@ -27,7 +27,7 @@ PACKAGES = ("megatron_gspo", "pipeline", "launch")
 CONFIG = ROOT / "megatron_gspo" / "config"
 REGISTRY = ROOT / "megatron_gspo" / "loss" / "variants.py"
 # config-package functions that only check, load or print values: reads there do not count
-NOT_A_USE = {"__post_init__", "_require", "_to_plain", "_type_name", "_coerce", "_build",
+NOT_A_USE = {"__post_init__", "require", "_to_plain", "_type_name", "_coerce", "_build",
              "apply_override", "config_from_dict", "load_config", "dump_config", "to_dict"}
 
 
