@@ -21,8 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_gspo import yaml_load
-from megatron_gspo.config import ConfigError, config_from_dict, load_config
+from megatron_gspo.config import ConfigError, config_from_dict, load_config, yaml_load
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,0 +1,141 @@
+"""The checks that need several sections: called by :meth:`Config.__post_init__
+<megatron_gspo.config.root.Config.__post_init__>` (every file is checked when it is loaded),
+except :func:`validate_sft_context_parallel` (the SFT trainer's) and
+:func:`validate_data_parallel` (where the world size is known). Each message names the fields."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from megatron_gspo.config.checks import ConfigError, require
+from megatron_gspo.config.data import REWARD_KINDS, DataConfig, RewardConfig
+from megatron_gspo.config.gspo import GSPOConfig
+from megatron_gspo.config.model import ModelConfig, ParallelConfig, pipeline_stage_layers
+from megatron_gspo.config.rollout import RolloutConfig
+from megatron_gspo.config.run import OptimConfig, RunSettings
+
+if TYPE_CHECKING:  # only an annotation: root.py imports this module (Config runs these checks)
+    from megatron_gspo.config.root import Config
+
+
+def validate_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Check that every parallel size divides what it splits; the error names both fields."""
+    tp, ep = parallel.tensor, parallel.expert
+    etp = parallel.expert_tensor_size()
+    stage_error = None
+    try:
+        stages = pipeline_stage_layers(model, parallel)
+    except ConfigError as err:
+        stage_error, stages = str(err), None
+    if stages is not None and model.recompute_method == "uniform":
+        # Megatron checkpoints chunks [i, i + n) of each stage's layers and indexes past the
+        # stage when n does not divide its layer count
+        uneven = sorted({n for n in stages if n % model.recompute_num_layers})
+        if uneven:
+            stage_error = (f"model.recompute_num_layers: {model.recompute_num_layers} does not "
+                           f"divide the {uneven} layers of a pipeline stage (recompute_method "
+                           "uniform recomputes chunks of that many layers)")
+    checks = [
+        (model.num_query_groups % tp == 0,
+         f"parallel.tensor: {tp} does not divide model.num_query_groups {model.num_query_groups}"),
+        (model.num_attention_heads % tp == 0,
+         f"parallel.tensor: {tp} does not divide model.num_attention_heads {model.num_attention_heads}"),
+        (stage_error is None, stage_error),
+        (model.num_experts % ep == 0,
+         f"parallel.expert: {ep} does not divide model.num_experts {model.num_experts}"),
+        (model.moe_ffn_hidden_size % etp == 0,
+         f"parallel.expert_tensor: {etp} does not divide model.moe_ffn_hidden_size "
+         f"{model.moe_ffn_hidden_size}"),
+    ]
+    errors = [message for ok, message in checks if not ok]
+    if errors:
+        raise ConfigError("; ".join(errors))
+
+
+def validate_parallel_optim(parallel: ParallelConfig, optim: OptimConfig) -> None:
+    require(not (parallel.overlap_param_gather and not optim.use_distributed_optimizer),
+            "parallel.overlap_param_gather: needs optim.use_distributed_optimizer: true (it "
+            "overlaps the distributed optimizer's parameter all-gather)")
+
+
+def validate_routing_replay(gspo: GSPOConfig, model: ModelConfig) -> None:
+    """Replay sets each router's experts before a micro-batch's forward; a recompute in the
+    backward would re-run the router against the next micro-batch's experts."""
+    if gspo.routing_replay == "none":
+        return
+    recomputes_router = model.recompute_granularity == "full" or (
+        model.recompute_granularity == "selective" and "moe" in (model.recompute_modules or []))
+    require(not recomputes_router,
+            f"gspo.routing_replay: {gspo.routing_replay} is not supported with activation "
+            "recompute that re-runs the router (model.recompute_granularity full, or selective "
+            "with 'moe' in model.recompute_modules); use core_attn / moe_act or no recompute")
+
+
+def validate_data_reward(data: DataConfig, reward: RewardConfig) -> None:
+    """The reward must fit the prompts: files need an explicit kind, labels where it reads them."""
+    require(not (reward.kind is None and data.train_path is not None),
+            f"reward.kind: required with data.train_path (one of {', '.join(REWARD_KINDS)})")
+    require(not (reward.kind in ("exact_match", "math", "addition", "carry_addition",
+                                 "tool_addition")
+                 and data.task is None and data.label_key is None),
+            f"data.label_key: reward.kind {reward.kind!r} compares with a label; set the label field")
+    require(not (reward.kind in ("addition", "carry_addition", "tool_addition")
+                 and data.tokenizer_dir is not None),
+            f"reward.kind: {reward.kind!r} reads byte-level responses; with data.tokenizer_dir "
+            "use exact_match")
+
+
+def validate_batches(run: RunSettings, gspo: GSPOConfig) -> None:
+    """The rollout batch must split into groups and into k mini-batches of whole micro-batches.
+
+    One file serves SFT and RL alike (``megatron-gspo config`` cannot know which will read it),
+    so these hold for every config; SFT itself only splits run.global_batch_size into
+    micro-batches.
+    """
+    g, gbs, k, mbs = gspo.group_size, run.global_batch_size, gspo.updates_per_rollout, run.micro_batch_size
+    require(gbs % g == 0,
+            f"run.global_batch_size: {gbs} is not a multiple of gspo.group_size {g}")
+    require(gbs % k == 0,
+            f"run.global_batch_size: {gbs} does not split into gspo.updates_per_rollout = {k} "
+            "mini-batches")
+    require((gbs // k) % mbs == 0,
+            f"run.global_batch_size: a mini-batch of {gbs} / gspo.updates_per_rollout {k} = "
+            f"{gbs // k} sequences is not a multiple of run.micro_batch_size {mbs}")
+
+
+def validate_schedule(optim: OptimConfig, run: RunSettings) -> None:
+    """Megatron's scheduler needs the warmup to end before the run does."""
+    require(optim.warmup_steps < run.num_steps,
+            f"optim.warmup_steps: {optim.warmup_steps} must be < run.num_steps {run.num_steps} "
+            "(the warmup has to end before the run)")
+
+
+def validate_sft_context_parallel(parallel: ParallelConfig) -> None:
+    """SFT's rows are not split over context-parallel ranks (the RL trainer's are: zigzag rows or
+    packed sequences, ``train.batching``); called by the SFT trainer."""
+    require(parallel.context == 1,
+            f"parallel.context: {parallel.context}: SFT does not split its rows over "
+            "context-parallel ranks (GSPO training does); run SFT with parallel.context 1")
+
+
+def validate_weight_sync(rollout: RolloutConfig, model: ModelConfig) -> None:
+    """A delta sync compares bf16 bits: the wire dtype must be bfloat16."""
+    wire = rollout.weight_sync.dtype or model.params_dtype
+    require(not rollout.weight_sync.delta or wire == "bfloat16",
+            "rollout.weight_sync.delta: needs bf16 weights on the wire "
+            f"(rollout.weight_sync.dtype resolves to {wire}); set rollout.weight_sync.dtype: "
+            "bfloat16")
+
+
+def validate_data_parallel(cfg: Config, data_parallel_size: int) -> None:
+    """The check that needs the world: a mini-batch (run.global_batch_size /
+    gspo.updates_per_rollout rows) must split into data-parallel size x run.micro_batch_size rows.
+    SFT, whose step is the whole global batch, applies the same rule, so that a file accepted for
+    one program is accepted for the other (as in :func:`validate_batches`). Called by both
+    trainers and by ``megatron-gspo config --world-size``; the message names the fields."""
+    dp, mbs, k = data_parallel_size, cfg.run.micro_batch_size, cfg.gspo.updates_per_rollout
+    gbs = cfg.run.global_batch_size
+    require((gbs // k) % (dp * mbs) == 0,
+            f"run.global_batch_size: a mini-batch of {gbs} / gspo.updates_per_rollout {k} = "
+            f"{gbs // k} sequences does not split into data-parallel size {dp} x "
+            f"run.micro_batch_size {mbs}")
