@@ -152,7 +152,7 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig, *,
         # stages exchange activation shapes before the activations instead of deriving them
         # from a fixed [seq_length, micro_batch_size].
         variable_seq_lengths=parallel.pipeline > 1,
-        # activation recompute (Megatron's fields; validated in megatron_gspo.config.model.validate_recompute)
+        # activation recompute (Megatron's fields; checked by config.model.validate_recompute)
         **recompute,
         # no CUDA graphs, under the running Megatron's field name (mcore_compat, difference 1)
         **mcore_compat.no_cuda_graph_kwargs(),
