@@ -60,7 +60,6 @@ from launch.run_lock import check_free
 from megatron_gspo.config import Config, ConfigError, validate_data_parallel
 from megatron_gspo.parallel import derive_layout
 from megatron_gspo.train.batching import pack_tokens
-from megatron_gspo.train.checkpoint import resume_candidate, resume_refusal
 from pipeline.generation.client import RolloutError, http_json
 from pipeline.generation.multiturn import check_tools
 from pipeline.observe.trackers import check_installed
@@ -153,6 +152,8 @@ def check_resume(cfg: Config) -> None:
     and say so); no checkpoint, or one written before checkpoints recorded their model, passes.
     Its run state must be one this ``rollout.async`` resumes exactly
     (:func:`check_rollout_resume`)."""
+    from megatron_gspo.train.checkpoint import resume_candidate, resume_refusal  # imports Megatron
+
     found = resume_candidate(cfg.run.output_dir)
     if found is None:
         return
