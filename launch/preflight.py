@@ -54,6 +54,8 @@ import tempfile
 from pathlib import Path
 from typing import Literal, Optional
 
+import torch
+
 from launch import local, rank_status
 from launch.rl_session import validate_rl
 from launch.run_lock import check_free
@@ -217,7 +219,6 @@ def check_gradient_accumulation_fusion(cfg: Config) -> None:
     model is built)."""
     if not cfg.model.gradient_accumulation_fusion:
         return
-    import torch
 
     if not torch.cuda.is_available():
         return
@@ -265,8 +266,6 @@ def check_nccl_versions(cfg: Config, *, trainer_version: Optional[str] = None,
     if cfg.rollout.weight_sync.transport != "distributed":
         return None
     if trainer_version is None:
-        import torch
-
         if not torch.cuda.is_available():
             return None  # gloo on the CPU: no NCCL on either side
         trainer_version = ".".join(map(str, torch.cuda.nccl.version()))
