@@ -5,11 +5,17 @@ the RL dataflow and imports only the torch-free / Megatron-free base it needs fr
 ``megatron_gspo.loss`` is pure torch math (no Megatron, no model or training code); ``config.py`` is
 plain Python. Every import statement of every module is read (module level and inside functions),
 so a lazy import inside a function cannot hide a back edge.
+
+Imports sit at the top of their module except those of the measured slow modules (SLOW_IMPORTS);
+no import cycle among the production modules; the size caps of a module and a function; and the
+entry points that must stay light (no Megatron, no transformers) stay light.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -355,3 +361,25 @@ def test_no_function_over_150_lines():
                     long.append(f"{path.relative_to(ROOT)}::{node.name}: "
                                 f"{node.end_lineno - node.lineno} lines")
     assert long == []
+
+
+LIGHT_ENTRY_POINTS = {
+    "pipeline.step.loop": "import pipeline.step.loop",
+    "megatron-gspo config": "import launch.show_config",
+    "megatron-gspo plan": "import launch.plan",
+    "megatron-gspo --help": "import launch.cli; launch.cli.build_parser()",
+}
+"""What must start without Megatron or transformers: the RL dataflow, and the commands that only
+read a configuration (``launch.cli.main`` applies the benign-warning filters before any
+sub-command module is imported, so Megatron, when a command needs it, comes after them)."""
+
+
+@pytest.mark.parametrize("name", sorted(LIGHT_ENTRY_POINTS))
+def test_light_entry_points_do_not_import_megatron(name):
+    code = (f"{LIGHT_ENTRY_POINTS[name]}; import sys; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'megatron', 'transformers', "
+            "'transformer_engine'}))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]", f"{name} imports {result.stdout.strip()}"
