@@ -36,6 +36,9 @@ import dataclasses
 import json
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from launch import local, preflight
 from launch.common import add_config_args, load_from_args
 from launch.rl_session import RLSession
@@ -115,9 +118,6 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
 def run_calibration(cfg: Config, session_cfg: Config, *, target: float, rollouts: int,
                     split: str) -> int:
     """Every rank: rollouts, one update, s_i of the other sequences; rank 0 reports."""
-    import torch
-    import torch.distributed as dist
-
     with RLSession(session_cfg, resume=False) as session:
         trainer, _, _ = session.build_trainer()
         ctx = session.build_rollout(trainer, {})

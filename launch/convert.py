@@ -24,6 +24,8 @@ import argparse
 import sys
 from typing import Optional
 
+from megatron_gspo.config import ConfigError
+
 DTYPE_HELP = ("auto keeps each tensor's dtype (bit-identical round trip); bfloat16 | float32 | "
               "float16 cast (default: auto)")
 
@@ -126,7 +128,6 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace, argv: Optional[list[str]] = None) -> int:
     """Run the parsed conversion; bad input prints one message and returns 2."""
-    from megatron_gspo.config import ConfigError
     from megatron_gspo.hf.safetensors_io import CheckpointError
 
     try:

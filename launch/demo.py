@@ -30,6 +30,9 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from megatron_gspo.lifetime import die_with_parent
+from pipeline.observe.metrics import read_metrics
+
 CONFIGS = Path(__file__).resolve().parent / "configs"
 
 
@@ -67,8 +70,6 @@ class Stopped(SystemExit):
 
 
 def _stage_preexec() -> None:
-    from megatron_gspo.lifetime import die_with_parent
-
     die_with_parent(signal.SIGTERM)  # the demo gone: the stage stops as on a signal
 
 
@@ -121,8 +122,6 @@ class Stages:
 
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
-    from pipeline.observe.metrics import read_metrics
-
     config, sft_config, default_out = TASK_CONFIGS[args.task]
     config = args.config or str(CONFIGS / config)
     sft_config = args.sft_config or str(CONFIGS / sft_config)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, TextIO
 
+from launch import supervise
+
 RANK_LOG_DIR_ENV = "MEGATRON_GSPO_RANK_LOG_DIR"
 
 
@@ -35,8 +37,6 @@ def ensure_ranks(subcommand_argv: list[str], world_size: int, *,
                  log_dir: str | os.PathLike) -> Optional[int]:
     if is_launched() or world_size == 1:
         return None
-    from launch import supervise
-
     log_dir = Path(log_dir).resolve()
     # torchrun (launch.torchrun_agent) under a launcher that passes the stop signals on and
     # reports the ranks' outcome once (launch/supervise.py); "--" ends torchrun's own options

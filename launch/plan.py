@@ -17,8 +17,10 @@ import argparse
 import os
 from typing import Optional
 
+import torch
+
 from launch.common import add_config_args, load_from_args
-from megatron_gspo.model.gpt import transformer_engine_available
+from megatron_gspo.mcore_compat import transformer_engine_available
 from megatron_gspo.parallel import minimal_world_size
 from megatron_gspo.plan import GIB, check_fits, plan_memory
 
@@ -56,8 +58,6 @@ def check_training_memory(cfg, world_size: int, *, proceed: bool, env=None,
     GPU's memory; refuses (PlanDoesNotFit, exit 2) unless ``proceed``. Returns the verdict line
     (None on a machine without CUDA: CPU runs are not planned). Under srun / torchrun the world
     is theirs (WORLD_SIZE / SLURM_NTASKS)."""
-    import torch
-
     if device_memory_gib is None:
         if not torch.cuda.is_available():
             return None

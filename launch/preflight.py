@@ -54,13 +54,14 @@ import tempfile
 from pathlib import Path
 from typing import Literal, Optional
 
+import torch
+
 from launch import local, rank_status
 from launch.rl_session import validate_rl
 from launch.run_lock import check_free
 from megatron_gspo.config import Config, ConfigError, validate_data_parallel
 from megatron_gspo.parallel import derive_layout
 from megatron_gspo.train.batching import pack_tokens
-from megatron_gspo.train.checkpoint import resume_candidate, resume_refusal
 from pipeline.generation.client import RolloutError, http_json
 from pipeline.generation.multiturn import check_tools
 from pipeline.observe.trackers import check_installed
@@ -153,6 +154,8 @@ def check_resume(cfg: Config) -> None:
     and say so); no checkpoint, or one written before checkpoints recorded their model, passes.
     Its run state must be one this ``rollout.async`` resumes exactly
     (:func:`check_rollout_resume`)."""
+    from megatron_gspo.train.checkpoint import resume_candidate, resume_refusal  # imports Megatron
+
     found = resume_candidate(cfg.run.output_dir)
     if found is None:
         return
@@ -216,7 +219,6 @@ def check_gradient_accumulation_fusion(cfg: Config) -> None:
     model is built)."""
     if not cfg.model.gradient_accumulation_fusion:
         return
-    import torch
 
     if not torch.cuda.is_available():
         return
@@ -264,8 +266,6 @@ def check_nccl_versions(cfg: Config, *, trainer_version: Optional[str] = None,
     if cfg.rollout.weight_sync.transport != "distributed":
         return None
     if trainer_version is None:
-        import torch
-
         if not torch.cuda.is_available():
             return None  # gloo on the CPU: no NCCL on either side
         trainer_version = ".".join(map(str, torch.cuda.nccl.version()))

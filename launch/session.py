@@ -20,7 +20,10 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from launch.run_lock import hold
+from megatron_gspo import parallel
 from megatron_gspo.config import Config, ConfigError
+from pipeline.signals import StopFlag
 
 
 class Session:
@@ -55,10 +58,6 @@ class Session:
         self.resources.close()
 
     def _start(self) -> None:
-        from launch.run_lock import hold
-        from megatron_gspo import parallel
-        from pipeline.signals import StopFlag
-
         self.validate()
         self.control = parallel.init_distributed(self.cfg.parallel)
         self.resources.callback(parallel.destroy)  # Megatron's groups, then torch.distributed

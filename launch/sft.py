@@ -33,7 +33,6 @@ from launch.common import add_config_args, load_from_args
 from launch.session import Session
 from megatron_gspo import parallel
 from megatron_gspo.hf.export import export_hf_dir
-from megatron_gspo.train.sft import SFTTrainer
 from pipeline.observe.metrics import MetricsLogger
 from pipeline.scoring.tasks import PAD_ID, write_byte_tokenizer
 from pipeline.signals import PREEMPTED_EXIT_CODE
@@ -75,6 +74,8 @@ class SFTSession(Session):
     def run(self) -> int:
         """Build the trainer (resumed with ``--resume``), run the SFT loop, export the policy;
         returns the exit status (0, or 75 after a stop signal)."""
+        from megatron_gspo.train.sft import SFTTrainer  # imports Megatron: not for --help
+
         cfg, is_main = self.cfg, self.is_main
         latest = self.checkpoint_to_resume()
         logger = MetricsLogger.from_config(cfg, cfg.run.output_dir, enabled=is_main)

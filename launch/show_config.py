@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 
 from launch.common import add_config_args, load_from_args
+from megatron_gspo.config import ConfigError, dump_config, padded_vocab_size, validate_data_parallel
 
 
 def add_parser(subparsers) -> None:
@@ -32,8 +33,6 @@ def add_parser(subparsers) -> None:
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
     from launch import preflight
-    from megatron_gspo.config import (ConfigError, dump_config, padded_vocab_size,
-                                      validate_data_parallel)
     from megatron_gspo.parallel import derive_layout, minimal_world_size
 
     cfg = load_from_args(args)

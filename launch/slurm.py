@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import shlex
 import subprocess
@@ -65,7 +66,8 @@ from pathlib import Path
 from typing import Optional
 
 from launch.common import add_config_args, load_from_args
-from megatron_gspo.config import Config, ConfigError, dump_config, load_config
+from megatron_gspo.config import (Config, ConfigError, dump_config, load_config,
+                                  validate_data_parallel)
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "slurm"
 PREEMPTED_EXIT_STATUS = 75
@@ -128,7 +130,6 @@ def plan_layout(cfg: Config, args: argparse.Namespace) -> JobLayout:
         from megatron_gspo.parallel import minimal_world_size
         tasks_per_node = max(1, math.ceil(minimal_world_size(cfg.parallel) / args.nodes))
 
-    from megatron_gspo.config import validate_data_parallel
     from megatron_gspo.parallel import derive_layout
     # raise naming every factor / field, before the job queues (the trainers check the same)
     validate_data_parallel(cfg, derive_layout(cfg.parallel, args.nodes * tasks_per_node).data)
@@ -400,8 +401,6 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 def site_env(entries: list[str]) -> str:
     """``export`` lines for ``--env NAME=VALUE`` (the value as given) and ``--env NAME`` (the
     value of NAME where ``launch slurm`` runs), e.g. NCCL_IB_HCA, NCCL_SOCKET_IFNAME."""
-    import os
-
     lines = []
     for entry in entries:
         name, sep, value = entry.partition("=")

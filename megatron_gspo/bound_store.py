@@ -18,6 +18,8 @@ import ipaddress
 import socket
 from typing import Optional
 
+from megatron_gspo.config import ConfigError
+
 LOCALHOST_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
 
 
@@ -50,8 +52,6 @@ def check_reachable(host: str, *, nodes: int, name: str = "MASTER_ADDR") -> str:
     an image whose /etc/hosts maps the hostname to 127.0.1.1."""
     address = resolve(host)
     if nodes > 1 and is_loopback(address):
-        from megatron_gspo.config import ConfigError
-
         named = (f"{host!r} resolves to {address} on this node, a loopback address"
                  if host != address else f"{host} is a loopback address")
         raise ConfigError(

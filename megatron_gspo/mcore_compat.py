@@ -69,7 +69,8 @@ from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
-__all__ = ["SUPPORTED", "dist_load_kwargs", "mcore_version", "no_cuda_graph_kwargs", "stack"]
+__all__ = ["SUPPORTED", "dist_load_kwargs", "mcore_version", "no_cuda_graph_kwargs", "stack",
+           "transformer_engine_available"]
 
 SUPPORTED = {(0, 16): "3.11", (0, 19): "3.12"}
 """The supported megatron-core minor versions and the Python each is tested with."""
@@ -98,6 +99,20 @@ def no_cuda_graph_kwargs() -> dict:
     """``TransformerConfig`` keywords for "no CUDA graphs" (difference 1 of the module docstring)."""
     field = "cuda_graph_scope" if mcore_version()[:2] == (0, 16) else "cuda_graph_modules"
     return {field: []}
+
+
+def transformer_engine_available() -> bool:
+    """Whether this machine runs the Transformer Engine layer spec: a GPU and ``transformer_engine``
+    importable (``model.gpt`` builds the local spec otherwise; ``launch.plan`` plans for it)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def stack() -> dict[str, str]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import queue
 import shutil
 import threading
@@ -43,11 +44,12 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 import torch
+from tqdm import tqdm
 
 from megatron_gspo.config import ConfigError, ModelConfig, ParallelConfig, padded_vocab_size, \
     validate_model_parallel
 from megatron_gspo.hf.hf_config import (HFConfigError, load_hf_config, model_config_from_checkpoint,
-                                     unsupported_features)
+                                        model_config_from_hf, unsupported_features)
 from megatron_gspo.hf.mapping import Piece, RankLayout, hf_param_names, hf_param_shapes, pieces_for
 from megatron_gspo.hf.mcore_checkpoint import (HF_CONFIG_DIR, HF_SIDE_FILES, Chunk, Entry,
                                             McoreCheckpoint, TensorWrite, checkpoint_entries,
@@ -215,8 +217,6 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tensor: int = 1, pip
     ``out_dir/hf_config/`` for the way back. ``thread_count``: writer threads, each writing its
     own data file with one chunk in memory; None: :func:`auto_writer_threads` of the size.
     """
-    from tqdm import tqdm
-
     start_time = time.perf_counter()
     target = parse_dtype(dtype)
     hf_dir = Path(hf_dir)
@@ -263,8 +263,6 @@ def auto_writer_threads(total_bytes: int, cpu_count: Optional[int] = None) -> in
     """Writer threads for a checkpoint of ``total_bytes``: one per :data:`BYTES_PER_WRITER`, at
     least 1 and at most 8 or the CPU count. One thread would write one 470 GB file at 235B, at one
     stream's speed; parallel file systems want several files and writers."""
-    import os
-
     cpus = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
     return max(1, min(8, cpus, math.ceil(total_bytes / BYTES_PER_WRITER)))
 
@@ -381,10 +379,6 @@ def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, hf_config: Option
     ``hf_config``: config.json (or its directory); default ``mcore_dir/hf_config/``.
     ``tokenizer``: directory with the tokenizer files; default the config's directory.
     """
-    from tqdm import tqdm
-
-    from megatron_gspo.hf.hf_config import model_config_from_hf
-
     start_time = time.perf_counter()
     target = parse_dtype(dtype)
     max_bytes = parse_size(max_shard_size)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch.distributed as dist
+from safetensors.torch import save_file
 
 from megatron_gspo.config import ModelConfig
 
@@ -71,8 +72,6 @@ def export_hf_dir(gpt, model: ModelConfig, pg_collection, out_dir: str | Path, *
     """Collective: write a transformers-loadable directory (safetensors shards + index +
     config.json [+ tokenizer files]); each source rank writes its own shards. Returns the
     directory on rank 0 (None elsewhere)."""
-    from safetensors.torch import save_file
-
     from megatron_gspo.hf.gather import HFGather
 
     out_dir = Path(out_dir)

@@ -40,7 +40,9 @@ Nothing here talks to a rollout server: ``pipeline.weights.push`` sends the buck
 from __future__ import annotations
 
 import queue
+import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
@@ -241,8 +243,6 @@ def sender_ranks(mode: str, pipeline_rank: int) -> Optional[list[int]]:
     own: one update group per source); ``stage`` -> the lowest rank of its pipeline stage;
     ``node`` -> the lowest rank on the same host and pipeline stage (no byte crosses a node or a
     stage inside the trainer, and every server GPU joins one update group per node-stage)."""
-    import socket
-
     if mode == "rank":
         return None
     if mode not in ("stage", "node"):
@@ -396,8 +396,6 @@ class BucketStream:
         return self.count
 
     def __iter__(self) -> Iterator[Bucket]:
-        import time
-
         rank = dist.get_rank()
         device = self._pieces[0][1].device if self._pieces else torch.device("cpu")
         pool = self._gather._buffer_pool(rank, device)

@@ -222,9 +222,6 @@ def check_model_config(model: ModelConfig, hf_config: Mapping[str, Any] | str | 
 def model_config_from_hf(hf_config, **overrides) -> ModelConfig:
     """ModelConfig from a Hugging Face ``Qwen3MoeConfig`` (object, dict or config.json path)."""
     if isinstance(hf_config, str):
-        import json
-        from pathlib import Path
-
         path = Path(hf_config)
         if path.is_dir():
             path = path / "config.json"

@@ -64,8 +64,14 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
+from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, SavePlan, SavePlanner,
+                                                  TensorWriteData, WriteItem, WriteItemType)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.utils.serialization import config as serialization_config
 
 from megatron_gspo.config import ModelConfig
@@ -257,13 +263,6 @@ class _StreamingSavePlanner(SavePlanner):
 
     def __init__(self, tensors: Sequence[TensorWrite], objects: dict[str, bytes],
                  on_written: Optional[Callable[[int], None]] = None):
-        from torch.distributed.checkpoint.metadata import (
-            ChunkStorageMetadata,
-            MetadataIndex,
-            TensorProperties,
-        )
-        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-
         self._producers: dict = {}
         self._objects = objects
         self._on_written = on_written
@@ -287,13 +286,9 @@ class _StreamingSavePlanner(SavePlanner):
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self):
-        from torch.distributed.checkpoint.planner import SavePlan
-
         return SavePlan(self._items)
 
     def create_global_plan(self, all_plans):
-        from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
-
         global_plans, metadata = create_default_global_save_plan(all_plans)
         _check_tiling(metadata)
         return global_plans, metadata
@@ -302,8 +297,6 @@ class _StreamingSavePlanner(SavePlanner):
         return new_plan
 
     def resolve_data(self, write_item):
-        from torch.distributed.checkpoint.planner import WriteItemType
-
         if write_item.type == WriteItemType.BYTE_IO:
             return io.BytesIO(self._objects[write_item.index.fqn])
         spec = self._producers[write_item.index]
@@ -318,8 +311,6 @@ class _StreamingSavePlanner(SavePlanner):
 
 def _check_tiling(metadata) -> None:
     """Every tensor's chunks lie inside it, do not repeat, and their volumes add up to it."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     for key, md in metadata.state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
             continue
@@ -345,8 +336,6 @@ def write_checkpoint(out_dir: str | os.PathLike, tensors: Sequence[TensorWrite],
                      objects: dict[str, bytes], *, thread_count: int = 1, sync_files: bool = True,
                      on_written: Optional[Callable[[int], None]] = None) -> None:
     """Write a Megatron torch_dist checkpoint from chunk producers (metadata.json last)."""
-    import torch.distributed.checkpoint as dcp
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # per_thread_copy_ahead=0: DCP resolves (produces) each chunk only after the previous one of
@@ -385,10 +374,6 @@ class _RegionLoadPlanner(LoadPlanner):
         self.metadata = metadata
 
     def create_local_plan(self):
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-        from torch.distributed.checkpoint.planner import LoadPlan
-        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
         items = []
         self.covered = [0] * len(self.requests)
         for i, (key, offsets, out) in enumerate(self.requests):
@@ -430,8 +415,6 @@ class McoreCheckpoint:
     """
 
     def __init__(self, directory: str | os.PathLike):
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
         self.directory = Path(directory)
         marker = self.directory / "metadata.json"
         if not marker.is_file():
@@ -535,9 +518,6 @@ class McoreCheckpoint:
         write) is returned as loaded, without a copy; otherwise the overlaps of the stored chunks
         are copied into place (DCP's resharding arithmetic, ``create_read_items_for_chunk_list``).
         """
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
         outs = []
         for key, offsets, shape in requests:
             if key not in self.tensors:

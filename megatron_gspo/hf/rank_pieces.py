@@ -10,6 +10,8 @@ them; nothing here builds or runs the model.
 
 from __future__ import annotations
 
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
 from megatron_gspo.config import ModelConfig, padded_vocab_size
 from megatron_gspo.hf.mapping import RankLayout, iter_hf_pieces
 
@@ -23,8 +25,6 @@ def unwrap(module):
 
 def rank_layout(gpt, model: ModelConfig, pg_collection) -> RankLayout:
     """This rank's coordinates for the HF mapping, read from the process groups and the model."""
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
     tp = pg_collection.tp
     return RankLayout(
         tp_rank=tp.rank(), tp_size=tp.size(),

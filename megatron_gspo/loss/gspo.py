@@ -241,40 +241,19 @@ def gspo_loss(
     term = TERMS[variant]
     dtype = _compute_dtype(log_probs)
     is_response_token_BT = _response_mask(response_mask, log_probs.shape)
-    for name, tensor in (("old_log_probs", old_log_probs), ("ref_log_probs", ref_log_probs), ("entropy", entropy),
-                         ("rollout_log_probs", rollout_log_probs)):
-        if tensor is not None and tensor.shape != log_probs.shape:
-            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(log_probs.shape)} "
-                             f"like log_probs")
-
-    def masked(values_BT: Tensor) -> Tensor:
-        return torch.where(is_response_token_BT, values_BT.to(dtype), 0.0)
-
-    log_probs_BT = masked(log_probs)
-    old_log_probs_BT = masked(old_log_probs.detach())
+    _check_shapes(log_probs, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, entropy=entropy,
+                  rollout_log_probs=rollout_log_probs)
+    log_probs_BT = _masked(log_probs, is_response_token_BT, dtype)
+    old_log_probs_BT = _masked(old_log_probs.detach(), is_response_token_BT, dtype)
     log_ratio_BT = log_probs_BT - old_log_probs_BT
     advantages_B, advantages_BT = _split_advantages(advantages, is_response_token_BT, variant, dtype)
 
     # ---- local per-sequence sums: the only place tokens are aggregated -------------------------
-    local_sums = {
-        "num_tokens": is_response_token_BT.sum(-1).to(dtype),
-        "log_ratio_sum": log_ratio_BT.sum(-1),
-    }
-    if advantages_B is None and variant in SEQUENCE_CLIP_VARIANTS:
-        local_sums["advantage_sum"] = advantages_BT.sum(-1)
     tokens = TokenInputs(log_probs_BT, log_ratio_BT, advantages_BT, is_response_token_BT)
-    local_sums |= term.token_sums(tokens, eps_low, eps_high, params)
-    if ref_log_probs is not None:
-        ref_minus_log_probs_BT = masked(ref_log_probs.detach()) - log_probs_BT
-        ref_minus_log_probs_BT = ref_minus_log_probs_BT.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-        local_sums["kl_sum"] = (torch.exp(ref_minus_log_probs_BT) - ref_minus_log_probs_BT - 1.0).sum(-1)
-    if entropy is not None:
-        local_sums["entropy_sum"] = masked(entropy).sum(-1)
-    if rollout_log_probs is not None:
-        rollout_log_ratio_BT = old_log_probs_BT - masked(rollout_log_probs.detach())
-        local_sums["rollout_log_ratio_sum"] = rollout_log_ratio_BT.sum(-1)
-        local_sums["rollout_abs_diff_sum"] = rollout_log_ratio_BT.abs().sum(-1)
-
+    local_sums = _local_sequence_sums(
+        term.token_sums(tokens, eps_low, eps_high, params), tokens, old_log_probs_BT, dtype,
+        advantage_sum=advantages_B is None and variant in SEQUENCE_CLIP_VARIANTS,
+        ref_log_probs=ref_log_probs, entropy=entropy, rollout_log_probs=rollout_log_probs)
     names = list(local_sums)
     sums_BK = _reduce_sequence_sums(torch.stack([local_sums[k] for k in names], dim=-1), sequence_reduce)
     sums = {name: sums_BK[:, k] for k, name in enumerate(names)}
@@ -290,11 +269,8 @@ def gspo_loss(
     sequences = SequenceInputs(sums, log_ratio_seq_B, advantages_B, num_tokens_safe_B)
     objective_B, cut_counts = term.objective(sequences, eps_low, eps_high)
 
-    mismatch_weight_B = torch.ones_like(num_tokens_B)
-    if rollout_log_probs is not None:
-        log_cap = math.log(mismatch_cap)
-        rollout_log_ratio_seq_B = (sums["rollout_log_ratio_sum"] / num_tokens_safe_B).detach()
-        mismatch_weight_B = torch.exp(rollout_log_ratio_seq_B.clamp(max=log_cap))
+    mismatch_weight_B, is_over_cap_B = _mismatch_weights(
+        sums, num_tokens_safe_B, mismatch_cap if rollout_log_probs is not None else None)
     policy_term_B = mismatch_weight_B * objective_B
     per_sequence_B = policy_term_B
     if ref_log_probs is not None:
@@ -315,37 +291,95 @@ def gspo_loss(
 
     # ---- metrics (detached) -------------------------------------------------------------------
     with torch.no_grad():
-        num_nonempty = num_sequences.clamp(min=1.0)
-        num_tokens = num_tokens_B.sum()
-        metrics = {
-            "loss": loss.detach(),
-            "policy_loss": -torch.where(is_nonempty_B, policy_term_B, zero).sum() / denominator,
-            "num_sequences": num_sequences,
-            "num_tokens": num_tokens,
-        }
-        metrics |= _masked_stats("response_length", num_tokens_B, is_nonempty_B)
-        metrics |= _masked_stats("log_ratio_seq", log_ratio_seq_B, is_nonempty_B, with_std=True)
-        metrics |= _cut_metrics(SPECS[variant].cut_stats, cut_counts, sums, is_nonempty_B, num_nonempty,
-                                num_tokens)
-        if ref_log_probs is not None:
-            metrics["kl_mean"] = _masked_mean(sums["kl_sum"] / num_tokens_safe_B, is_nonempty_B)
-        if entropy is not None:
-            metrics["entropy_mean"] = _masked_mean(sums["entropy_sum"] / num_tokens_safe_B, is_nonempty_B)
-        if rollout_log_probs is not None:
-            metrics["mismatch_weight_mean"] = _masked_mean(mismatch_weight_B, is_nonempty_B)
-            metrics["mismatch_weight_max"] = _masked_stats("mismatch_weight", mismatch_weight_B,
-                                                           is_nonempty_B)["mismatch_weight_max"]
-            metrics["mismatch_weight_ess"] = _effective_sample_size(mismatch_weight_B, is_nonempty_B)
-            is_capped_B = (rollout_log_ratio_seq_B > log_cap) & is_nonempty_B
-            metrics["mismatch_capped_frac"] = is_capped_B.sum() / num_nonempty
-            metrics["mismatch_log_prob_abs_diff_mean"] = sums["rollout_abs_diff_sum"].sum() / num_tokens.clamp(min=1.0)
-        metrics = {name: value.detach().to(dtype) for name, value in metrics.items()}
+        policy_loss = -torch.where(is_nonempty_B, policy_term_B, zero).sum() / denominator
+        metrics = _metrics(variant, sequences, cut_counts, dtype, loss=loss.detach(), policy_loss=policy_loss,
+                           num_sequences=num_sequences, mismatch_weight_B=mismatch_weight_B,
+                           is_over_cap_B=is_over_cap_B)
     return loss, metrics
 
 
 # ---------------------------------------------------------------------------------------------
 # Inputs, reduction, statistics.
 # ---------------------------------------------------------------------------------------------
+
+
+def _check_shapes(log_probs: Tensor, **others: Tensor | None) -> None:
+    """Every given per-token tensor has ``log_probs``'s shape (ValueError naming the argument)."""
+    for name, tensor in others.items():
+        if tensor is not None and tensor.shape != log_probs.shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(log_probs.shape)} "
+                             f"like log_probs")
+
+
+def _masked(values_BT: Tensor, is_response_token_BT: Tensor, dtype: torch.dtype) -> Tensor:
+    """``values_BT`` in ``dtype`` on response tokens, 0 elsewhere (NaN/inf outside the mask dropped)."""
+    return torch.where(is_response_token_BT, values_BT.to(dtype), 0.0)
+
+
+def _local_sequence_sums(term_sums: dict[str, Tensor], tokens: TokenInputs, old_log_probs_BT: Tensor,
+                         dtype: torch.dtype, *, advantage_sum: bool, ref_log_probs: Tensor | None,
+                         entropy: Tensor | None, rollout_log_probs: Tensor | None) -> dict[str, Tensor]:
+    """This rank's ``[B]`` per-sequence sums, in the column order ``sequence_reduce`` sees:
+    ``num_tokens``, ``log_ratio_sum``, ``advantage_sum`` (``advantage_sum``: per-token advantages
+    of a sequence-clip variant), the variant's ``term_sums``, then the optional terms' ``kl_sum``
+    (k3 KL to the reference), ``entropy_sum``, ``rollout_log_ratio_sum`` and
+    ``rollout_abs_diff_sum`` (old - rollout)."""
+    mask_BT = tokens.is_response_token_BT
+    sums = {"num_tokens": mask_BT.sum(-1).to(dtype), "log_ratio_sum": tokens.log_ratio_BT.sum(-1)}
+    if advantage_sum:
+        sums["advantage_sum"] = tokens.advantages_BT.sum(-1)
+    sums |= term_sums
+    if ref_log_probs is not None:
+        ref_minus_log_probs_BT = _masked(ref_log_probs.detach(), mask_BT, dtype) - tokens.log_probs_BT
+        ref_minus_log_probs_BT = ref_minus_log_probs_BT.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+        sums["kl_sum"] = (torch.exp(ref_minus_log_probs_BT) - ref_minus_log_probs_BT - 1.0).sum(-1)
+    if entropy is not None:
+        sums["entropy_sum"] = _masked(entropy, mask_BT, dtype).sum(-1)
+    if rollout_log_probs is not None:
+        rollout_log_ratio_BT = old_log_probs_BT - _masked(rollout_log_probs.detach(), mask_BT, dtype)
+        sums["rollout_log_ratio_sum"] = rollout_log_ratio_BT.sum(-1)
+        sums["rollout_abs_diff_sum"] = rollout_log_ratio_BT.abs().sum(-1)
+    return sums
+
+
+def _mismatch_weights(sums: dict[str, Tensor], num_tokens_safe_B: Tensor,
+                      mismatch_cap: float | None) -> tuple[Tensor, Tensor | None]:
+    """The detached behaviour weights ``m_i = min(exp(mean_t(old - rollout)), C)`` and which
+    sequences the cap C cut; ones and None without rollout log-probs (``mismatch_cap`` None)."""
+    if mismatch_cap is None:
+        return torch.ones_like(sums["num_tokens"]), None
+    log_cap = math.log(mismatch_cap)
+    rollout_log_ratio_seq_B = (sums["rollout_log_ratio_sum"] / num_tokens_safe_B).detach()
+    return torch.exp(rollout_log_ratio_seq_B.clamp(max=log_cap)), rollout_log_ratio_seq_B > log_cap
+
+
+def _metrics(variant: Variant, sequences: SequenceInputs, cut_counts, dtype: torch.dtype, *, loss: Tensor,
+             policy_loss: Tensor, num_sequences: Tensor, mismatch_weight_B: Tensor,
+             is_over_cap_B: Tensor | None) -> dict[str, Tensor]:
+    """:func:`gspo_loss`'s metrics (its Returns), detached, in ``dtype``. The optional terms'
+    metrics come with their sums (``kl_sum``, ``entropy_sum``, ``rollout_abs_diff_sum``);
+    ``is_over_cap_B``: the sequences whose behaviour weight was capped, None without one."""
+    sums, num_tokens_safe_B = sequences.sums, sequences.num_tokens_safe_B
+    num_tokens_B = sums["num_tokens"]
+    is_nonempty_B = num_tokens_B > 0
+    num_nonempty = num_sequences.clamp(min=1.0)
+    num_tokens = num_tokens_B.sum()
+    metrics = {"loss": loss, "policy_loss": policy_loss, "num_sequences": num_sequences, "num_tokens": num_tokens}
+    metrics |= _masked_stats("response_length", num_tokens_B, is_nonempty_B)
+    metrics |= _masked_stats("log_ratio_seq", sequences.log_ratio_seq_B, is_nonempty_B, with_std=True)
+    metrics |= _cut_metrics(SPECS[variant].cut_stats, cut_counts, sums, is_nonempty_B, num_nonempty, num_tokens)
+    if "kl_sum" in sums:
+        metrics["kl_mean"] = _masked_mean(sums["kl_sum"] / num_tokens_safe_B, is_nonempty_B)
+    if "entropy_sum" in sums:
+        metrics["entropy_mean"] = _masked_mean(sums["entropy_sum"] / num_tokens_safe_B, is_nonempty_B)
+    if is_over_cap_B is not None:
+        metrics["mismatch_weight_mean"] = _masked_mean(mismatch_weight_B, is_nonempty_B)
+        metrics["mismatch_weight_max"] = _masked_stats("mismatch_weight", mismatch_weight_B,
+                                                       is_nonempty_B)["mismatch_weight_max"]
+        metrics["mismatch_weight_ess"] = _effective_sample_size(mismatch_weight_B, is_nonempty_B)
+        metrics["mismatch_capped_frac"] = (is_over_cap_B & is_nonempty_B).sum() / num_nonempty
+        metrics["mismatch_log_prob_abs_diff_mean"] = sums["rollout_abs_diff_sum"].sum() / num_tokens.clamp(min=1.0)
+    return {name: value.detach().to(dtype) for name, value in metrics.items()}
 
 
 def _compute_dtype(log_probs: Tensor) -> torch.dtype:

@@ -35,23 +35,24 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
+                                                      get_gpt_layer_local_spec)
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
+                                           gather_from_sequence_parallel_region)
+from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
+                                                         get_num_layers_to_build)
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_gspo import mcore_compat
+from megatron_gspo.mcore_compat import transformer_engine_available
 from megatron_gspo.config import ConfigError, ModelConfig, ParallelConfig, padded_vocab_size
 from megatron_gspo.hf.mapping import hf_param_shapes, shard_from_hf
 from megatron_gspo.hf.rank_pieces import rank_layout, unwrap
 from megatron_gspo.loss.logprobs import DEFAULT_CHUNK_SIZE, vocab_parallel_log_probs
+from megatron_gspo.model.attention import PackedCoreAttention
 from megatron_gspo.model.norm import RMSNorm
-
-
-def transformer_engine_available() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 GPU_ONLY_MODEL_FIELDS = ("moe_permute_fusion", "gradient_accumulation_fusion", "apply_rope_fusion")
@@ -81,8 +82,6 @@ def check_kernel_support(model: ModelConfig, *, use_te: bool, on_gpu: bool) -> N
 def build_transformer_config(model: ModelConfig, parallel: ParallelConfig, *,
                              use_te: Optional[bool] = None):
     """Map (ModelConfig, ParallelConfig) to Megatron's TransformerConfig (the only such mapping)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     use_te = transformer_engine_available() if use_te is None else use_te
     on_gpu = torch.cuda.is_available()
     check_kernel_support(model, use_te=use_te, on_gpu=on_gpu)
@@ -162,19 +161,9 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig, *,
 def build_layer_spec(config, *, use_te: bool, pp_rank: Optional[int] = None):
     """Megatron block spec for a Qwen3-MoE decoder on this machine: the layers of pipeline stage
     ``pp_rank`` (uneven stages included: Megatron's get_num_layers_to_build)."""
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_decoder_block_spec,
-        get_gpt_layer_local_spec,
-    )
-    from megatron.core.transformer.transformer_block import (
-        TransformerBlockSubmodules,
-        get_num_layers_to_build,
-    )
-
     if use_te:
         return get_gpt_decoder_block_spec(config, use_transformer_engine=True,
                                           normalization="RMSNorm", pp_rank=pp_rank)
-    from megatron_gspo.model.attention import PackedCoreAttention  # imports megatron.core
 
     layer = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
                                      qk_layernorm=True, normalization="RMSNorm")
@@ -222,7 +211,7 @@ _POLICY_MODEL_CLASS = None
 
 def policy_model_class():
     """``PolicyGPTModel``: Megatron's ``GPTModel`` whose output layer can run on selected
-    positions only (defined on first use: Megatron is imported lazily in this module).
+    positions only (defined on first use).
 
     ``forward(..., logit_index=idx_N)``: ``idx_N`` are flat positions into this rank's ``[b, s]``
     tokens (row-major; ``[1, t]`` for a packed row); the last stage then returns the
@@ -231,8 +220,6 @@ def policy_model_class():
     """
     global _POLICY_MODEL_CLASS
     if _POLICY_MODEL_CLASS is None:
-        from megatron.core.models.gpt import GPTModel
-
         class PolicyGPTModel(GPTModel):
             _logit_index = None
 
@@ -265,9 +252,6 @@ def selected_logits(gpt, hidden_SBH: torch.Tensor, index_N: torch.Tensor) -> tor
     ``ColumnParallelLinear``. The product with this rank's vocab shard of the output weight (or
     of the tied embedding) is then an ordinary matmul.
     """
-    from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
-                                               gather_from_sequence_parallel_region)
-
     tp = gpt.pg_collection.tp
     if tp.size() > 1 and gpt.config.sequence_parallel:
         hidden_SBH = gather_from_sequence_parallel_region(
@@ -290,8 +274,6 @@ def forward_kwargs(batch: dict, pg_collection) -> dict:
     """
     kwargs = {}
     if "cu_seqlens_padded" in batch:
-        from megatron.core.packed_seq_params import PackedSeqParams
-
         cu = batch["cu_seqlens"].to(torch.int32)
         cu_padded = batch["cu_seqlens_padded"].to(torch.int32)
         max_seqlen = int((cu_padded[1:] - cu_padded[:-1]).max())

@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 
@@ -77,8 +78,6 @@ class MoERouting:
     """The MoE routers of one policy chunk: replay targets in, own top-k choices out."""
 
     def __init__(self, gpt, pg_collection):
-        from megatron.core.transformer.moe.router import TopKRouter
-
         gpt = _unwrap(gpt)
         self.routers = [m for m in gpt.modules() if isinstance(m, TopKRouter)]
         for router in self.routers:

@@ -51,18 +51,24 @@ import torch
 
 from megatron_gspo.model import gpt as policy
 from megatron_gspo.config import Config, validate_data_parallel
+from megatron_gspo.hf.gather import HFGather, sender_ranks
 from megatron_gspo.train.initial_weights import is_mcore_checkpoint, load_initial_weights  # noqa: F401
 from megatron_gspo.loss.context_parallel import make_sequence_reduce
 from megatron_gspo.loss.loss_scaling import global_num_sequences, global_num_tokens
 from megatron_gspo.loss.variants import TOKEN_NORMALIZED_VARIANTS
+from megatron_gspo.model.routing_replay import MoERouting, RoutingPass
 from megatron_gspo.train.rl_loss import make_gspo_loss_fn, make_log_prob_fn
 from megatron_gspo.train.train_step import (TrainState, build_train_state, current_lr,
                                             forward_backward, train_step)
 from megatron_gspo.train.checkpoint import CheckpointedTrainer
 from megatron_gspo.train.batching import (add_logit_index, loss_rows, pack_micro_batch,
                                           plan_micro_batches, response_counts, sequence_lengths,
-                                          split_rows_for_context_parallel, take_rows)
+                                          split_rows_for_context_parallel, take_rows,
+                                          validate_routed_experts)
 from megatron_gspo.train.metric_reduction import reduce_metrics
+from megatron_gspo.train.routing_metrics import log_ratio_stats, routing_change_metrics
+from megatron_gspo.train.row_scatter import scatter_rows
+from megatron_gspo.train.scoring import score_log_probs
 
 _OLD_POLICY_METRICS = ("entropy_mean", "rollout_trainer_logprob_abs_diff")
 
@@ -111,8 +117,6 @@ class RLTrainer(CheckpointedTrainer):
         """The policy's MoE routers (``model.routing_replay.MoERouting``), when the step replays
         or measures routing."""
         if cfg.gspo.routing_replay != "none" or cfg.gspo.routing_metrics:
-            from megatron_gspo.model.routing_replay import MoERouting
-
             self.routing = MoERouting(self.gpt, pg_collection)
         self.reference = self._build_reference() if cfg.gspo.kl_coef > 0 else None
         self.state = build_train_state(self.gpt, cfg, pg_collection,
@@ -196,8 +200,6 @@ class RLTrainer(CheckpointedTrainer):
         own micro-batches only (:meth:`row_plan`): ``batch["routed_experts"]`` then holds those
         rows and ``batch["routed_rows"]`` their indices, on every rank, rank 0 included. One
         data-parallel rank's share per rank instead of the whole tensor to every rank."""
-        from megatron_gspo.train.row_scatter import scatter_rows
-
         needed = torch.cat([rows for mini in self.row_plan(batch, step) for rows in mini]
                            ).unique(sorted=True)
         model = self.cfg.model
@@ -211,7 +213,6 @@ class RLTrainer(CheckpointedTrainer):
         captured): replay ``replay_topk`` when ``replay``, capture the routers' own top-k."""
         if self.routing is None or (not replay and capture_key is None):
             return None
-        from megatron_gspo.model.routing_replay import RoutingPass
 
         return RoutingPass(self.routing, replay_key="replay_topk" if replay else None,
                            capture_key=capture_key)
@@ -248,8 +249,6 @@ class RLTrainer(CheckpointedTrainer):
         """Forward only, after the step's last update, over the same micro-batches (replaying as
         the training forwards do): routing volatility and the log-ratio variances
         (``megatron_gspo.train.routing_metrics``), reduced."""
-        from megatron_gspo.train.routing_metrics import log_ratio_stats, routing_change_metrics
-
         temperature = self.cfg.rollout.temperature
 
         def loss_fn(logits, mb):
@@ -285,8 +284,6 @@ class RLTrainer(CheckpointedTrainer):
         start = time.monotonic()
         gspo = self.cfg.gspo
         if gspo.routing_replay == "rollout":
-            from megatron_gspo.train.batching import validate_routed_experts
-
             model = self.cfg.model
             validate_routed_experts(batch, model.num_layers, model.moe_router_topk,
                                     model.num_experts)
@@ -338,8 +335,6 @@ class RLTrainer(CheckpointedTrainer):
         to the end. Bucket size ``rollout.weight_sync.bucket_mb``, dtype
         ``rollout.weight_sync.dtype``; the plan and the buffers are made once and kept."""
         if getattr(self, "_hf_gather", None) is None:
-            from megatron_gspo.hf.gather import HFGather, sender_ranks
-
             rollout = self.cfg.rollout
             dtype = getattr(torch, rollout.weight_sync.dtype) if rollout.weight_sync.dtype else None
             senders = sender_ranks(rollout.weight_sync.resolved_senders(),
@@ -354,8 +349,6 @@ class RLTrainer(CheckpointedTrainer):
         """Collective: ``[R, T]`` log pi(labels) of the live policy at ``temperature`` on the
         response positions of ``batch`` (``batching.rl_batch`` rows; 0 elsewhere), the same on
         every rank (``megatron_gspo.train.scoring``)."""
-        from megatron_gspo.train.scoring import score_log_probs
-
         return score_log_probs(self.state, batch, self.cfg.model, self.pg,
                                micro_batch_size=self.cfg.run.micro_batch_size,
                                temperature=temperature)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.parallel import collective_device
 from megatron_gspo.train.batching import loss_rows
 
 
@@ -72,8 +73,6 @@ def routing_change_metrics(microbatches: list[dict], routing, pg, num_layers: in
     ``microbatches[j][old_key]`` / ``[new_key]``: this stage's routers' top-k ``[tokens, k]``
     (router layout, ``model.routing_replay.MoERouting``) of the two forwards. Collective over
     the pipeline, tensor- and context-parallel groups (three all-reduces)."""
-    from megatron_gspo.parallel import collective_device
-
     device = collective_device()
     num_mb = len(microbatches)
     counts = torch.zeros(num_mb, num_layers + 2, dtype=torch.float64)

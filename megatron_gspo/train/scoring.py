@@ -26,6 +26,8 @@ import torch.distributed as dist
 
 from megatron_gspo.config import ModelConfig
 from megatron_gspo.train.batching import add_logit_index, split_for_rank, split_rows_for_context_parallel
+from megatron_gspo.train.rl_loss import make_log_prob_fn
+from megatron_gspo.train.train_step import forward_backward, model_device
 
 SCORE_KEYS = ("tokens", "labels", "position_ids", "response_mask")
 
@@ -33,9 +35,6 @@ SCORE_KEYS = ("tokens", "labels", "position_ids", "response_mask")
 def score_log_probs(state, batch: dict, model: ModelConfig, pg_collection, *,
                     micro_batch_size: int, temperature: float = 1.0) -> torch.Tensor:
     """Collective: ``[R, T]`` log-probs of ``batch["labels"]`` at ``response_mask`` (0 elsewhere)."""
-    from megatron_gspo.train.rl_loss import make_log_prob_fn
-    from megatron_gspo.train.train_step import forward_backward, model_device
-
     missing = [k for k in SCORE_KEYS if k not in batch]
     if missing:
         raise ValueError(f"score_log_probs: the batch lacks {missing}")

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megatron_gspo.model import gpt as policy
 from megatron_gspo.config import Config, validate_data_parallel, validate_sft_context_parallel
+from megatron_gspo.parallel import collective_device
 from megatron_gspo.train.initial_weights import load_initial_weights
 from megatron_gspo.train.train_step import (TrainState, build_train_state, forward_backward,
                                       global_unit_count, train_step)
@@ -72,7 +73,6 @@ def global_loss(per_microbatch: list[dict], pg_collection, num_units: float) -> 
     counts = (pg_collection.pp.rank() == pg_collection.pp.size() - 1
               and pg_collection.tp.rank() == 0 and pg_collection.cp.rank() == 0)
     local = sum(float(m["loss_sum"]) for m in per_microbatch) if counts else 0.0
-    from megatron_gspo.parallel import collective_device
 
     total = torch.tensor([local], dtype=torch.float64, device=collective_device())
     dist.all_reduce(total)

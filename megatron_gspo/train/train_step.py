@@ -47,8 +47,17 @@ from functools import partial
 from typing import Callable, Iterable, Optional
 
 import torch
+from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                       finalize_model_grads)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import (OptimizerParamScheduler,
+                                                     get_canonical_lr_for_logging)
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
 
 from megatron_gspo.config import Config, ConfigError, OptimConfig
+from megatron_gspo.model.gpt import forward_kwargs
+from megatron_gspo.parallel import collective_device
 
 
 @dataclass
@@ -64,14 +73,10 @@ class TrainState:
 
     @property
     def transformer_config(self):
-        from megatron.core.utils import get_model_config
-
         return get_model_config(self.model[0])
 
 
 def build_optimizer_config(optim: OptimConfig, params_dtype: str):
-    from megatron.core.optimizer import OptimizerConfig
-
     for name in ("optimizer_cpu_offload", "use_precision_aware_optimizer"):
         if getattr(optim, name) and not torch.cuda.is_available():
             raise ConfigError(f"optim.{name}: a GPU-only Megatron optimizer option (CUDA "
@@ -110,8 +115,6 @@ def build_optimizer_config(optim: OptimConfig, params_dtype: str):
 
 def wrap_model(gpt, config: Config, pg_collection) -> list:
     """Wrap one model chunk in Megatron's DDP (fp32 gradient reduction)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=config.parallel.overlap_grad_reduce,
@@ -130,8 +133,6 @@ def build_scheduler(optimizer, optim: OptimConfig, num_steps: int, updates_per_s
     the position (optimizer steps taken), the shape comes from this run's ``optim`` section.
     Weight decay stays constant (Megatron multiplies it by each group's ``wd_mult``).
     """
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
     total = num_steps * updates_per_step
     return OptimizerParamScheduler(
         optimizer,
@@ -152,8 +153,6 @@ def build_scheduler(optimizer, optim: OptimConfig, num_steps: int, updates_per_s
 
 def current_lr(state: TrainState) -> float:
     """The LR the next optimizer step uses (Megatron's canonical group, as its logging reads it)."""
-    from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
-
     lr = get_canonical_lr_for_logging(state.optimizer.param_groups)
     return float(lr if lr is not None else state.optimizer.param_groups[0]["lr"])
 
@@ -163,9 +162,6 @@ def build_train_state(gpt, config: Config, pg_collection, *, updates_per_step: i
 
     ``updates_per_step``: optimizer steps per run step (RL: ``gspo.updates_per_rollout``), so
     that the schedule spans the run's ``run.num_steps x updates_per_step`` optimizer steps."""
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.optimizer import get_megatron_optimizer
-
     model = wrap_model(gpt, config, pg_collection)
     optimizer = get_megatron_optimizer(
         build_optimizer_config(config.optim, config.model.params_dtype), model,
@@ -191,8 +187,6 @@ def global_unit_count(local_count: float, pg_collection) -> float:
 
     With context parallelism a sequence's tokens sit on several CP ranks; count it once with
     ``loss_scaling.global_num_sequences`` (it reduces the counts over CP first)."""
-    from megatron_gspo.parallel import collective_device
-
     count = torch.tensor([float(local_count)], dtype=torch.float64, device=collective_device())
     torch.distributed.all_reduce(count, group=pg_collection.dp)
     return float(count.item())
@@ -221,8 +215,6 @@ def forward_step(data_iterator, model, *, device: torch.device, loss_func, pg_co
     (packed sequences and response-only logits: ``model.gpt.forward_kwargs``). ``routing``
     (``model.routing_replay.RoutingPass``): its ``before_forward(batch)`` / ``after_forward(batch)``
     run right around this stage's forward of the micro-batch (routing replay and capture)."""
-    from megatron_gspo.model.gpt import forward_kwargs
-
     batch = batch_to_device(next(data_iterator), device)
     if routing is not None:
         routing.before_forward(batch)
@@ -244,8 +236,6 @@ def forward_backward(state: TrainState, microbatches: list[dict], loss_fn: LossF
                      routing=None) -> list[dict]:
     """Run Megatron's schedule over the micro-batches; returns the last stage's metric dicts.
     ``routing``: the per-micro-batch routing hooks of ``forward_step``."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     num_microbatches = len(microbatches)
     scale = loss_scale(num_microbatches, num_units_global, state.pg_collection)
     seq_length = microbatches[0]["tokens"].shape[1]

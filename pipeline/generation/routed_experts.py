@@ -28,11 +28,12 @@ samples without routing data).
 from __future__ import annotations
 
 import base64
+import binascii
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
-if TYPE_CHECKING:
-    import torch
+import numpy as np
+import torch
 
 UNKNOWN = -1
 """The ``routed_experts`` value of positions without routing data (padding, not returned)."""
@@ -49,8 +50,6 @@ def expected_rows(prompt_len: int, output_len: int, start_len: int = 0) -> int:
 
 def encode(experts: "torch.Tensor") -> str:
     """``[rows, num_layers, top_k]`` integer expert ids -> SGLang's base64 string."""
-    import torch
-
     array = experts.detach().cpu().to(torch.int32).contiguous().numpy()
     return base64.b64encode(array.astype(WIRE_DTYPE, copy=False).tobytes()).decode("ascii")
 
@@ -58,11 +57,6 @@ def encode(experts: "torch.Tensor") -> str:
 def decode(text: str, rows: int, num_layers: int, top_k: int) -> "torch.Tensor":
     """SGLang's base64 string -> int32 ``[rows, num_layers, top_k]``; ValueError if the payload
     is not base64 of exactly that many int32 values."""
-    import binascii
-
-    import numpy as np
-    import torch
-
     if not isinstance(text, str):
         raise ValueError(f"routed_experts must be a base64 string, got {type(text).__name__}")
     try:
@@ -86,8 +80,6 @@ def batch_routed_experts(prompts: Sequence[Sequence[int]], outputs: Sequence[Seq
     ``t`` = ``routed[i][t]`` (routing data from position 0, as the client asks for it), ``-1``
     at padding and for a sample whose ``routed[i]`` is None. ValueError naming the sample when
     its routing data does not have one row per input token or the wrong layers / top-k."""
-    import torch
-
     dtype = torch.int16
     largest = torch.iinfo(dtype).max
     out = torch.full((len(prompts), seq_length, num_layers, top_k), UNKNOWN, dtype=dtype)

@@ -23,17 +23,18 @@ import os
 import sys
 from multiprocessing.connection import Connection
 
+from megatron_gspo.lifetime import die_with_parent, shield_from_stop_signals
+from pipeline.scoring.rewards import RewardError, _as_float, load_function
+
 
 def main(argv: list[str]) -> int:
     spec, fd_in, fd_out, owner = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
-    from megatron_gspo.lifetime import die_with_parent, shield_from_stop_signals
 
     die_with_parent()
     shield_from_stop_signals()
     if os.getppid() != owner:  # the owner died before the parent-death signal was armed
         return 1
     inbox, outbox = Connection(fd_in, writable=False), Connection(fd_out, readable=False)
-    from pipeline.scoring.rewards import RewardError, _as_float, load_function
 
     try:
         fn = load_function(spec)

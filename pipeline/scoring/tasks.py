@@ -21,6 +21,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
 EOS_ID = ord("\n")
 PAD_ID = 0
 
@@ -256,7 +258,6 @@ def write_byte_tokenizer(directory) -> None:
     The rollout servers and the sglang-router read the tokenizer from the model directory; this
     one matches ``encode`` / ``decode`` above for ASCII text, so no hub download is ever needed.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {_byte_token(b): b for b in range(256)}

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import fcntl
 import os
 import queue
 import signal
@@ -94,8 +95,6 @@ class RotatingLog:
         self.path, self.max_bytes, self.backups = Path(path), max_bytes, backups
         self._read, self.fd = os.pipe()
         try:
-            import fcntl
-
             with open("/proc/sys/fs/pipe-max-size") as f:
                 fcntl.fcntl(self._read, getattr(fcntl, "F_SETPIPE_SZ", 1031), int(f.read()))
         except (OSError, ValueError, ImportError):

@@ -45,12 +45,10 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
-from pipeline.generation.client import RolloutError, http_json
-
-if TYPE_CHECKING:
-    from pipeline.servers.cluster import LocalRolloutCluster
+from pipeline.generation.client import RolloutError, http_json, router_workers
+from pipeline.servers.cluster import LocalRolloutCluster, remove_from_router
 
 PROBE_TIMEOUT_S = 30.0
 """How long ``/health`` may take (the local server runs a one-token generation when idle)."""
@@ -271,8 +269,6 @@ class ServerPool:
             parts.append(f"{name}: {why}")
         if self.cluster is None and self.router_url:
             try:
-                from pipeline.generation.client import router_workers
-
                 workers = [f"{w['url']} ({'healthy' if w.get('is_healthy') else 'unhealthy'})"
                            for w in router_workers(self.router_url)]
             except RolloutError as err:
@@ -286,8 +282,6 @@ class ServerPool:
         out of the router until synced, then admitted."""
         if not self.router_url:
             return
-        from pipeline.generation.client import router_workers
-        from pipeline.servers.cluster import remove_from_router
 
         try:
             workers = router_workers(self.router_url)
@@ -333,8 +327,6 @@ class ServerPool:
         if server.index is not None:
             self.cluster.deregister(server.index)
         elif self.router_url:
-            from pipeline.servers.cluster import remove_from_router
-
             remove_from_router(self.router_url, server.url)
 
     @staticmethod
@@ -343,8 +335,6 @@ class ServerPool:
 
 
 def _add_to_router(router_url: str, server_url: str, timeout_s: float = 120.0) -> None:
-    from pipeline.generation.client import router_workers
-
     if not any(w["url"].rstrip("/") == server_url for w in router_workers(router_url)):
         status, answer = http_json("POST", router_url.rstrip("/") + "/workers",
                                    {"url": server_url, "worker_type": "regular"}, timeout_s=10.0)

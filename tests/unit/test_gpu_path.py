@@ -206,9 +206,7 @@ def test_optimizer_and_ddp_fields_use_megatrons_names(monkeypatch):
         def __init__(self, *, config, ddp_config, module, pg_collection):
             captured["ddp"] = ddp_config
 
-    import megatron.core.distributed as mcore_distributed
-
-    monkeypatch.setattr(mcore_distributed, "DistributedDataParallel", FakeDDP)
+    monkeypatch.setattr(train_step, "DistributedDataParallel", FakeDDP)  # imported at its top
     train_step.wrap_model(SimpleNamespace(config=None), cfg, None)
     ddp = captured["ddp"]
     assert (ddp.overlap_grad_reduce, ddp.overlap_param_gather, ddp.use_distributed_optimizer,

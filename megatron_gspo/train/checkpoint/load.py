@@ -14,6 +14,9 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
+from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
 from megatron_gspo import mcore_compat
 from megatron_gspo.collectives import all_gather
@@ -43,8 +46,6 @@ EP > 1)."""
 
 def _sharded_leaves(tree) -> list:
     """The ShardedBase leaves of a nested dict / list, in a fixed order (``_with_leaves``'s)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedBase
-
     if isinstance(tree, dict):
         return [leaf for value in tree.values() for leaf in _sharded_leaves(value)]
     if isinstance(tree, (list, tuple)):
@@ -55,8 +56,6 @@ def _sharded_leaves(tree) -> list:
 def _with_leaves(tree, leaves):
     """``tree`` with its ShardedBase leaves replaced by ``next(leaves)`` (in ``_sharded_leaves``'s
     order) and its LocalNonpersistentObjects unwrapped: a plain state dict."""
-    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
-
     if isinstance(tree, dict):
         return {key: _with_leaves(value, leaves) for key, value in tree.items()}
     if isinstance(tree, list):
@@ -92,8 +91,7 @@ def _carry_over(current: dict, written: Any) -> None:
     Megatron's identifiers (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr); a group whose
     expert-parallel flag has no counterpart (expert weights are a group of their own only with
     EP > 1) takes the settings of the one that matches the rest."""
-    from megatron.core.optimizer.optimizer import param_group_identifier_keys as ids
-
+    ids = param_group_identifier_keys
     written_dicts = _optimizer_dicts(written)
     groups = [g for d in written_dicts for g in d["param_groups"]]
     steps = [d["state"]["common_step"] for d in written_dicts
@@ -127,8 +125,6 @@ def _load_resharded(path: Path, state: dict, optimizer, load_kwargs: dict) -> di
     the checkpoint stored it under (the same key but for the sub-optimizer prefix, looked up in
     the checkpoint's tensor metadata). The step count and the param groups' settings come from the
     checkpoint's common state (:func:`_carry_over`), in whatever nesting the writer had."""
-    from megatron.core import dist_checkpointing
-
     request = {key: value for key, value in state.items() if key != "optimizer"}
     leaves = []
     if optimizer is not None:
@@ -169,7 +165,6 @@ def _layout_changed(path: Path, manifest: dict, layout: dict, state: dict) -> bo
         return True
     if "optimizer" not in state:
         return False
-    from megatron.core import dist_checkpointing
 
     saved = set(dist_checkpointing.load_tensors_metadata(str(path / "model_optim")))
     missing = any(leaf.key not in saved and not any(k.startswith(leaf.key) for k in saved)
@@ -190,8 +185,6 @@ def load_checkpoint(path: str | Path, model_chunks: list, optimizer, *,
     :class:`CheckpointError` naming the fields (:func:`resume_refusal`). A checkpoint written
     under another parallel layout is resharded (the module docstring); the RNG states then start
     fresh, said in one line."""
-    from megatron.core import dist_checkpointing
-
     path = Path(path)
     # Every rank passes the same path, so every rank takes the same branch (verification is
     # collective).

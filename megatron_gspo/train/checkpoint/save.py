@@ -17,6 +17,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from megatron_gspo import mcore_compat
 from megatron_gspo.collectives import all_gather, broadcast, initialized, on_rank0, rank_world
@@ -96,7 +98,6 @@ def _writer_results_queue_dies_with_us() -> None:
     away from the preemption checkpoint (it did: ``BrokenPipeError``, ``step_N.tmp`` left).
     The Manager's own finalizer shuts it down at exit (a request, then SIGKILL)."""
     global _writer_manager
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
         _writer_manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
@@ -196,8 +197,6 @@ def save_checkpoint(run_dir: str | Path, step: int, model_chunks: list, optimize
     Raises :class:`CheckpointDiskFull` (too little space, checked first, or ENOSPC while writing)
     or :class:`CheckpointError` on every rank alike; a failed save leaves the previous checkpoints
     as they were."""
-    from megatron.core import dist_checkpointing
-
     _writer_results_queue_dies_with_us()
 
     root = checkpoint_root(run_dir)

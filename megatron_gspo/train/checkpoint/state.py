@@ -10,6 +10,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from megatron.core.dist_checkpointing.mapping import (ShardedTensor, ShardedTensorFactory,
+                                                      is_main_replica)
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 
 def rng_state() -> dict[str, Any]:
@@ -22,8 +25,6 @@ def rng_state() -> dict[str, Any]:
                        "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
         state["cuda"] = torch.cuda.get_rng_state()
         state["cuda_tracker"] = get_cuda_rng_tracker().get_states()
     return state
@@ -37,8 +38,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
                          npy["has_gauss"], npy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
         torch.cuda.set_rng_state(state["cuda"])
         get_cuda_rng_tracker().set_states(state["cuda_tracker"])
 
@@ -62,9 +61,6 @@ def sharded_state(model_chunks: list, optimizer, *, is_loading: bool) -> dict:
 def state_bytes(state) -> int:
     """Bytes this rank writes for ``state``: the main replicas of its sharded tensors (and of the
     tensors its factories shard); pickled objects and metadata come on top (small)."""
-    from megatron.core.dist_checkpointing.mapping import (ShardedTensor, ShardedTensorFactory,
-                                                          is_main_replica)
-
     total = 0
     todo = [state]
     while todo:
