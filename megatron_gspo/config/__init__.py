@@ -41,10 +41,9 @@ from megatron_gspo.config.load import apply_override, config_from_dict, dump_con
 from megatron_gspo.config.model import (ModelConfig, ParallelConfig, padded_vocab_size,
                                         pipeline_stage_layers)
 from megatron_gspo.config.rollout import ParityConfig, RolloutConfig, WeightSyncConfig
-from megatron_gspo.config.root import Config
+from megatron_gspo.config.root import Config, validate_data_parallel
 from megatron_gspo.config.run import MLflowConfig, OptimConfig, RunSettings, WandbConfig
-from megatron_gspo.config.validate import (validate_data_parallel, validate_model_parallel,
-                                           validate_sft_context_parallel)
+from megatron_gspo.config.validate import validate_model_parallel, validate_sft_context_parallel
 
 __all__ = [
     "REWARD_KINDS", "Config", "ConfigError", "DataConfig", "GSPOConfig", "MLflowConfig",

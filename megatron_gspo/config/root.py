@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_gspo.config.checks import require
 from megatron_gspo.config.data import DataConfig, RewardConfig, ToolsConfig
 from megatron_gspo.config.gspo import GSPOConfig
 from megatron_gspo.config.model import ModelConfig, ParallelConfig
@@ -61,3 +62,17 @@ def _to_plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_to_plain(v) for v in value]
     return value
+
+
+def validate_data_parallel(cfg: Config, data_parallel_size: int) -> None:
+    """The check that needs the world: a mini-batch (run.global_batch_size /
+    gspo.updates_per_rollout rows) must split into data-parallel size x run.micro_batch_size rows.
+    SFT, whose step is the whole global batch, applies the same rule, so that a file accepted for
+    one program is accepted for the other (as in :func:`validate_batches`). Called by both
+    trainers and by ``megatron-gspo config --world-size``; the message names the fields."""
+    dp, mbs, k = data_parallel_size, cfg.run.micro_batch_size, cfg.gspo.updates_per_rollout
+    gbs = cfg.run.global_batch_size
+    require((gbs // k) % (dp * mbs) == 0,
+            f"run.global_batch_size: a mini-batch of {gbs} / gspo.updates_per_rollout {k} = "
+            f"{gbs // k} sequences does not split into data-parallel size {dp} x "
+            f"run.micro_batch_size {mbs}")

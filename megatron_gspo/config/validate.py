@@ -1,11 +1,10 @@
 """The checks that need several sections: called by :meth:`Config.__post_init__
 <megatron_gspo.config.root.Config.__post_init__>` (every file is checked when it is loaded),
-except :func:`validate_sft_context_parallel` (the SFT trainer's) and
-:func:`validate_data_parallel` (where the world size is known). Each message names the fields."""
+except :func:`validate_sft_context_parallel` (the SFT trainer's); the check that needs the world
+size, ``validate_data_parallel``, is in :mod:`megatron_gspo.config.root` beside ``Config``. Each
+message names the fields."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from megatron_gspo.config.checks import ConfigError, require
 from megatron_gspo.config.data import REWARD_KINDS, DataConfig, RewardConfig
@@ -13,9 +12,6 @@ from megatron_gspo.config.gspo import GSPOConfig
 from megatron_gspo.config.model import ModelConfig, ParallelConfig, pipeline_stage_layers
 from megatron_gspo.config.rollout import RolloutConfig
 from megatron_gspo.config.run import OptimConfig, RunSettings
-
-if TYPE_CHECKING:  # only an annotation: root.py imports this module (Config runs these checks)
-    from megatron_gspo.config.root import Config
 
 
 def validate_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
@@ -125,17 +121,3 @@ def validate_weight_sync(rollout: RolloutConfig, model: ModelConfig) -> None:
             "rollout.weight_sync.delta: needs bf16 weights on the wire "
             f"(rollout.weight_sync.dtype resolves to {wire}); set rollout.weight_sync.dtype: "
             "bfloat16")
-
-
-def validate_data_parallel(cfg: Config, data_parallel_size: int) -> None:
-    """The check that needs the world: a mini-batch (run.global_batch_size /
-    gspo.updates_per_rollout rows) must split into data-parallel size x run.micro_batch_size rows.
-    SFT, whose step is the whole global batch, applies the same rule, so that a file accepted for
-    one program is accepted for the other (as in :func:`validate_batches`). Called by both
-    trainers and by ``megatron-gspo config --world-size``; the message names the fields."""
-    dp, mbs, k = data_parallel_size, cfg.run.micro_batch_size, cfg.gspo.updates_per_rollout
-    gbs = cfg.run.global_batch_size
-    require((gbs // k) % (dp * mbs) == 0,
-            f"run.global_batch_size: a mini-batch of {gbs} / gspo.updates_per_rollout {k} = "
-            f"{gbs // k} sequences does not split into data-parallel size {dp} x "
-            f"run.micro_batch_size {mbs}")
