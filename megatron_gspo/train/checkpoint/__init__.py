@@ -109,3 +109,7 @@ class CheckpointedTrainer:
 
     def load(self, path: str | Path) -> dict:
         """Collective: restore a checkpoint written by :meth:`save`; returns its run state."""
+        run_state = load_checkpoint(path, self.state.model, self.state.optimizer,
+                                    scheduler=self.state.scheduler, model_config=self.cfg.model)
+        self.resumed_from = Path(path)
+        return run_state
