@@ -32,7 +32,8 @@ import sys
 
 # The server is pipeline.local's, a program of its own (``python -m pipeline.local``, the same
 # flags); this command runs it inside the project's CLI (one-line errors, benign warnings).
-from pipeline.local.args import ServeArgError, add_arguments, validate
+from pipeline.local.__main__ import run
+from pipeline.local.args import add_arguments
 
 
 def add_parser(subparsers) -> None:
@@ -49,11 +50,4 @@ def add_parser(subparsers) -> None:
 
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
-    try:
-        validate(args)
-    except ServeArgError as err:
-        print(f"megatron-gspo serve: {err}", file=sys.stderr)
-        return 2
-    from pipeline.local.server import serve  # torch, transformers, fastapi: only when serving
-
-    return serve(args)
+    return run(args, "megatron-gspo serve")

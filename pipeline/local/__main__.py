@@ -37,19 +37,24 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    benign_warnings.apply()
-    args = parse_args(argv)
+def run(args: argparse.Namespace, prog: str) -> int:
+    """Serve with parsed ``args`` until stopped; a bad value is one line naming the flag, prefixed
+    by ``prog``, and exit status 2 (``megatron-gspo serve`` runs the server this way too)."""
     try:
         validate(args)
     except ServeArgError as err:
-        print(f"{PROG}: {err}", file=sys.stderr)
+        print(f"{prog}: {err}", file=sys.stderr)
         return 2
     # imported after the warning filters are in place (and after a bad argument was refused
     # without loading torch): the server's modules import torch, transformers and fastapi
     from pipeline.local.server import serve
 
     return serve(args)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    benign_warnings.apply()
+    return run(parse_args(argv), PROG)
 
 
 if __name__ == "__main__":

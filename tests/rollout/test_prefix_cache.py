@@ -400,7 +400,7 @@ def test_disable_radix_cache_reports_zero_always(servers):
 def test_serve_flags_are_parsed_and_checked():
     import argparse
 
-    from launch.serve import ServeArgError, add_arguments, validate
+    from pipeline.local.args import ServeArgError, add_arguments, validate
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
