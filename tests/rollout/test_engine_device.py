@@ -47,7 +47,7 @@ def test_config_field_is_validated(value, ok):
 
 
 def test_embedded_servers_get_the_configured_device(monkeypatch, tmp_path):
-    import pipeline.servers.cluster
+    import launch.rl_session
     from launch.rl_session import RLSession
 
     seen = {}
@@ -62,7 +62,7 @@ def test_embedded_servers_get_the_configured_device(monkeypatch, tmp_path):
         def stop(self):
             pass
 
-    monkeypatch.setattr(pipeline.servers.cluster, "LocalRolloutCluster", Recorder)
+    monkeypatch.setattr(launch.rl_session, "LocalRolloutCluster", Recorder)  # where it is used
     cfg = config_from_dict({"rollout": {"local_server_device": "cuda:0"},
                             "run": {"output_dir": str(tmp_path)}})
     session = RLSession.__new__(RLSession)
