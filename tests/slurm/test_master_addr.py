@@ -13,7 +13,7 @@ import socket
 import pytest
 
 from launch import cli
-from megatron_gspo import bound_store
+from megatron_gspo import bound_store, parallel
 from megatron_gspo.config import ConfigError
 from megatron_gspo.parallel import nodes_in_world
 from pipeline.servers.cluster import free_port
@@ -83,7 +83,7 @@ def test_train_rank0_refuses_before_any_store_listens(monkeypatch, capfd, tmp_pa
         raise AssertionError(f"a store was started on {args[:2]}: the loopback MASTER_ADDR was "
                              "not refused")
 
-    monkeypatch.setattr(bound_store, "tcp_store", tcp_store)
+    monkeypatch.setattr(parallel, "tcp_store", tcp_store)  # where the trainer starts its store
     code = cli.main(["train", "--config", "launch/configs/tiny_cpu.yaml",
                      "--set", f"run.output_dir={tmp_path / 'run'}"])
     err = capfd.readouterr().err
