@@ -157,11 +157,15 @@ class KillWhenBusy(threading.Thread):
     def run(self):
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            load = http_json("GET", self.url + "/v1/loads")[1]["loads"][0]
-            if load["num_running_reqs"] > 0 and finished(self.url) - self.start_count >= self.done:
-                self.cluster.kill_server(self.index)  # SIGKILL: dies mid-request
-                self.killed.set()
-                return
+            if finished(self.url) - self.start_count >= self.done:
+                # the finished answers reach their clients first (a SIGKILL right after a
+                # request finished on the server could lose its answer in flight: retried)
+                time.sleep(0.2)
+                load = http_json("GET", self.url + "/v1/loads")[1]["loads"][0]
+                if load["num_running_reqs"] > 0:
+                    self.cluster.kill_server(self.index)  # SIGKILL: dies mid-request
+                    self.killed.set()
+                    return
             time.sleep(0.01)
 
 
