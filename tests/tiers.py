@@ -13,9 +13,10 @@ Entries are node-id prefixes: a file, a test function (all its parameters) or on
 case. tests/conftest.py marks them ``slow`` at collection.
 
 :data:`EXTENDED` (marked ``extended`` at collection, like the tests marked so in their modules):
-the longest end-to-end checks, out of the README's suite (which must stay under 25 minutes on
+the longest end-to-end checks, out of the README's suite (which must stay under 20 minutes on
 the 2-core machine) and run by ``.ci/run`` after it, ``pytest -m extended``. Measured with
-``MGSPO_TEST_TIMES`` on 2026-12-04: each above ~25 s.
+``MGSPO_TEST_TIMES`` on 2026-12-04: each above ~25 s; since 2026-12-07 also layout cases whose
+area keeps other cases in the suite.
 """
 
 SLOW = (
@@ -121,4 +122,24 @@ EXTENDED = (
     "tests/distributed/test_cross_stack_checkpoint.py",                                        # 60 s (2)
     "tests/slurm/test_slurm_jobs.py::test_gspo_job_completes_with_rising_reward",              # 54 s
     "tests/distributed/test_memory_layouts.py::test_uneven_pipeline_stages_match_single_process",  # 22 s
+    # moved out of the README's suite on 2026-12-07 (issue 34: the suite under 20 minutes; seconds
+    # measured with MGSPO_TEST_TIMES on a loaded 2-core machine, the suite at 29:18): the e2e runs
+    # that need the session SFT policy (its ~90 s go with them), and the layout cases whose area
+    # keeps other cases in the suite
+    "tests/e2e/test_gspo_run.py::test_gspo_reward_rises_and_metrics_are_written",    # 125 s (SFT)
+    "tests/e2e/test_routing_replay_run.py",                                          # 19 s
+    "tests/distributed/test_rl_trainer_layouts.py::test_later_objectives_train_under_data_parallelism_as_in_one_process[cispo]",  # 13 s
+    "tests/distributed/test_rl_trainer_layouts.py::test_later_objectives_train_under_data_parallelism_as_in_one_process[gmpo]",   # 13 s
+    "tests/distributed/test_rl_trainer_layouts.py::test_later_objectives_train_under_data_parallelism_as_in_one_process[luspo]",  # 13 s
+    "tests/distributed/test_packed_gspo_step.py::test_multiturn_step_matches_single_process[CP2]",  # 6 s
+    "tests/distributed/test_packed_gspo_step.py::test_multiturn_step_matches_single_process[DP2]",  # 6 s
+    "tests/distributed/test_packed_gspo_step.py::test_multiturn_step_matches_single_process[PP2]",  # 7 s
+    "tests/distributed/test_packed_gspo_step.py::test_multiturn_step_matches_single_process[TP2]",  # 6 s
+    "tests/distributed/test_layouts.py::test_one_step_matches_single_process[DP2]",              # 12 s
+    "tests/distributed/test_layouts.py::test_one_step_matches_single_process[TP2xEP2xETP2]",     # 12 s
+    "tests/distributed/test_gspo_layouts.py::test_gspo_gradients_match_single_process[DP2]",     # 7 s
+    "tests/distributed/test_gspo_layouts.py::test_gspo_gradients_match_single_process[PP2]",     # 6 s
+    "tests/distributed/test_gspo_layouts.py::test_gspo_gradients_match_single_process[TP2]",     # 7 s
+    "tests/rollout/test_weight_sync.py::test_every_layout_syncs_checksum_verified[DP2]",         # 6 s
+    "tests/rollout/test_weight_sync.py::test_every_layout_syncs_checksum_verified[TP2]",         # 6 s
 )
