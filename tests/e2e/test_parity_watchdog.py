@@ -34,18 +34,19 @@ from megatron_gspo.config import load_config
 
 class FaultyServers(RLSession):
     def _start_local_servers(self, model_path):
-        from pipeline.servers.cluster import cluster as servers
-        real = servers.LocalRolloutCluster
+        import launch.rl_session as session_module  # where the session starts its servers
+
+        real = session_module.LocalRolloutCluster
 
         def faulty(*args, server_args=(), **kwargs):
             return real(*args, server_args=[*server_args, "--fault-perturb-weights", "0.05"],
                         **kwargs)
 
-        servers.LocalRolloutCluster = faulty
+        session_module.LocalRolloutCluster = faulty
         try:
             return super()._start_local_servers(model_path)
         finally:
-            servers.LocalRolloutCluster = real
+            session_module.LocalRolloutCluster = real
 
 
 for name, overrides in json.loads(sys.argv[2]):
