@@ -11,6 +11,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 from multiprocessing.managers import SyncManager
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -22,7 +23,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from megatron_gspo import mcore_compat
 from megatron_gspo.collectives import all_gather, broadcast, initialized, on_rank0, rank_world
-from megatron_gspo.lifetime import shield_from_stop_signals, shielded_helper
+from megatron_gspo.lifetime import STOP_SIGNALS, shield_from_stop_signals, shielded_helper
 from megatron_gspo.train.checkpoint.manifest import (MANIFEST, MANIFEST_FORMAT, CheckpointError,
                                                      checkpoint_root, describe_files, list_files,
                                                      step_dirs)
@@ -101,7 +102,15 @@ def _writer_results_queue_dies_with_us() -> None:
 
     if filesystem_async._results_queue is None:
         _writer_manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        _writer_manager.start(initializer=shielded_helper)
+        # the stop signals stay blocked from the fork on: the spawned interpreter inherits the
+        # mask, so a signal to the whole group while it starts (before its initializer runs) no
+        # longer kills it (the save then failed with EOFError); one that reaches this thread
+        # meanwhile is delivered when the mask is restored
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            _writer_manager.start(initializer=shielded_helper)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
         filesystem_async._results_queue = _writer_manager.Queue()
 
 
