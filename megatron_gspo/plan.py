@@ -428,6 +428,26 @@ def _communicators(layout) -> int:
     return sum(1 for n in sizes if n > 1)
 
 
+def _recompute(m, n_layers: int, layer_bytes: float, hidden_bytes: float,
+               selective: float) -> tuple[float, float, str]:
+    """(activation bytes kept per micro-batch on a stage of ``n_layers`` layers, the recompute
+    working set, a note) under ``model.recompute_granularity`` / ``_method`` / ``_num_layers``."""
+    full = n_layers * layer_bytes
+    if m.recompute_granularity == "full":
+        n = m.recompute_num_layers
+        if m.recompute_method == "uniform":
+            return ((n_layers // n) * hidden_bytes, n * layer_bytes,
+                    f"full recompute, uniform, {n} layer(s) per chunk: chunk inputs only")
+        recomputed = min(n, n_layers)
+        return (recomputed * hidden_bytes + (n_layers - recomputed) * layer_bytes,
+                layer_bytes if recomputed else 0.0,
+                f"full recompute, block: {recomputed} of {n_layers} layers recomputed")
+    if m.recompute_granularity == "selective":
+        return (full - n_layers * selective, selective,
+                f"selective recompute of {', '.join(m.recompute_modules or ['core_attn'])}")
+    return full, 0.0, "no recompute"
+
+
 def plan_memory(cfg: Config, world_size: int, gpu_memory_gib: float, *, spec: str = "te",
                 device: str = "gpu", moe_imbalance: float = 1.0) -> MemoryPlan:
     """The memory plan of every pipeline stage of ``cfg`` on ``world_size`` training ranks."""
@@ -500,24 +520,7 @@ def plan_memory(cfg: Config, world_size: int, gpu_memory_gib: float, *, spec: st
                           f"({'adam m, v' if o.optimizer == 'adam' else 'sgd momentum'}"
                           f"{' + fp32 master' if master else ''}; {where})"))
         # activations of one micro-batch on this stage, and the recompute working set
-        full = n_layers * layer_bytes
-        if m.recompute_granularity == "full":
-            n = m.recompute_num_layers
-            if m.recompute_method == "uniform":
-                kept = (n_layers // n) * hidden_bytes
-                working = n * layer_bytes
-                note = f"full recompute, uniform, {n} layer(s) per chunk: chunk inputs only"
-            else:
-                recomputed = min(n, n_layers)
-                kept = recomputed * hidden_bytes + (n_layers - recomputed) * layer_bytes
-                working = layer_bytes if recomputed else 0.0
-                note = f"full recompute, block: {recomputed} of {n_layers} layers recomputed"
-        elif m.recompute_granularity == "selective":
-            kept = full - n_layers * selective
-            working = selective
-            note = f"selective recompute of {', '.join(m.recompute_modules or ['core_attn'])}"
-        else:
-            kept, working, note = full, 0.0, "no recompute"
+        kept, working, note = _recompute(m, n_layers, layer_bytes, hidden_bytes, selective)
         if stage == 0:
             kept += T * 8  # token ids (int64) saved by the embedding
         if stage == p.pipeline - 1:  # the final norm and the output layer's input
@@ -540,7 +543,6 @@ def plan_memory(cfg: Config, world_size: int, gpu_memory_gib: float, *, spec: st
         if device == "gpu":
             comm = (CUDA_CONTEXT_BYTES + NCCL_BYTES_PER_COMMUNICATOR * _communicators(layout)
                     + FRAGMENTATION * dynamic)
-        if device == "gpu":
             one, largest = gather_buffer_bytes(cfg, stage)
             items.append(Item("weight-sync gather buffers", 2 * one,
                               f"(2 x {one / MIB:.0f} MiB on a sending rank, held for the run: "
