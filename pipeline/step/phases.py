@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.collectives import broadcast
 from pipeline.generation.client import control, eval_seed, sampling_params
 from pipeline.generation.version import WeightVersion, to_wire
 from pipeline.sources.batch import score_groups
-from pipeline.step.rank0 import broadcast, run_on_rank0
+from pipeline.step.rank0 import run_on_rank0
 from pipeline.weights.parity import ParityError
 from pipeline.weights.push import WeightPushError
 
