@@ -146,26 +146,34 @@ def perturbed_weights(cluster, seed: int) -> dict:
 
 class KillWhenBusy(threading.Thread):
     """SIGKILLs server ``index`` once ``done`` of its requests have finished (counted from now)
-    while more run: it dies mid-batch, some samples in, others in flight."""
+    and more run: it dies mid-batch, some samples in, others in flight.
+
+    It pauses the server in place first (its running requests held, none finishing), gives the
+    answers already finished time to reach their clients, and kills only if requests are still
+    held: a SIGKILL right after a request finished could lose its answer in flight (retried, so
+    fewer kept than finished), and a fixed wait without the pause let a fast machine finish the
+    whole batch first (nothing left to kill)."""
 
     def __init__(self, cluster, index: int, done: int):
         super().__init__(daemon=True)
-        self.cluster, self.index, self.url = cluster, index, cluster.server_urls[index]
+        self.cluster, self.index, self.url = cluster, index, cluster.server_urls[index].rstrip("/")
         self.start_count, self.done = finished(self.url), done
         self.killed = threading.Event()
 
     def run(self):
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            if finished(self.url) - self.start_count >= self.done:
-                # the finished answers reach their clients first (a SIGKILL right after a
-                # request finished on the server could lose its answer in flight: retried)
-                time.sleep(0.2)
+            load = http_json("GET", self.url + "/v1/loads")[1]["loads"][0]
+            if (load["num_running_reqs"] > 0
+                    and finished(self.url) - self.start_count >= self.done):
+                http_json("POST", self.url + "/pause_generation", {"mode": "in_place"})
+                time.sleep(0.3)  # the finished answers reach their clients
                 load = http_json("GET", self.url + "/v1/loads")[1]["loads"][0]
                 if load["num_running_reqs"] > 0:
                     self.cluster.kill_server(self.index)  # SIGKILL: dies mid-request
                     self.killed.set()
                     return
+                http_json("POST", self.url + "/continue_generation", {})
             time.sleep(0.01)
 
 
@@ -277,7 +285,7 @@ def test_full_mode_the_trainers_sync_reaches_a_server_the_stream_waits_for(clust
         stream = RolloutStream(generate=generate, score=lambda p, rs: ([0.0] * len(rs), 0),
                                draw=draw, prompts_per_step=4, max_staleness=1, version=6,
                                taken=6, seed_of=lambda i, a: 100 * i + a)
-        killer = KillWhenBusy(cluster, 0, done=4)
+        killer = KillWhenBusy(cluster, 0, done=0)  # the stream's requests finish together
         killer.start()
         stream.start()
         killer.join()
