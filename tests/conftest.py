@@ -1,20 +1,14 @@
 """Fixtures shared by several test directories.
 
 ``sft_policy``: one cold-start SFT policy (a Hugging Face directory) per session, the starting point
-of every GSPO run in the tests (tests/e2e, tests/slurm). About 90 s on a busy 2-core CPU. With
-``MGSPO_TEST_SFT_CACHE=DIR`` (.ci/run sets it) the sessions of one machine share it: it is built
-once per key (the interpreter, torch and megatron-core versions, the SFT config and every source
-file of the project) and reused by a later session with the same key.
+of every GSPO run in the tests (tests/e2e, tests/slurm). About 90 s on a busy 2-core CPU.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
-import shutil
 import subprocess
 import sys
-from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -84,49 +78,15 @@ def _listed(nodeid: str, prefixes: tuple[str, ...]) -> bool:
     return any(nodeid == p or nodeid.startswith((p + "::", p + "[")) for p in prefixes)
 
 
-SFT_CONFIG = "launch/configs/tiny_cpu_sft.yaml"
-
-
 @pytest.fixture(scope="session")
 def sft_policy(tmp_path_factory) -> Path:
-    cache = os.environ.get("MGSPO_TEST_SFT_CACHE")
-    if cache:
-        entry = Path(cache) / sft_policy_key()
-        if (entry / "complete").is_file():
-            return entry / "hf"
     out = tmp_path_factory.mktemp("sft")
     # the config's own number of steps (the demo's SFT policy)
-    args = ["sft", "--config", SFT_CONFIG, "--set", f"run.output_dir={out}",
+    args = ["sft", "--config", "launch/configs/tiny_cpu_sft.yaml", "--set", f"run.output_dir={out}",
             "--set", "run.eval_interval=0", "--set", "run.log_interval=100"]
     proc = subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (f"megatron-gspo {' '.join(args)} exited {proc.returncode}\n"
                                   f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     assert (out / "hf" / "config.json").is_file() and (out / "hf" / "tokenizer.json").is_file()
-    if cache:
-        return store_sft_policy(out / "hf", entry)
     return out / "hf"
-
-
-def sft_policy_key() -> str:
-    """What the session SFT policy depends on: the stack and every source file that builds it."""
-    digest = hashlib.sha256()
-    for name in ("torch", "megatron-core", "transformers"):
-        digest.update(f"{name}={metadata.version(name)}\n".encode())
-    digest.update(sys.version.encode())
-    sources = sorted(p for d in ("megatron_gspo", "pipeline", "launch")
-                     for p in (ROOT / d).rglob("*") if p.suffix in (".py", ".yaml"))
-    for path in sources:
-        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:20]
-
-
-def store_sft_policy(hf: Path, entry: Path) -> Path:
-    """Copy ``hf`` into the cache ``entry`` (whole or not at all: renamed into place, then marked)."""
-    partial = entry.with_name(entry.name + f".partial{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    shutil.copytree(hf, partial / "hf")
-    shutil.rmtree(entry, ignore_errors=True)
-    os.replace(partial, entry)
-    (entry / "complete").write_text("")
-    return entry / "hf"
