@@ -117,6 +117,7 @@ SLOW = (
     "tests/distributed/test_routing_replay.py::test_replayed_gates_differ_exactly_where_expert_sets_differ",  # 8.9 (its fixture's other test is slow)
     "tests/rollout/test_weight_sync.py::test_sync_makes_servers_serve_the_new_weights",  # 8.9
     "tests/unit/test_cpu_compat.py::test_cuda_device_arguments_go_to_the_cpu",  # 4.5
+    "tests/reliability/test_refused_update.py",  # 14 (a server of its own)
 )
 
 

@@ -25,6 +25,12 @@ from pipeline.weights.interface import Pusher, SessionTransport, first_failure
 from pipeline.weights.stats import SyncStats
 
 
+_POLL_S = 0.005
+"""How often a pending broadcast is checked against the servers' answers."""
+_ABANDON_WAIT_S = 10.0
+"""How long an abandoned broadcast may take to end once its groups are closed."""
+
+
 class DistributedTransport(SessionTransport):
     """``master_address``: the address the servers reach a source rank's update group at; None:
     the address of the source's own interface that routes to the first server.
@@ -106,24 +112,58 @@ class DistributedTransport(SessionTransport):
                                  timeout_s=p.timeout_s, headers=p.headers(i))
                    for i, u in enumerate(p.server_urls)]
         device = "cuda" if self.backend == "nccl" else "cpu"
-        wt.broadcast(self._update_group, wire_flat.to(device), 0)
+        tensor = wire_flat.to(device)
+        work = wt.broadcast(self._update_group, tensor, 0, async_op=True)
+        self._await_broadcast(work, answers)
         return answers
+
+    def _await_broadcast(self, work, answers: list) -> None:
+        """Wait for the bucket's broadcast. A server that answered with an error before the
+        broadcast completed refused the bucket without joining it (an unknown dtype or group, no
+        session): the broadcast would wait for the group's timeout. Instead the groups are closed
+        at once (:meth:`_abandon`) and that server's error is raised."""
+        while not work.is_completed():
+            refused = next((a for a in answers if a.done() and a.exception() is not None), None)
+            if refused is not None:
+                self._abandon(work)
+                raise refused.exception()
+            time.sleep(_POLL_S)
+        work.wait()  # the broadcast's own error, if it failed
+
+    def _abandon(self, work) -> None:
+        """Close the update groups around a broadcast that a server will never join: the
+        servers' side first (a member that leaves ends the pending send with an error; gloo's
+        ``abort`` does not), then this rank's (NCCL: ``abort`` ends the pending kernel), waiting
+        a bounded time for the pending work to end. The next push makes the groups again."""
+        self._destroy_server_groups()
+        try:
+            self._update_group.abort()
+        except (RuntimeError, AttributeError):
+            pass  # gone already, or a backend without abort
+        deadline = time.monotonic() + _ABANDON_WAIT_S
+        while not work.is_completed() and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+        wt.destroy_group(self._update_group)
+        self._update_group, self._group_made = None, False
 
     def reset(self) -> None:
         """Tear down the update groups on the servers (a dead one does not answer: nothing to
         undo there) and on this rank; the next push makes them again."""
         if self._update_group is not None:
-            p = self.pusher
-            name = self.my_group_name()
-            for url in p.server_urls:
-                try:
-                    rollout.control(url, "/destroy_weights_update_group", {"group_name": name},
-                                    timeout_s=p.timeout_s)
-                except rollout.RolloutError:
-                    pass
+            self._destroy_server_groups()
             wt.destroy_group(self._update_group)
             self._update_group = None
         self._group_made = False
+
+    def _destroy_server_groups(self) -> None:
+        p = self.pusher
+        name = self.my_group_name()
+        for url in p.server_urls:
+            try:
+                rollout.control(url, "/destroy_weights_update_group", {"group_name": name},
+                                timeout_s=p.timeout_s)
+            except rollout.RolloutError:
+                pass  # dead, or the group is gone already
 
     def close(self) -> None:
         """Destroy the update groups (server side first, then this rank's)."""
