@@ -18,8 +18,9 @@
 
 Exit status: 0 done; 2 an input error (configuration, data, reward, checkpoint, a run directory in
 use), printed as one line; 75 stopped by SIGTERM / SIGINT / SIGUSR1 after saving a checkpoint
-(``--resume`` continues); 1 anything else. With local ranks the launcher prints the one message
-(``launch/supervise.py``).
+(``--resume`` continues); 1 anything else: a failure the run explains (a non-finite loss or
+gradient) as one line, a crash with its traceback. With local ranks the launcher prints the one
+message (``launch/supervise.py``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Optional
 
 from launch import local, rank_status
 from megatron_gspo.config import ConfigError
-from megatron_gspo.errors import is_input_error, one_line
+from megatron_gspo.errors import is_explained, is_input_error, one_line
 from megatron_gspo.lifetime import die_with_parent
 from pipeline.observe import benign_warnings
 
@@ -99,6 +100,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if is_input_error(err):  # bad input, by its type: the message names the file / field
             _report(console, command, one_line(err))  # "step N: <phase>: <Type>: <message>"
             return 2
+        if is_explained(err):  # e.g. a non-finite loss: the one line says it all, no traceback
+            _report(console, command, one_line(err), code=1, log_traceback=err)
+            return 1
         if supervised:  # the traceback to the rank's log; the launcher shows the first one
             return _failed_under_launcher(console, err)
         if console is not None:
@@ -110,14 +114,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise
 
 
-def _report(console: Optional[local.RankConsole], command: str, error: str) -> None:
-    """An input error's one line: on stderr (and on the console for ranks 1..), or, in a rank
-    under ``launch.supervise``, in its log and to the launcher, which prints it once."""
+def _report(console: Optional[local.RankConsole], command: str, error: str, *, code: int = 2,
+            log_traceback: Optional[BaseException] = None) -> None:
+    """An input error's (or an explained failure's, ``code`` 1) one line: on stderr (and on the
+    console for ranks 1..), or, in a rank under ``launch.supervise``, in its log and to the
+    launcher, which prints it once. ``log_traceback``: its traceback goes to the rank's log only
+    (ranks 1..: stderr is the log; rank 0 and unsupervised ranks: not shown)."""
     line = f"megatron-gspo {command}: {error}"
+    if console is not None and log_traceback is not None:  # ranks 1..: stderr is the rank's log
+        print("".join(traceback.format_exception(log_traceback)), file=sys.stderr, end="")
     if rank_status.supervised():
-        if console is not None:  # ranks 1..: stderr is the rank's log
+        if console is not None:
             print(line, file=sys.stderr)
-        rank_status.report(2, error=error, log=str(console.log_path) if console else None)
+        rank_status.report(code, error=error, log=str(console.log_path) if console else None)
         return
     print(line, file=sys.stderr)
     if console is not None:

@@ -25,7 +25,9 @@ run directory not locked by a live run    -       yes     yes     yes
 ``--resume``: the checkpoint's model       -       yes     yes     -
 ``--resume``: the checkpoint's rollout     -       yes     yes     -
 mode (``rollout.async``)
-``run.loggers`` packages (wandb, mlflow)   -       yes     yes     -
+``run.loggers`` trackers (wandb, mlflow):  -       yes     yes     -
+package, directory writable, W&B online
+has an API key, MLflow server answers (5 s)
 GPU-only limits (``validate_rl``)          -       yes     -       -
 apex wgrad kernel (with CUDA, when         -       yes     yes     -
 ``model.gradient_accumulation_fusion``)
@@ -48,11 +50,16 @@ run it themselves, every rank alike.
 from __future__ import annotations
 
 import json
+import netrc
 import os
 import subprocess
 import tempfile
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Literal, Optional
+from urllib.parse import urlsplit
+from urllib.request import url2pathname
 
 import torch
 
@@ -64,7 +71,8 @@ from megatron_gspo.parallel import derive_layout
 from megatron_gspo.train.batching import pack_tokens
 from pipeline.generation.client import RolloutError, http_json
 from pipeline.generation.multiturn import check_tools
-from pipeline.observe.trackers import check_installed
+from pipeline.observe.trackers import (MLflowTracker, WandbTracker, build_trackers,
+                                       check_installed)
 from pipeline.scoring.data import DataError, build_datasets
 from pipeline.scoring.rewards import build_reward
 from pipeline.scoring.tasks import TASKS
@@ -92,7 +100,7 @@ def check(cfg: Config, *, program: Program, world_size: Optional[int],
     are skipped; every other program refuses them."""
     if program in ("train", "sft"):
         check_gradient_accumulation_fusion(cfg)
-        check_installed(cfg.run.loggers)  # where the ranks run; a Slurm job's image may differ
+        check_trackers(cfg)  # where the ranks run; a Slurm job's image may differ
     if program == "train":
         said = check_nccl_versions(cfg)
         if said:
@@ -178,11 +186,13 @@ def check_rollout_resume(cfg: Config, checkpoint: Path) -> None:
     check_source_resume(run_state, cfg.rollout.async_)
 
 
-def check_writable(run_dir: str | os.PathLike) -> None:
-    """``run.output_dir`` must be a directory this process can create files in (or one it can
-    create): probed by creating and removing a file in it (or a directory in its nearest existing
-    parent), since permission bits do not stop root and a read-only mount only shows when written
-    to. Leaves nothing behind."""
+def check_writable(run_dir: str | os.PathLike, *, field: str = "run.output_dir",
+                   source: str = "") -> None:
+    """``run.output_dir`` (or the directory ``field`` names; ``source``: where its value came
+    from, e.g. `` (from WANDB_DIR)``) must be a directory this process can create files in (or
+    one it can create): probed by creating and removing a file in it (or a directory in its
+    nearest existing parent), since permission bits do not stop root and a read-only mount only
+    shows when written to. Leaves nothing behind."""
     path = Path(run_dir)
     probe_in = path
     while not probe_in.exists():
@@ -191,8 +201,8 @@ def check_writable(run_dir: str | os.PathLike) -> None:
         probe_in = probe_in.parent
     if not probe_in.is_dir():
         what = "is" if probe_in == path else f"is under {probe_in}, which is"
-        raise ConfigError(f"run.output_dir: {path} {what} not a directory; choose another "
-                          "run.output_dir")
+        raise ConfigError(f"{field}: {path}{source} {what} not a directory; choose another "
+                          f"{field}")
     try:
         if probe_in == path:
             fd, name = tempfile.mkstemp(prefix=".write-probe-", dir=probe_in)
@@ -202,8 +212,91 @@ def check_writable(run_dir: str | os.PathLike) -> None:
             os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=probe_in))
     except OSError as err:
         where = "" if probe_in == path else f" (it would be created in {probe_in})"
-        raise ConfigError(f"run.output_dir: {path} is not writable{where}: "
-                          f"{err.strerror or err}; choose a writable run.output_dir") from None
+        raise ConfigError(f"{field}: {path}{source} is not writable{where}: "
+                          f"{err.strerror or err}; choose a writable {field}") from None
+
+
+TRACKER_TIMEOUT_S = 5.0
+"""How long an MLflow tracking server gets to answer before the run is refused."""
+WANDB_ONLINE_MODES = ("online", "run", "shared")
+"""W&B modes that upload while the run goes (and need an API key)."""
+
+
+def _origin(field: str, value: Optional[str], env: str) -> tuple[str, str]:
+    """(the field to name, where its value came from) for a setting read from the field, else
+    from the environment variable ``env``."""
+    return (field, "") if value else (field, f" (from {env}, {field} unset)")
+
+
+def check_trackers(cfg: Config) -> None:
+    """``run.loggers``' W&B and MLflow, as far as they can be checked without opening a run
+    (which would create one): each package imports (else the extra to install); the directory
+    each writes to can be written; W&B online has an API key; an MLflow tracking server answers
+    within :data:`TRACKER_TIMEOUT_S`. Each a ConfigError naming the field."""
+    check_installed(cfg.run.loggers)
+    run_dir = Path(cfg.run.output_dir)
+    for tracker in build_trackers(cfg.run, run_dir):
+        if isinstance(tracker, WandbTracker):
+            _check_wandb(cfg, tracker, run_dir)
+        elif isinstance(tracker, MLflowTracker):
+            _check_mlflow(cfg, tracker, run_dir)
+
+
+def _check_wandb(cfg: Config, tracker: WandbTracker, run_dir: Path) -> None:
+    settings = cfg.run.wandb
+    if tracker.dir != run_dir:  # run.output_dir is checked on its own
+        check_writable(tracker.dir, field="run.wandb.dir",
+                       source=_origin("run.wandb.dir", settings.dir, "WANDB_DIR")[1])
+    mode = tracker.mode or os.environ.get("WANDB_MODE", "")
+    if mode not in WANDB_ONLINE_MODES or wandb_api_key_found():
+        return
+    field, source = _origin("run.wandb.mode", settings.mode, "WANDB_MODE")
+    raise ConfigError(
+        f"{field}: {mode}{source} uploads while the run goes and needs a W&B API key, and none "
+        "is set here (WANDB_API_KEY, or the ~/.netrc entry `wandb login` writes); run `wandb "
+        "login` or set WANDB_API_KEY where the ranks run, or set run.wandb.mode: offline (then "
+        "`wandb sync` the run's wandb/ directory)")
+
+
+def wandb_api_key_found(environ=None) -> bool:
+    """Whether W&B would find an API key: ``WANDB_API_KEY`` (or an identity token file), else a
+    netrc entry (``NETRC``, else ~/.netrc) for the host of ``WANDB_BASE_URL``
+    (https://api.wandb.ai by default), as ``wandb login`` writes it."""
+    env = os.environ if environ is None else environ
+    if env.get("WANDB_API_KEY") or env.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlsplit(env.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+    path = env.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+    try:
+        entry = netrc.netrc(path).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(entry and entry[2])
+
+
+def _check_mlflow(cfg: Config, tracker: MLflowTracker, run_dir: Path) -> None:
+    uri = tracker.tracking_uri
+    field, source = _origin("run.mlflow.tracking_uri", cfg.run.mlflow.tracking_uri,
+                            "MLFLOW_TRACKING_URI")
+    parts = urlsplit(uri)
+    if parts.scheme in ("", "file"):  # a file store: a directory
+        path = Path(url2pathname(parts.path) if parts.scheme else uri)
+        if path != (run_dir / "mlruns").resolve():  # run.output_dir is checked on its own
+            check_writable(path, field=field, source=source)
+    elif parts.scheme == "sqlite":  # sqlite:///relative.db, sqlite:////absolute.db
+        database = Path(uri.split("://", 1)[1][1:] or ".")
+        check_writable(database.parent, field=field, source=f" ({uri}){source}")
+    elif parts.scheme in ("http", "https"):
+        try:
+            urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=TRACKER_TIMEOUT_S).close()
+        except urllib.error.HTTPError:
+            return  # it answered: a server is there (its API is MLflow's to judge)
+        except (OSError, ValueError) as err:
+            reason = getattr(err, "reason", None) or err
+            raise ConfigError(
+                f"{field}: {uri}{source} does not answer within {TRACKER_TIMEOUT_S:.0f} s "
+                f"({reason}); start the MLflow tracking server first, fix the URI, or leave "
+                "it unset for the offline file store in run.output_dir/mlruns") from None
 
 
 GRAD_ACCUM_FUSION_MODULE = "fused_weight_gradient_mlp_cuda"

@@ -1,9 +1,13 @@
-"""What kind of failure an error is, by its type: bad input, or a crash.
+"""What kind of failure an error is, by its type: bad input, an explained failure, or a crash.
 
 An **input error** (:class:`InputError`) is a problem with what the run was given: its data, a
 reward function that fails, a damaged checkpoint, a bad config, a run directory another run
 holds. Its message names the file / field / rank, so the launcher (``launch/cli.py``) prints that
-one line and exits with status 2. Anything else is a crash: exit status 1 with the traceback.
+one line and exits with status 2. An **explained failure** (:class:`ExplainedError`) is one the
+run detected and described itself, not a problem of its input (a non-finite loss or gradient:
+``megatron_gspo.train.finite_check``): exit status 1 and its one line, as for an input error; its
+traceback would only show where the check sits, so it goes to the rank's log, not the console.
+Anything else is a crash: exit status 1 with the traceback.
 Every input-error class inherits the marker :class:`InputError` besides its own base (e.g.
 ``class DataError(ValueError, InputError)``, so that ``except ValueError`` still catches it);
 nothing is recognised by its text or its class name.
@@ -18,11 +22,17 @@ Standard library only: the config and the RL dataflow (``pipeline/``) import thi
 
 from __future__ import annotations
 
-__all__ = ["InputError", "RemoteError", "RemoteInputError", "is_input_error", "kind_of", "one_line"]
+__all__ = ["ExplainedError", "InputError", "RemoteError", "RemoteInputError", "is_explained",
+           "is_input_error", "kind_of", "one_line"]
 
 
 class InputError(Exception):
     """Marker base class: bad input, not a bug (exit status 2 and one line naming the cause)."""
+
+
+class ExplainedError(Exception):
+    """Marker base class: a failure of the run that its message fully explains (exit status 1
+    and that one line; the traceback only in the rank's log)."""
 
 
 class RemoteError(RuntimeError):
@@ -55,6 +65,11 @@ class RemoteInputError(RemoteError, InputError):
 def is_input_error(err: BaseException) -> bool:
     """True for an input error, raised here or on another rank."""
     return isinstance(err, InputError)
+
+
+def is_explained(err: BaseException) -> bool:
+    """True for an :class:`ExplainedError`: one line on the console, no traceback."""
+    return isinstance(err, ExplainedError)
 
 
 def kind_of(err: BaseException) -> str:

@@ -8,8 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional
 
 from megatron_gspo.config.checks import require
-from megatron_gspo.loss.variants import (SEQUENCE_RANGE, SPECS, CispoParams, GmpoParams,
-                                         SapoParams, Variant)
+from megatron_gspo.loss.variants import (PARAM_RANGES, SEQUENCE_RANGE, SPECS, CispoParams,
+                                         GmpoParams, SapoParams, Variant)
+
+COEF_LIMIT = 100.0
+"""The largest |gspo.kl_coef| and |gspo.entropy_coef|."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -35,13 +38,14 @@ class GSPOConfig:
     """Token clip range, high side (see token_eps_low)."""
     cispo: CispoParams = field(default_factory=CispoParams)
     """cispo's own clip range of the IS weight: ``gspo.cispo.eps_low`` (in (0, 1]; 1.0, the
-    default: no lower bound) and ``gspo.cispo.eps_high`` (4.0) (``variants.CispoParams``)."""
+    default: no lower bound) and ``gspo.cispo.eps_high`` (4.0; in (0, 100])
+    (``variants.CispoParams``). Every variant parameter's range: ``variants.PARAM_RANGES``."""
     sapo: SapoParams = field(default_factory=SapoParams)
-    """sapo's gate temperatures: ``gspo.sapo.tau_pos`` (1.0) and ``gspo.sapo.tau_neg`` (1.05)
-    (``variants.SapoParams``)."""
+    """sapo's gate temperatures: ``gspo.sapo.tau_pos`` (1.0) and ``gspo.sapo.tau_neg`` (1.05),
+    each in [0.01, 100] (``variants.SapoParams``)."""
     gmpo: GmpoParams = field(default_factory=GmpoParams)
     """gmpo's own clip range in log space: ``gspo.gmpo.log_eps_low`` and ``gspo.gmpo.log_eps_high``
-    (0.4 / 0.4) (``variants.GmpoParams``)."""
+    (0.4 / 0.4), each in (0, 20] (``variants.GmpoParams``)."""
     group_size: int = 8
     """G: responses sampled per prompt."""
     normalize_std: bool = True
@@ -49,13 +53,14 @@ class GSPOConfig:
     leave_one_out: bool = False
     """Baseline each response by the mean of the other G-1 rewards."""
     kl_coef: float = 0.0
-    """Weight of the k3 KL to a frozen reference policy, per sequence the token-mean of
+    """In [0, 100]. Weight of the k3 KL to a frozen reference policy, per sequence the token-mean of
     exp(ref - lp) - (ref - lp) - 1. With kl_coef > 0 the RL trainer keeps a second, frozen copy of
     the initial policy (run.init_from, or the run.seed initialisation) in the same parallel layout
     (its weights' memory once more) and computes its log-probs with Megatron for every rollout
     batch. 0: no reference model."""
     entropy_coef: float = 0.0
-    """Weight of the entropy bonus (per sequence the token-mean entropy of the policy)."""
+    """Weight of the entropy bonus (per sequence the token-mean entropy of the policy), in
+    [-100, 100]."""
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
     """Where log pi_old of the ratio s_i comes from: the objective under staleness
     (docs/gspo_math.md, "The objective under staleness"). ``recompute``: the DECOUPLED form;
@@ -101,15 +106,19 @@ class GSPOConfig:
         for name in ("eps_low", "eps_high", "token_eps_low", "token_eps_high"):
             value = getattr(self, name)
             require(0 < value < 1, f"gspo.{name}: must be in (0, 1), got {value}")
-        require(0 < self.cispo.eps_low <= 1,
-                f"gspo.cispo.eps_low: must be in (0, 1] (1: no lower bound), got {self.cispo.eps_low}")
-        for section, name in (("cispo", "eps_high"), ("sapo", "tau_pos"), ("sapo", "tau_neg"),
-                              ("gmpo", "log_eps_low"), ("gmpo", "log_eps_high")):
+        for dotted, allowed in PARAM_RANGES.items():  # every variant's, whichever is in use
+            section, name = dotted.split(".")
             value = getattr(getattr(self, section), name)
-            require(value > 0 and math.isfinite(value), f"gspo.{section}.{name}: must be > 0, got {value}")
+            require(value in allowed,
+                    f"gspo.{dotted}: must be in {allowed}, got {value} ({allowed.why})")
         require(self.group_size >= 2,
                 f"gspo.group_size: must be >= 2 for group-relative advantages, got {self.group_size}")
-        require(self.kl_coef >= 0, f"gspo.kl_coef: must be >= 0, got {self.kl_coef}")
+        for name, low in (("kl_coef", 0.0), ("entropy_coef", -COEF_LIMIT)):
+            value = getattr(self, name)
+            require(math.isfinite(value) and low <= value <= COEF_LIMIT,
+                    f"gspo.{name}: must be in [{low:g}, {COEF_LIMIT:g}], got {value} (a weight "
+                    "beyond that swamps the policy term, whose scale is that of the advantages, "
+                    "and overflows float32 near 3.4e38: a NaN loss)")
         require(self.mismatch_cap >= 1, f"gspo.mismatch_cap: must be >= 1, got {self.mismatch_cap}")
         require(not (self.mismatch_correction and self.old_logprobs == "rollout"),
                 "gspo.mismatch_correction: true needs gspo.old_logprobs: recompute (with the "

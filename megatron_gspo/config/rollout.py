@@ -80,6 +80,11 @@ class WeightSyncConfig:
                 f"distributed (got {self.transport}: a disk sync rewrites whole shards)")
 
 
+MAX_CONCURRENCY = 8192
+"""The largest rollout.max_concurrency: 8192 connections from rank 0 (the shipped 30B / 235B
+recipes use 1024; SGLang servers run a few hundred requests each)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class RolloutConfig:
     """Sampling parameters and where the rollout servers are."""
@@ -115,10 +120,13 @@ class RolloutConfig:
     ``rollout.weight_sync``)."""
     max_concurrency: int = 512
     """Requests the trainer's rollout client keeps in flight at once (to the router, or to the
-    servers directly). Keep it at least the rollout batch (prompts x group_size, capped by the
-    servers' combined --max-running-requests): below that a server idles while requests wait in
-    the client and the step takes a second wave of decoding (64 for 128 samples of ~150 tokens on
-    2 local servers: 3.4 s instead of 2.6 s, docs/performance.md)."""
+    servers directly), over everything one rollout runs together: the whole batch in ``off`` and
+    ``one_step``, every group of the stream in ``full``. Each is an open connection (a file
+    descriptor) on rank 0; at most :data:`MAX_CONCURRENCY`. Keep it at least the rollout batch
+    (prompts x group_size, capped by the servers' combined --max-running-requests): below that a
+    server idles while requests wait in the client and the step takes a second wave of decoding
+    (64 for 128 samples of ~150 tokens on 2 local servers: 3.4 s instead of 2.6 s,
+    docs/performance.md)."""
     request_timeout_s: float = 600.0
     """Bound of one HTTP request to a rollout server or the router: a /generate request, and
     every call of a weight sync (pause, each bucket's update, a disk reload - which every SGLang
@@ -166,7 +174,9 @@ class RolloutConfig:
     """eta: the most weight versions between the policy that generated any token of a trained
     sample and the policy being trained. ``full`` admits groups so that no sample exceeds it and
     never trains one that would (re-queued, generated again under the new weights, counted);
-    ``one_step`` is exactly 1 stale (needs >= 1); ``off`` is 0."""
+    ``one_step`` is exactly 1 stale (needs >= 1); ``off`` is 0. At most
+    ``validate.MAX_STALENESS`` (16): ``full`` holds up to (eta + 1) x run.global_batch_size
+    samples on rank 0 (``megatron-gspo config`` refuses more, stating that memory)."""
 
     YAML_KEYS: ClassVar[dict] = {"async": "async_"}
     """YAML key -> field name, where the two differ."""
@@ -177,6 +187,12 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         require(self.max_staleness >= 0,
                 f"rollout.max_staleness: must be >= 0, got {self.max_staleness}")
+        require(1 <= self.max_concurrency <= MAX_CONCURRENCY,
+                f"rollout.max_concurrency: must be in [1, {MAX_CONCURRENCY}], got "
+                f"{self.max_concurrency}: the requests rank 0 keeps in flight at once (the whole "
+                "rollout, every group of a rollout.async full stream together), each an open "
+                "connection and file descriptor there and a request the servers hold; more "
+                "than the servers' combined --max-running-requests only queues")
         require(self.async_ != "one_step" or self.max_staleness >= 1,
                 f"rollout.max_staleness: {self.max_staleness} is below rollout.async one_step's "
                 "staleness (every sample is exactly 1 version stale); use async: off, or full")

@@ -16,7 +16,7 @@ from megatron_gspo.config.run import OptimConfig, RunSettings
 from megatron_gspo.config.validate import (validate_batches, validate_data_reward,
                                            validate_model_parallel, validate_parallel_optim,
                                            validate_routing_replay, validate_schedule,
-                                           validate_weight_sync)
+                                           validate_staleness, validate_weight_sync)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -42,6 +42,7 @@ class Config:
         validate_schedule(self.optim, self.run)
         validate_weight_sync(self.rollout, self.model)
         validate_routing_replay(self.gspo, self.model)
+        validate_staleness(self.rollout, self.run, self.gspo, self.model)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: _to_plain(getattr(self, f.name)) for f in dataclasses.fields(self)}

@@ -121,3 +121,37 @@ def validate_weight_sync(rollout: RolloutConfig, model: ModelConfig) -> None:
             "rollout.weight_sync.delta: needs bf16 weights on the wire "
             f"(rollout.weight_sync.dtype resolves to {wire}); set rollout.weight_sync.dtype: "
             "bfloat16")
+
+
+MAX_STALENESS = 16
+"""The largest rollout.max_staleness (the staleness study, docs/async.md, goes to 4)."""
+SAMPLE_BYTES_PER_TOKEN = 112
+"""Rank 0's memory per token of a buffered sample, as Python lists: prompt and output ids
+(36 B each), the output log-prob (32 B) and mask (8 B)."""
+
+
+def validate_staleness(rollout: RolloutConfig, run: RunSettings, gspo: GSPOConfig,
+                       model: ModelConfig) -> None:
+    """``rollout.async: full`` admits up to (eta + 1) x run.global_batch_size samples ahead of the
+    trainer (``pipeline.sources.stream.admission_limit``), all held on rank 0 while in flight or
+    buffered: eta is bounded by :data:`MAX_STALENESS`, whatever the mode (a later run may switch
+    to full), and the message states the samples, the memory and the requests it implies."""
+    eta = rollout.max_staleness
+    if eta <= MAX_STALENESS:
+        return
+    samples = (eta + 1) * run.global_batch_size
+    tokens = run.seq_length + 1
+    per_token = SAMPLE_BYTES_PER_TOKEN
+    routes = ""
+    if gspo.routing_replay == "rollout":  # int32 [tokens, layers, top-k] per sample
+        per_token += 4 * model.num_layers * model.moe_router_topk
+        routes = " with their routed experts"
+    gib = samples * tokens * per_token / 2 ** 30
+    require(False,
+            f"rollout.max_staleness: {eta} is above {MAX_STALENESS}: rollout.async full admits up "
+            f"to (eta + 1) x run.global_batch_size = {samples:,} samples ahead of the trainer, "
+            f"up to run.seq_length + 1 = {tokens} tokens each{routes}: ~{gib:,.1f} GiB on rank 0, "
+            f"and min(that, rollout.max_concurrency {rollout.max_concurrency}) requests in "
+            "flight; the samples would also be trained up to eta versions stale. Lower it (1 "
+            "overlaps one step's rollout with training; the staleness study in docs/async.md "
+            "goes to 4)")

@@ -23,7 +23,9 @@ A variant's parameters besides the shared ranges are dataclasses here, each the 
 section named after the variant (``gspo.cispo``, ``gspo.sapo``, ``gspo.gmpo``): cispo's and gmpo's
 hold their own clip range (``eps_fields`` names those fields, ``GSPOConfig.clip_range`` returns
 them, the loss gets them as its ``eps_low, eps_high``); sapo's hold its gate temperatures, which the
-loss takes as ``gspo_loss(..., params=SapoParams(...))`` (``VariantSpec.params``).
+loss takes as ``gspo_loss(..., params=SapoParams(...))`` (``VariantSpec.params``). Each parameter's
+allowed range is in :data:`PARAM_RANGES` (the config refuses a value outside it, naming the
+field and the range).
 
 This module is imported by :mod:`megatron_gspo.config` (which must not import torch) and by the
 loss; the ``Variant`` literal below is the type of ``gspo.variant`` and is checked against the
@@ -32,7 +34,8 @@ table at import time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 from typing import Literal, Optional, get_args
 
 SEQUENCE_RANGE = ("eps_low", "eps_high")
@@ -75,6 +78,47 @@ class GmpoParams:
     """The low side of the log-space clip."""
     log_eps_high: float = 0.4
     """The high side of the log-space clip."""
+
+
+@dataclass(frozen=True)
+class ParamRange:
+    """The values a variant parameter may take: ``(low, high]`` (``[low, high]`` with
+    ``low_inclusive``), finite; ``why``: what goes wrong outside it (for the message)."""
+
+    low: float
+    high: float
+    why: str
+    low_inclusive: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        above = self.low <= value if self.low_inclusive else self.low < value
+        return math.isfinite(value) and above and value <= self.high
+
+    def __str__(self) -> str:
+        return f"{'[' if self.low_inclusive else '('}{self.low:g}, {self.high:g}]"
+
+
+_LOG_RATIO_LIMIT = 20.0
+"""``terms.common.LOG_RATIO_LIMIT`` (this module imports no torch; a test keeps them equal)."""
+
+_SAPO_WHY = ("within 100x of the paper's 1.0 / 1.05 either way; far outside, the float32 gate "
+             "(4/tau) sigmoid(tau (w - 1)) under- or overflows: a NaN loss")
+
+PARAM_RANGES: dict[str, ParamRange] = {
+    "cispo.eps_low": ParamRange(0.0, 1.0, "the IS weight's low bound 1 - eps_low must stay >= 0 "
+                                "(1: no lower bound)"),
+    "cispo.eps_high": ParamRange(0.0, 100.0, "a token's IS weight may reach 1 + eps_high; beyond "
+                                 "101 one token outweighs a whole batch (ScaleRL: 4)"),
+    "sapo.tau_pos": ParamRange(0.01, 100.0, _SAPO_WHY, low_inclusive=True),
+    "sapo.tau_neg": ParamRange(0.01, 100.0, _SAPO_WHY, low_inclusive=True),
+    "gmpo.log_eps_low": ParamRange(0.0, _LOG_RATIO_LIMIT, "log-ratios are clamped to +-20 before "
+                                   "each exp: a wider log-space range clips nothing"),
+    "gmpo.log_eps_high": ParamRange(0.0, _LOG_RATIO_LIMIT, "log-ratios are clamped to +-20 before "
+                                    "each exp: a wider log-space range clips nothing"),
+}
+"""``section.field`` of every variant parameter (the config sections ``gspo.cispo|sapo|gmpo``)
+-> its allowed range, checked by ``GSPOConfig`` whatever the variant (a field set for a variant
+not in use is still read by a later run that switches to it)."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +181,12 @@ _SPECS = (
 )
 
 SPECS: dict[str, VariantSpec] = {spec.name: spec for spec in _SPECS}
+_PARAM_SECTIONS = {"cispo": CispoParams, "sapo": SapoParams, "gmpo": GmpoParams}
+if set(PARAM_RANGES) != {f"{section}.{f.name}" for section, cls in _PARAM_SECTIONS.items()
+                         for f in fields(cls)}:  # every parameter has its range, nothing else
+    raise AssertionError(f"variants.PARAM_RANGES {sorted(PARAM_RANGES)} and the params classes "
+                         "differ")
+
 VARIANTS: tuple[str, ...] = get_args(Variant)
 if VARIANTS != tuple(SPECS):  # the Literal and the table are one list, in one order
     raise AssertionError(f"variants.Variant {VARIANTS} and the table {tuple(SPECS)} differ")

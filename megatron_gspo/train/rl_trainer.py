@@ -61,6 +61,7 @@ from megatron_gspo.train.rl_loss import make_gspo_loss_fn, make_log_prob_fn
 from megatron_gspo.train.train_step import (TrainState, build_train_state, current_lr,
                                             forward_backward, train_step)
 from megatron_gspo.train.checkpoint import CheckpointedTrainer
+from megatron_gspo.train.finite_check import NonFiniteError
 from megatron_gspo.train.batching import (add_logit_index, loss_rows, pack_micro_batch,
                                           plan_micro_batches, response_counts, sequence_lengths,
                                           split_rows_for_context_parallel, take_rows,
@@ -299,15 +300,19 @@ class RLTrainer(CheckpointedTrainer):
                                     sequence_reduce=make_sequence_reduce(self.pg.cp))
         update_metrics, grad_norms, lr = [], [], None
         routing = self._routing_pass(replay=gspo.routing_replay != "none")
-        for microbatches in minibatches:
+        for j, microbatches in enumerate(minibatches):
             count = (global_num_tokens if gspo.variant in TOKEN_NORMALIZED_VARIANTS
                      else global_num_sequences)  # the loss's units: tokens or sequences
             n_global = count([response_counts(mb) for mb in microbatches],
                              dp_group=self.pg.dp, cp_group=self.pg.cp)
             if n_global == 0:
                 continue
-            out = train_step(self.state, microbatches, loss_fn, num_units_global=n_global,
-                             routing=routing)
+            try:
+                out = train_step(self.state, microbatches, loss_fn, num_units_global=n_global,
+                                 routing=routing)
+            except NonFiniteError as err:  # not applied; the loop stops before the weight sync
+                err.add_note(f"step {step}: update {j + 1}/{len(minibatches)}")
+                raise
             update_metrics += out["per_microbatch"]
             lr = out["lr"]
             grad_norms.append(float(out["grad_norm"]) if out["grad_norm"] is not None else 0.0)

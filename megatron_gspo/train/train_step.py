@@ -58,6 +58,7 @@ from megatron.core.utils import get_model_config
 from megatron_gspo.config import Config, ConfigError, OptimConfig
 from megatron_gspo.model.gpt import forward_kwargs
 from megatron_gspo.parallel import collective_device
+from megatron_gspo.train.finite_check import check_update
 
 
 @dataclass
@@ -273,15 +274,21 @@ def forward_backward(state: TrainState, microbatches: list[dict], loss_fn: LossF
 
 def train_step(state: TrainState, microbatches: list[dict], loss_fn: LossFn, *,
                num_units_global: float, routing=None) -> dict:
-    """Zero grads, forward/backward over the micro-batches, optimizer step, LR schedule step.
+    """Zero grads, forward/backward over the micro-batches, the finite check, optimizer step, LR
+    schedule step.
 
-    Returns ``per_microbatch`` (the loss function's metrics), ``grad_norm``,
-    ``update_successful`` and ``lr`` (the learning rate this step used)."""
+    A non-finite loss term or gradient on any rank raises ``finite_check.NonFiniteError`` on
+    every rank BEFORE the optimizer step (Megatron's FP32 and bf16 optimizers would apply it:
+    ``megatron_gspo.train.finite_check``); the parameters, the optimizer state and the schedule
+    are then untouched. Returns ``per_microbatch`` (the loss function's metrics), ``grad_norm``,
+    ``update_successful`` (False only when a grad scaler skipped the update: fp16, which this
+    project does not use) and ``lr`` (the learning rate this step used)."""
     for chunk in state.model:
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
     losses = forward_backward(state, microbatches, loss_fn, num_units_global=num_units_global,
                               routing=routing)
+    check_update(losses, state.model)
     lr = current_lr(state)
     update_successful, grad_norm, _ = state.optimizer.step()
     if update_successful and state.scheduler is not None:

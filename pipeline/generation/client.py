@@ -50,10 +50,12 @@ import contextlib
 import hashlib
 import json
 import random
+import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
+import weakref
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Optional
@@ -398,6 +400,23 @@ class RolloutClient:
         self.servers = servers
         self.requests_retried = 0
         """``/generate`` requests sent again after a failure (so far)."""
+        self._limits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        """event loop -> the semaphore of ``max_concurrency`` that every call on it shares
+        (:meth:`_limit`); shared with the direct clients made from this one."""
+        self._limits_lock = threading.Lock()
+
+    def _limit(self) -> asyncio.Semaphore:
+        """``max_concurrency`` as ONE bound over every call of this client (and of the direct
+        clients made from it) on the running event loop: a ``rollout.async: full`` stream runs
+        one generate call per group on its loop, and a bound per call let (eta + 1) x P groups
+        keep G requests each in flight (file descriptors ran out). Calls on another loop (another
+        thread's ``asyncio.run``) have their own."""
+        loop = asyncio.get_running_loop()
+        with self._limits_lock:
+            sem = self._limits.get(loop)
+            if sem is None:
+                sem = self._limits[loop] = asyncio.Semaphore(self.max_concurrency)
+        return sem
 
     # --- targets
     def _pick(self, avoid: str | None, pin: str | None = None) -> str:
@@ -439,7 +458,7 @@ class RolloutClient:
         """Requests that share one HTTP session, concurrency bound and outage handling, as the
         requests of one ``generate_groups`` call do: ``async with client.session() as send:
         await send(rid, prompt, sampling, routed_experts=None, pin=None)``."""
-        sem, batch = asyncio.Semaphore(self.max_concurrency), _Batch()
+        sem, batch = self._limit(), _Batch()
         async with aiohttp.ClientSession() as http:
             async def send(rid: str, prompt: Sequence[int], sampling: SamplingParams, *,
                            routed_experts: Optional[tuple[int, int]] = None,
@@ -465,12 +484,15 @@ class RolloutClient:
             raise RolloutError(self.router_url + "/workers", 200,
                                "no workers registered (requests for routed experts go to the "
                                "router's workers directly)")
-        return RolloutClient(server_urls=urls, max_concurrency=self.max_concurrency,
-                             request_timeout_s=self.request_timeout_s,
-                             health_timeout_s=self.health_timeout_s,
-                             max_attempts=self.max_attempts, retry_backoff_s=self.retry_backoff_s,
-                             connect_timeout_s=self.connect_timeout_s,
-                             server_cooldown_s=self.server_cooldown_s, servers=self.servers)
+        direct = RolloutClient(server_urls=urls, max_concurrency=self.max_concurrency,
+                               request_timeout_s=self.request_timeout_s,
+                               health_timeout_s=self.health_timeout_s,
+                               max_attempts=self.max_attempts,
+                               retry_backoff_s=self.retry_backoff_s,
+                               connect_timeout_s=self.connect_timeout_s,
+                               server_cooldown_s=self.server_cooldown_s, servers=self.servers)
+        direct._limits, direct._limits_lock = self._limits, self._limits_lock  # one bound
+        return direct
 
     # --- one sample
     async def _one(self, session, sem: asyncio.Semaphore, batch: _Batch, rid: str,
@@ -624,7 +646,7 @@ class RolloutClient:
         for _, _, s in requests:
             if s.n != 1:
                 raise ValueError("generate: sampling.n must be 1 (use generate_groups for G samples)")
-        sem, batch = asyncio.Semaphore(self.max_concurrency), _Batch()
+        sem, batch = self._limit(), _Batch()
         async with aiohttp.ClientSession() as session:
             return list(await asyncio.gather(*(self._one(session, sem, batch, rid, p, s,
                                                          routed_experts)
@@ -664,7 +686,7 @@ class RolloutClient:
                 rid_prefix=rid_prefix, routed_experts=routed_experts)
         base = seed if seed is not None else random.getrandbits(62)
         prefix = rid_prefix or f"g{uuid.uuid4().hex[:12]}"
-        sem, batch = asyncio.Semaphore(self.max_concurrency), _Batch()
+        sem, batch = self._limit(), _Batch()
         async with aiohttp.ClientSession() as session:
             tasks: dict[asyncio.Task, tuple[int, int]] = {}
             for p, prompt in enumerate(prompts):

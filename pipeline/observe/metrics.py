@@ -112,7 +112,7 @@ class MetricsLogger:
 
     def _open(self, purge_step: Optional[int] = None, resume_step: Optional[int] = None,
               records: Sequence[dict] = ()) -> None:
-        if self._trackers is not None:  # first: a tracker that cannot open stops the run here
+        if self._trackers is not None:  # first: an input error in opening one stops the run here
             self._trackers.open(resume_step, list(records))
         self._file = open(self.path, "a", buffering=1)
         if self.tensorboard:

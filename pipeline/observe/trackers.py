@@ -4,7 +4,10 @@
 ``run.wandb`` and ``run.mlflow`` hold their settings; docs/metrics.md names every metric. Only
 global rank 0 has trackers. The packages are optional (``pip install 'megatron-gspo[wandb]'``,
 ``[mlflow]``) and imported when a tracker opens; a missing one is a ``ConfigError`` naming
-``run.loggers`` when the tracker is built (``launch.preflight`` builds none, but checks the same).
+``run.loggers`` when the tracker is built. ``launch.preflight.check_trackers`` finds, before any
+rank starts, what would make a tracker fail to open (exit 2, one line naming the field): the
+package (and the extra to install), a tracker directory that cannot be written, W&B online
+without an API key, an MLflow tracking server that does not answer.
 
 Each step once, across restarts. W&B and MLflow cannot delete a logged point, and a run resumed
 from the checkpoint of step N re-runs the steps after N that the interrupted run may have logged
@@ -31,12 +34,20 @@ trackers.json (milliseconds) would send that step again on resume.
 Step axes: every ``<prefix>/...`` family (train, rollout, eval, sync, parity) gets its own W&B
 step metric ``<prefix>/step`` (``define_metric``, as slime does), all counting the run's step (the
 ``step`` of metrics.jsonl), and W&B's own step is the run's step too; MLflow records the step with
-each point. A tracker that fails to send (a network error) is reported on stderr and tries again
-at the next commit; one that fails to open stops the run before its first step.
+each point.
+
+A tracker never stops training. One that fails to send (a network error) is reported on stderr
+the first time and tries again at each later commit; one that still fails to open (the checks
+passed, then its server went away) is left out of the run; either way metrics.jsonl keeps every
+step, and :meth:`TrackerSet.close` says at the end of the run what each failing tracker missed.
+Only an input error when opening (a resumed run's MLflow run missing from the store) stops it.
+MLflow's HTTP retries are bounded (:data:`HTTP_LIMITS`), so a dead tracking server costs seconds
+per checkpoint, not minutes.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -46,19 +57,33 @@ from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 from megatron_gspo.config import ConfigError, MLflowConfig, RunSettings, WandbConfig
+from megatron_gspo.errors import InputError
 
 STATE_FILE = "trackers.json"
+HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+"""MLflow's client retries a request 7 times with exponential backoff (minutes) by default: a
+tracking server that goes away would stall training at every checkpoint's send. Set where the
+environment does not set them."""
 PACKAGES = {"wandb": "wandb", "mlflow": "mlflow"}
 """logger name -> the module it imports (the mlflow extra installs mlflow-skinny: module mlflow)."""
 
 
 def check_installed(loggers: list[str]) -> None:
-    """A ConfigError naming run.loggers for the first listed tracker whose package is missing."""
+    """A ConfigError naming run.loggers and the extra to install for the first listed tracker
+    whose package is missing or does not import (a broken or partial install fails the same way
+    when the tracker opens, after the ranks started)."""
     for name in loggers:
         module = PACKAGES.get(name)
-        if module is not None and importlib.util.find_spec(module) is None:
-            raise ConfigError(f"run.loggers: {name!r} needs the {module} package: "
-                              f"pip install 'megatron-gspo[{name}]'")
+        if module is None:
+            continue
+        fix = f"pip install 'megatron-gspo[{name}]'"
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"run.loggers: {name!r} needs the {module} package: {fix}")
+        try:
+            importlib.import_module(module)
+        except Exception as err:  # noqa: BLE001 - any failure to import is the same input error
+            raise ConfigError(f"run.loggers: {name!r} needs the {module} package, which does not "
+                              f"import here ({type(err).__name__}: {err}): {fix}") from None
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
@@ -158,6 +183,8 @@ class MLflowTracker(Tracker):
             # MLflow 3 refuses its file store (in maintenance) unless asked for; it is the one
             # store that needs no server or database, hence the offline default
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        for name, value in HTTP_LIMITS.items():  # the environment's own values win
+            os.environ.setdefault(name, value)
         from mlflow import MlflowClient
         from mlflow.entities import Param
         from mlflow.exceptions import MlflowException
@@ -233,6 +260,11 @@ class TrackerSet:
         """trackers.json: per tracker name its run_id and sent_step (entries of trackers this run
         does not have are kept, for a later run that lists them again)."""
         self._pending: dict[int, dict[str, float]] = {}
+        self.failures: dict[str, list[str]] = {}
+        """tracker name -> what failed (``"opening failed (...)"``, ``"sending step N failed
+        (...)"``), in order; the first is printed at once, the summary at :meth:`close`."""
+        self.dropped: set[str] = set()
+        """Trackers that failed to open: left out of the rest of the run."""
 
     def open(self, resume_step: Optional[int], records: list[dict]) -> None:
         """``resume_step`` 0: a fresh start (new tracker runs); N > 0: the run continues after
@@ -241,10 +273,21 @@ class TrackerSet:
         if resume_step == 0 and self.path.exists():
             move_aside(self.path)
         self._state = json.loads(self.path.read_text()) if self.path.exists() else {}
-        for tracker in self.trackers:
+        for tracker in list(self.trackers):
             entry = self._state.setdefault(tracker.name, {})
             run_id = entry.get("run_id")
-            entry["run_id"] = tracker.open(run_id, None if run_id else self.config)
+            try:
+                entry["run_id"] = tracker.open(run_id, None if run_id else self.config)
+            except InputError:
+                raise  # a setting to fix (e.g. a resumed run's MLflow run not in this store)
+            except Exception as err:  # noqa: BLE001 - the run goes on; metrics.jsonl has it all
+                self._failed(tracker.name, f"opening failed ({type(err).__name__}: {err})",
+                             "it is left out of this run")
+                self.trackers.remove(tracker)
+                self.dropped.add(tracker.name)
+                if not entry:
+                    del self._state[tracker.name]
+                continue
             self.sent[tracker.name] = int(entry.get("sent_step", -1))
             if resume_step and self.sent[tracker.name] > resume_step:
                 self._note(f"{tracker.name} already holds steps {resume_step + 1}.."
@@ -269,8 +312,8 @@ class TrackerSet:
                 try:
                     tracker.log(s, self._pending[s])
                 except Exception as err:  # noqa: BLE001 - reported; retried at the next commit
-                    self._note(f"{tracker.name}: sending step {s} failed ({type(err).__name__}: "
-                               f"{err}); it is sent again at the next checkpoint")
+                    self._failed(tracker.name, f"sending step {s} failed ({type(err).__name__}: "
+                                 f"{err})", "it is sent again at the next checkpoint")
                     break
                 self.sent[tracker.name] = s
         for s in due:
@@ -286,13 +329,35 @@ class TrackerSet:
         os.replace(tmp, self.path)
 
     def close(self) -> None:
-        """End every tracker's run; steps still unsent (the run did not end at a checkpoint)
-        are left to metrics.jsonl and mark the run failed."""
+        """End every tracker's run; steps still unsent to it (the run did not end at a
+        checkpoint, or it failed to send them) are left to metrics.jsonl and mark its run failed.
+        A tracker that failed during the run is summed up here, at the end of the run."""
         for tracker in self.trackers:
+            unsent = any(s > self.sent[tracker.name] for s in self._pending)
             try:
-                tracker.close(finished=not self._pending)
+                tracker.close(finished=not unsent)  # another tracker's failure is not its own
             except Exception as err:  # noqa: BLE001 - closing must not hide the run's own error
-                self._note(f"{tracker.name}: closing failed ({type(err).__name__}: {err})")
+                self._failed(tracker.name, f"closing failed ({type(err).__name__}: {err})", "")
+        for name, what in self.failures.items():
+            if name in self.dropped:
+                outcome = "it got nothing from this run"
+            elif name in self.sent:
+                unsent = sorted(s for s in self._pending if s > self.sent[name])
+                outcome = (f"steps {unsent[0]}..{unsent[-1]} were not sent to it (a resumed run "
+                           "sends them)" if unsent else "every step was sent in the end")
+            else:
+                outcome = ""
+            self._note(f"{name} failed {len(what)} time(s) during the run (first: {what[0]}); "
+                       f"{outcome + '; ' if outcome else ''}metrics.jsonl holds every step")
+
+    def _failed(self, name: str, what: str, then: str) -> None:
+        """Record a tracker's failure; print the first one of each tracker at once (once)."""
+        seen = self.failures.setdefault(name, [])
+        seen.append(what)
+        if len(seen) == 1:
+            tail = (f"; {then}; training goes on and metrics.jsonl keeps every step (further "
+                    "failures of it are summed up at the end of the run)" if then else "")
+            self._note(f"{name}: {what}{tail}")
 
     def _note(self, text: str) -> None:
         print(f"metrics: {text}", file=self.stream or sys.stderr, flush=True)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 from megatron_gspo.config import Config
+from megatron_gspo.errors import ExplainedError
 from pipeline.scoring.data import PromptSampler, build_datasets
 from pipeline.signals import StopFlag
 from pipeline.observe.metrics import MetricsLogger
@@ -83,7 +84,11 @@ def run_sft(trainer: SFTStepper, cfg: Config, *, logger: MetricsLogger, start_st
     save_interval = cfg.run.save_interval
     for step in range(start_step + 1, cfg.run.num_steps + 1):
         start = time.monotonic()
-        out = trainer.train_batch(sft_pairs(sampler.next_batch(gbs), train_set.encoder))
+        try:
+            out = trainer.train_batch(sft_pairs(sampler.next_batch(gbs), train_set.encoder))
+        except ExplainedError as err:  # a non-finite loss or gradient: not applied, nothing saved
+            err.add_note(f"step {step}")
+            raise
         loss = out["loss"]
         result.losses.append(loss)
         elapsed = time.monotonic() - start

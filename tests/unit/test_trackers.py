@@ -14,16 +14,20 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
+from launch import preflight
 from megatron_gspo.config import ConfigError, config_from_dict, dump_config, load_config
 from pipeline.step import loop
 from pipeline.observe import trackers
 from pipeline.observe.metrics import MetricsLogger, read_metrics
 from pipeline.observe.trackers import MLflowTracker, Tracker, scalars
+from pipeline.servers.cluster import free_port
+from tests.reliability.test_preflight import assert_one_message, no_ranks, run  # noqa: F401
 
 CONFIGS = Path(__file__).resolve().parents[2] / "launch" / "configs"
 ALL = "run.loggers=[jsonl,tensorboard,wandb,mlflow]"
@@ -375,3 +379,172 @@ def test_records_become_floats_for_the_trackers():
     out = scalars({"step": 3, "time_s": 1, "a/b": 0.5, "c": "nan", "i": "-inf", "d": "text"})
     assert set(out) == {"time_s", "a/b", "c", "i"} and out["time_s"] == 1.0
     assert out["i"] == float("-inf") and out["c"] != out["c"]  # nan
+
+
+# ---- issue 38, item 4: what would fail after the ranks started is found before (exit 2), and a
+# tracker that fails mid-run never stops training (no_ranks: a fixture of test_preflight)
+
+
+@pytest.fixture()
+def no_wandb_key(tmp_path, monkeypatch):
+    """No W&B API key anywhere: no WANDB_API_KEY, an empty netrc."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_IDENTITY_TOKEN_FILE", raising=False)
+    monkeypatch.delenv("WANDB_BASE_URL", raising=False)
+    netrc = tmp_path / "netrc"
+    netrc.write_text("")
+    monkeypatch.setenv("NETRC", str(netrc))
+    return netrc
+
+
+def test_a_package_that_does_not_import_names_the_extra(tmp_path, monkeypatch):
+    """Installed but broken (a partial install, a missing dependency): find_spec finds it, the
+    import fails; that used to be a ModuleNotFoundError in rank 0 after the start."""
+    broken = tmp_path / "site" / "wandb"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("import wandb_core_missing_dependency_7q\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    for name in [m for m in sys.modules if m == "wandb" or m.startswith("wandb.")]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(ConfigError, match=r"^run\.loggers: 'wandb' needs the wandb package, which "
+                                          r"does not import here \(ModuleNotFoundError: No module "
+                                          r"named 'wandb_core_missing_dependency_7q'\): pip install "
+                                          r"'megatron-gspo\[wandb\]'$"):
+        preflight.check_trackers(_cfg(tmp_path / "run", "run.loggers=[jsonl,wandb]"))
+
+
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_tracker_input_errors_exit_2_with_one_line_before_the_ranks_start(
+        command, tmp_path, monkeypatch, capfd, no_ranks, no_wandb_key):
+    run_dir = tmp_path / "run"
+    port = free_port()  # nothing listens there
+    cases = [
+        (("run.loggers=[jsonl,wandb]", "run.wandb.dir=/sys/mgspo-no-such/wandb"),
+         ["run.wandb.dir: /sys/mgspo-no-such/wandb is not writable", "choose a writable "
+          "run.wandb.dir"]),
+        (("run.loggers=[jsonl,wandb]", "run.wandb.mode=online"),
+         ["run.wandb.mode: online uploads while the run goes and needs a W&B API key",
+          "WANDB_API_KEY", "run.wandb.mode: offline"]),
+        (("run.loggers=[jsonl,mlflow]", f"run.mlflow.tracking_uri=http://127.0.0.1:{port}"),
+         [f"run.mlflow.tracking_uri: http://127.0.0.1:{port} does not answer within 5 s",
+          "Connection refused"]),
+        (("run.loggers=[jsonl,mlflow]", "run.mlflow.tracking_uri=file:/sys/mgspo-no-such/mlruns"),
+         ["run.mlflow.tracking_uri: /sys/mgspo-no-such/mlruns is not writable"]),
+        (("run.loggers=[jsonl,mlflow]", "run.mlflow.tracking_uri=sqlite:////sys/mgspo-no/m.db"),
+         ["run.mlflow.tracking_uri: /sys/mgspo-no (sqlite:////sys/mgspo-no/m.db) is not "
+          "writable"]),
+    ]
+    for overrides, fragments in cases:
+        code, out, err, _ = run(command, capfd, f"run.output_dir={run_dir}", *overrides)
+        assert_one_message(code, out, err, command, *fragments)
+        assert not run_dir.exists()
+    # the same settings from the environment name the field and where the value came from
+    monkeypatch.setenv("WANDB_MODE", "online")
+    code, out, err, _ = run(command, capfd, f"run.output_dir={run_dir}",
+                            "run.loggers=[jsonl,wandb]")
+    assert_one_message(code, out, err, command,
+                       "run.wandb.mode: online (from WANDB_MODE, run.wandb.mode unset) uploads")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    code, out, err, _ = run(command, capfd, f"run.output_dir={run_dir}",
+                            "run.loggers=[jsonl,mlflow]")
+    assert_one_message(code, out, err, command, f"run.mlflow.tracking_uri: http://127.0.0.1:{port} "
+                       "(from MLFLOW_TRACKING_URI, run.mlflow.tracking_uri unset) does not answer")
+
+
+def test_what_would_work_passes_the_tracker_checks(tmp_path, monkeypatch, no_wandb_key):
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class NotFound(BaseHTTPRequestHandler):  # any answer: a server is there
+        def do_GET(self):
+            self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        preflight.check_trackers(_cfg(tmp_path / "run", ALL, f"run.mlflow.tracking_uri={url}",
+                                      f"run.wandb.dir={tmp_path / 'w'}"))
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    no_wandb_key.write_text("machine api.wandb.ai\n  login user\n  password k" + "0" * 39 + "\n")
+    preflight.check_trackers(_cfg(tmp_path / "run", ALL, "run.wandb.mode=online"))
+    no_wandb_key.write_text("")
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    preflight.check_trackers(_cfg(tmp_path / "run", ALL, "run.wandb.mode=online"))
+    assert not (tmp_path / "w").exists() and not (tmp_path / "run").exists()  # probes only
+
+
+class Unreachable(FakeTracker):
+    """``fail_open``: opening fails; else every send fails (a tracking server gone mid-run)."""
+
+    def __init__(self, fail_open=False):
+        super().__init__()
+        self.fail_open = fail_open
+
+    def open(self, run_id, config):
+        if self.fail_open:
+            raise ConnectionRefusedError("tracking server gone")
+        return super().open(run_id, config)
+
+    def log(self, step, metrics):
+        raise ConnectionRefusedError("tracking server gone")
+
+
+class Healthy(FakeTracker):
+    name = "other"
+
+
+def test_a_tracker_failing_mid_run_warns_once_and_training_goes_on(tmp_path, capsys):
+    sending, healthy = Unreachable(), Healthy()
+    logger = MetricsLogger(tmp_path, tensorboard=False, trackers=[sending, healthy])
+    logger.resume_at(0)
+    for step in range(1, 5):
+        logger.log(step, {"train/x": float(step)})
+        logger.commit(step)
+    err = capsys.readouterr().err
+    assert err.count("metrics: fake: sending step 1 failed (ConnectionRefusedError: tracking "
+                     "server gone)") == 1 and err.count("metrics:") == 1, err  # once
+    assert "training goes on and metrics.jsonl keeps every step" in err
+    logger.close()
+    summary = capsys.readouterr().err
+    assert "metrics: fake failed 4 time(s) during the run (first: sending step 1 failed" in summary
+    assert "steps 1..4 were not sent to it (a resumed run sends them)" in summary
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
+    assert [s for s, _ in healthy.sent] == [1, 2, 3, 4] and healthy.closed is True
+
+
+def test_a_tracker_that_cannot_open_is_left_out_and_the_run_goes_on(tmp_path, capsys):
+    gone, other = Unreachable(fail_open=True), Healthy()
+    logger = MetricsLogger(tmp_path, tensorboard=False, trackers=[gone, other])
+    logger.resume_at(0)
+    logger.log(1, {"train/x": 1.0})
+    logger.commit(1)
+    logger.close()
+    err = capsys.readouterr().err
+    assert "metrics: fake: opening failed (ConnectionRefusedError: tracking server gone); it is " \
+           "left out of this run; training goes on" in err
+    assert "metrics: fake failed 1 time(s) during the run" in err and "got nothing" in err
+    assert [s for s, _ in other.sent] == [1] and other.closed is True
+    assert "fake" not in json.loads((tmp_path / "trackers.json").read_text())
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1]
+
+
+def test_a_real_mlflow_server_gone_mid_run_does_not_stop_training(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # fail fast (this run: 2)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    port = free_port()
+    cfg = _cfg(tmp_path, "run.loggers=[jsonl,mlflow]",
+               f"run.mlflow.tracking_uri=http://127.0.0.1:{port}")
+    logger = MetricsLogger.from_config(cfg, tmp_path)
+    logger.resume_at(0)
+    for step in (1, 2):
+        logger.log(step, {"train/x": float(step)})
+        logger.commit(step)
+    logger.close()
+    err = capsys.readouterr().err
+    assert err.count("metrics: mlflow: opening failed") == 1, err
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
