@@ -19,6 +19,8 @@ longest prompt + label (SFT rows)         -       -       yes     -
 reward function / service configured      yes     yes     -       yes
 ``tools``: each tool and the environment   yes     yes     -       yes
 import
+``tools.isolation``: one sandbox worker    yes     yes     -       - (the job's ``train``
+starts shut in                                                    checks it on its node)
 external router reachable (5 s)           note    yes     -       - (the job starts its own)
 run directory writable (probed)           -       yes     yes     yes
 run directory not locked by a live run    -       yes     yes     yes
@@ -127,7 +129,8 @@ def check(cfg: Config, *, program: Program, world_size: Optional[int],
     build_reward(cfg.reward, cfg.data)  # imports a reward function; RewardError names it
     if cfg.tools.enabled():
         try:
-            check_tools(cfg.tools)  # imports every tool and the environment class
+            # imports the tools and the environment; starts one worker where the tools will run
+            check_tools(cfg.tools, probe=program != "launch slurm")
         except ValueError as err:
             raise ConfigError(str(err)) from err
     if program == "train" and cfg.rollout.mode == "external":

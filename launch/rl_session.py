@@ -158,7 +158,8 @@ class RLSession(Session):
         encoder = train_set.encoder
         if cfg.tools.enabled():  # multi-turn trajectories: the sandbox's workers live for the run
             generator = ToolGenerator(cfg, client, encode_text=encoder.encode_text,
-                                      decode=encoder.decode)
+                                      decode=encoder.decode,
+                                      interrupted=lambda: self.stop.signum is not None)
             self.resources.callback(generator.close)
         else:
             generator = SingleTurnGenerator(client)

@@ -168,6 +168,19 @@ class ToolsConfig:
     """The most bytes a call may print and return together (error output_limit past it)."""
     workers: int = 4
     """Sandbox worker processes on rank 0: tool calls that run at once."""
+    isolation: Literal["namespaces", "process"] = "namespaces"
+    """What shuts the tools in (docs/tools.md, ``pipeline.tools.isolation``). namespaces: each
+    worker in its own user, pid, mount, network and IPC namespace, in a minimal read-only root
+    (the system's and Python's files, the tools' modules) whose only writable directory is a
+    private /tmp, without capabilities; every process a call started is killed when it ends.
+    Needs unprivileged user namespaces (or root): where the kernel refuses them the run is
+    refused before it starts, naming this field. process: no namespaces (the tools can read and
+    write what the run's user can, and see its processes), a private working directory, no
+    capabilities, what a call started killed when it ends: chosen explicitly, never a
+    fallback."""
+    pass_env: list[str] = field(default_factory=list)
+    """Names of the run's environment variables the tools see (those set); their environment is
+    otherwise empty but for PATH, LANG, PYTHONPATH, HOME and TMPDIR (the private directory)."""
 
     def enabled(self) -> bool:
         return bool(self.functions) or self.environment is not None
@@ -185,3 +198,7 @@ class ToolsConfig:
             require(getattr(self, name) > 0, f"tools.{name}: must be > 0, got {getattr(self, name)}")
         for name in ("memory_mb", "output_bytes", "workers"):
             require(getattr(self, name) >= 1, f"tools.{name}: must be >= 1, got {getattr(self, name)}")
+        for i, name in enumerate(self.pass_env):
+            require(isinstance(name, str) and bool(name) and "=" not in name and "\0" not in name,
+                    f"tools.pass_env[{i}]: expected the name of an environment variable, "
+                    f"got {name!r}")

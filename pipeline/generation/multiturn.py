@@ -43,13 +43,14 @@ from pipeline.generation.environment import Environment, ToolEnvironment
 from pipeline.generation.tool_calls import FORMATS
 from pipeline.generation.trajectory import EndReason, RolloutResult, Span, Turn
 from pipeline.scoring.rewards import RewardError, load_function
-from pipeline.tools.sandbox import ToolExecutor, ToolLimits, load_tools
+from pipeline.tools.sandbox import (ToolExecutor, ToolIsolationError, ToolLimits, load_tools,
+                                    valid_text)
 
 if TYPE_CHECKING:
     from pipeline.scoring.data import Prompt
 
 TOOL_ERROR_KINDS = ("malformed", "tool_time", "timeout", "memory", "output_limit", "crash",
-                    "network", "error")
+                    "network", "encoding", "error")
 """Why a call failed (``Turn.errors``): the parser's ``malformed``, the trajectory's tool time
 spent (``tool_time``), or the sandbox's kind (``pipeline.tools.sandbox.ERROR_KINDS``)."""
 
@@ -150,7 +151,11 @@ async def run_trajectory(send: Callable[..., Awaitable[RolloutResult]], env: Env
             break
         if k == budgets.max_turns - 1:
             break  # no turn follows: the answer is not appended
-        observation = encode_text(step.observation)
+        text, wrong = valid_text(step.observation)  # an environment's text is data, never a crash
+        if wrong is not None:
+            turn.tool_errors += 1
+            turn.errors += ("encoding",)
+        observation = encode_text(text)
         if len(out) + len(observation) >= limit:
             end = EndReason.MAX_TOKENS  # no room for the answer and a turn after it
             break
@@ -249,29 +254,49 @@ def load_environment(spec: Optional[str]) -> Optional[type]:
     return cls
 
 
-def check_tools(tools: Any) -> None:
-    """Preflight of the ``tools`` section: every tool and the environment import (ValueError
-    naming ``tools.functions[i]`` or ``tools.environment``)."""
-    load_tools(tools.functions)
-    load_environment(tools.environment)
+def make_executor(tools: Any, *, interrupted: Optional[Callable[[], bool]] = None,
+                  workers: Optional[int] = None) -> ToolExecutor:
+    """The sandbox of the ``tools`` section (ValueError naming ``tools.functions[i]``)."""
+    return ToolExecutor(load_tools(tools.functions),
+                        ToolLimits(timeout_s=tools.timeout_s, memory_mb=tools.memory_mb,
+                                   output_bytes=tools.output_bytes),
+                        workers=workers or tools.workers, isolation=tools.isolation,
+                        pass_env=tools.pass_env, interrupted=interrupted)
+
+
+def check_tools(tools: Any, *, probe: bool = True) -> None:
+    """Preflight of the ``tools`` section: every tool and the environment import, and (``probe``)
+    one sandbox worker starts under ``tools.isolation`` on this machine (ValueError naming
+    ``tools.functions[i]``, ``tools.environment`` or ``tools.isolation``)."""
+    executor = make_executor(tools, workers=1)
+    try:
+        load_environment(tools.environment)
+        if probe:
+            executor.check()
+    except (ToolIsolationError, RuntimeError) as err:
+        raise ValueError(str(err)) from err
+    finally:
+        executor.close()
 
 
 class ToolGenerator:
     """Rank 0, ``tools`` configured: the run's ``GroupGenerator``
     (``pipeline.generation.generator``) of tool-using trajectories, with its sandbox,
-    environment and budgets. A trajectory stopped in flight is not continued token by token
+    environment and budgets. ``interrupted``: the rank's "a stop signal came"; then every tool
+    call waiting or running is abandoned and raises ``pipeline.tools.sandbox.ToolsInterrupted``
+    (the rollout fails, the step guard saves and stops: within a poll of the signal, not after
+    the calls' timeouts). A trajectory stopped in flight is not continued token by token
     (its environment's state is not saved): it is generated again (``docs/async.md``)."""
 
     def __init__(self, cfg: Any, client: RolloutClient, *,
                  encode_text: Callable[[str], list[int]],
-                 decode: Callable[[Sequence[int]], str]):
+                 decode: Callable[[Sequence[int]], str],
+                 interrupted: Optional[Callable[[], bool]] = None):
         tools = cfg.tools
         env_class = load_environment(tools.environment)
         self.client = client
-        self.executor = ToolExecutor(load_tools(tools.functions),
-                                     ToolLimits(timeout_s=tools.timeout_s, memory_mb=tools.memory_mb,
-                                                output_bytes=tools.output_bytes),
-                                     workers=tools.workers)
+        # interrupted: the rank's stop flag; a stop abandons the tool calls in flight at once
+        self.executor = make_executor(tools, interrupted=interrupted)
         fmt = FORMATS[tools.format]
         if env_class is not None:  # one environment per trajectory (it may keep state)
             self.make_env = lambda: env_class(executor=self.executor, tool_format=fmt)

@@ -6,7 +6,9 @@ whitespace around the JSON allowed, ``arguments`` an object (or a JSON string of
 models write it), several calls in one turn in order.
 
 A malformed call is not dropped silently: :func:`parse_tool_calls` returns an error message for
-it, which the environment sends back to the model as that call's tool response (so the policy is
+it (whatever the text: not JSON, nested past :data:`MAX_NESTING`, an integer past Python's
+digit limit - model output is data, the parser never raises), which the environment sends back
+to the model as that call's tool response (so the policy is
 trained on the consequence of the mistake, and the text tells it what the format is).
 
 :class:`ToolFormat` is how results are appended: token-in / token-out, the trajectory is never
@@ -24,6 +26,9 @@ from typing import Any, Sequence
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.S)
 FORMAT_HINT = '<tool_call>{"name": <tool name>, "arguments": {<argument>: <value>, ...}}</tool_call>'
+MAX_NESTING = 64
+"""The deepest nesting of lists and objects a call may have; a deeper one is malformed (the
+parser, the sandbox's JSON and a tool's own code all recurse on it)."""
 
 
 @dataclass(frozen=True)
@@ -44,20 +49,47 @@ class ParsedCalls:
         return len(self.calls)
 
 
-def _one(body: str) -> tuple[ToolCall | None, str | None]:
+def _depth_over(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests lists and objects more than ``limit`` levels deep (no recursion)."""
+    todo = [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            todo += [(v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)]
+    return False
+
+
+def _load(text: str) -> tuple[Any, str | None]:
+    """``text`` as JSON, or why not. Whatever the model wrote: JSON nested past the parser's
+    recursion limit, integers past Python's digit limit (4300) and any other error of the parser
+    are a reason, never an exception; so is nesting past :data:`MAX_NESTING`."""
     try:
-        obj = json.loads(body)
+        value = json.loads(text)
     except json.JSONDecodeError as err:
-        return None, (f"error: the tool call is not valid JSON ({err.msg} at character {err.pos}); "
-                      f"write {FORMAT_HINT}")
+        return None, f"not valid JSON ({err.msg} at character {err.pos})"
+    except RecursionError:
+        return None, f"nested more than {MAX_NESTING} levels deep"
+    except ValueError as err:  # e.g. an integer of more than 4300 digits
+        return None, f"not valid JSON ({str(err).split(';')[0]})"
+    if _depth_over(value, MAX_NESTING):
+        return None, f"nested more than {MAX_NESTING} levels deep"
+    return value, None
+
+
+def _one(body: str) -> tuple[ToolCall | None, str | None]:
+    obj, why = _load(body)
+    if why is not None:
+        return None, f"error: the tool call is {why}; write {FORMAT_HINT}"
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None, f'error: a tool call needs a "name" string; write {FORMAT_HINT}'
     args = obj.get("arguments", {})
     if isinstance(args, str):  # arguments as a JSON string of an object
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return None, f'error: "arguments" must be a JSON object; write {FORMAT_HINT}'
+        args, why = _load(args)
+        if why is not None:
+            return None, (f'error: "arguments" must be a JSON object (it is {why}); '
+                          f'write {FORMAT_HINT}')
     if not isinstance(args, dict):
         return None, f'error: "arguments" must be a JSON object; write {FORMAT_HINT}'
     return ToolCall(obj["name"], args), None

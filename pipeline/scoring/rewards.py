@@ -349,17 +349,20 @@ def _popen(args: list[str], **kwargs) -> subprocess.Popen:
     return value
 
 
-def start_piped_worker(module: str, argv: Callable[[int, int], list[str]], **popen_kwargs
+def start_piped_worker(module: str, argv: Callable[[int, int], list[str]], *,
+                       base_env: Optional[dict] = None, **popen_kwargs
                        ) -> tuple[subprocess.Popen, Connection, Connection]:
     """``python -m module *argv(fd_in, fd_out)``, talking over two pipes: returns (process,
     inbox, outbox). The worker gets the pipes' child ends as file descriptors ``fd_in`` /
     ``fd_out``, this process's import path first (a module next to the config, a package
     installed at run time), its own session (killed with what it starts), and is started by
-    :func:`_popen` (it dies with this process)."""
+    :func:`_popen` (it dies with this process). Its environment: ``base_env`` (None: this
+    process's) with ``PYTHONPATH`` set to that import path."""
     child_in, parent_out = os.pipe()
     parent_in, child_out = os.pipe()
     path = [p for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)))
+    env = dict(os.environ if base_env is None else base_env,
+               PYTHONPATH=os.pathsep.join(filter(None, path)))
     try:
         proc = _popen([sys.executable, "-m", module, *argv(child_in, child_out)],
                       pass_fds=(child_in, child_out), stdin=subprocess.DEVNULL, env=env,

@@ -1,34 +1,45 @@
 """The process tool calls run in (``pipeline.tools.sandbox.ToolExecutor``).
 
-    python -m pipeline.tools.tool_worker FD_IN FD_OUT OWNER_PID MEMORY_MB OUTPUT_BYTES SPEC [SPEC ...]
+    python -m pipeline.tools.tool_worker FD_IN FD_OUT OWNER_PID MEMORY_MB OUTPUT_BYTES ISOLATION
+                                         PRIVATE_DIR SPEC [SPEC ...]
 
-It imports every SPEC ("package.module:function", through ``pipeline.scoring.rewards.load_function``),
-closes itself off and answers ``{"ready": {...}}`` (or ``{"fail": "error", ...}`` when an import
-fails). Then, for every request ``{"name": ..., "arguments": {...}}`` read from FD_IN, it runs
-``function(**arguments)`` and writes one answer to FD_OUT: ``{"ok": text}`` or ``{"fail": kind,
-"message": ...}`` with kind ``error`` (an exception, an unknown tool, bad arguments), ``memory``
-(MemoryError under the address-space limit), ``output_limit`` (more than OUTPUT_BYTES printed or
-returned) or ``network`` (a network call was attempted). Messages are JSON in
-``multiprocessing.connection`` frames (``send_bytes``): the owner never unpickles what a tool could
-have written.
+With ISOLATION ``namespaces`` it first enters its namespaces and forks (the child, process 1 of
+the new pid namespace, does everything below; the parent waits for it:
+``pipeline.tools.isolation``). It imports every SPEC ("package.module:function", through
+``pipeline.scoring.rewards.load_function``), shuts itself in and answers ``{"ready": {...}}`` (or
+``{"fail": "error", ...}`` when an import fails, ``{"fail": "isolation", ...}`` when the isolation
+cannot be set up: it never runs a call less isolated than asked). Then, for every request
+``{"name": ..., "arguments": {...}}`` read from FD_IN, it runs ``function(**arguments)``, kills
+every process the call started and empties its private directory, and writes one answer to
+FD_OUT: ``{"ok": text}`` or ``{"fail": kind, "message": ...}`` with kind ``error`` (an exception,
+an unknown tool, bad arguments), ``memory`` (MemoryError under the address-space limit),
+``output_limit`` (more than OUTPUT_BYTES printed or returned) or ``network`` (a network call was
+attempted). Messages are JSON in ``multiprocessing.connection`` frames (``send_bytes``): the
+owner never unpickles what a tool could have written.
 
-Closed off, before the first call:
+Shut in, before the first call:
 
-* network: the process moves to a fresh, empty network namespace (``unshare(CLONE_NEWUSER |
-  CLONE_NEWNET)``: no interface is up, so every connection fails, from Python, from C and from a
-  subprocess) where the kernel allows unprivileged user namespaces; in any case the ``socket``
-  module's connecting functions are replaced by one that records the attempt and raises, so an
-  attempt is reported as ``network`` even when the tool catches the exception;
+* processes, files, user, environment: ``pipeline.tools.isolation`` (ISOLATION ``namespaces``: a
+  pid namespace, a minimal read-only root whose only writable directory is a private tmpfs, no
+  capabilities; ``process``: a private working directory PRIVATE_DIR, no capabilities, what the
+  call started killed after it). The environment is the one the owner started it with (only what
+  ``tools.pass_env`` names), plus ``HOME`` and ``TMPDIR`` = the private directory;
+* network: an empty network namespace (``namespaces``; with ``process`` one is tried,
+  ``unshare(CLONE_NEWUSER | CLONE_NEWNET)``, where the kernel allows unprivileged user
+  namespaces): no interface is up, so every connection fails, from Python, from C and from a
+  subprocess; in any case the ``socket`` module's connecting functions are replaced by one that
+  records the attempt and raises, so an attempt is reported as ``network`` even when the tool
+  catches the exception;
 * memory: ``RLIMIT_AS`` (soft and hard) is what the process maps after the imports plus
   MEMORY_MB, so a call can allocate at most about MEMORY_MB;
 * output: stdout and stderr (file descriptors 1 and 2, and ``sys.stdout`` / ``sys.stderr``) go to
   a bounded buffer per call (Python's ``print``) and to /dev/null (file descriptors), stdin reads
   /dev/null.
 
-What the owner does itself: the wall-clock timeout (it kills this process's group and starts a
-fresh worker), a crash (this process gone: ``os._exit``, a segfault, the OOM killer). This
-process dies by SIGKILL with its owner (PR_SET_PDEATHSIG) and blocks the stop signals (the owner
-decides when it ends), as the reward worker does.
+What the owner does itself: the wall-clock timeout (it kills this process's group, and with it
+the pid namespace, and starts a fresh worker), a crash (this process gone: ``os._exit``, a
+segfault, the OOM killer). This process dies by SIGKILL with its owner (PR_SET_PDEATHSIG) and
+blocks the stop signals (the owner decides when it ends), as the reward worker does.
 """
 
 from __future__ import annotations
@@ -45,6 +56,9 @@ from typing import Any
 
 from megatron_gspo.lifetime import die_with_parent, shield_from_stop_signals
 from pipeline.scoring.rewards import RewardError, load_function
+from pipeline.tools.isolation import (PRIVATE_DIR, IsolationError, become_subreaper, build_root,
+                                      clear_dir, drop_privileges, end_call_namespaces,
+                                      end_call_process, enter_namespaces, import_roots, keep)
 
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
 
@@ -67,13 +81,18 @@ def _deny(*args: Any, **kwargs: Any) -> Any:
     raise NetworkDenied("network access is disabled in the tool sandbox")
 
 
-def isolate_network() -> str:
-    """Cut this process off the network; returns how ("namespace" or "python")."""
+def isolate_network(*, in_namespace: bool) -> str:
+    """Cut this process off the network; returns how ("namespace" or "python").
+    ``in_namespace``: it is in an empty network namespace already (``tools.isolation:
+    namespaces``); otherwise one is tried (an unprivileged user namespace, if the kernel allows
+    it and the process has one thread)."""
     for name in ("connect", "connect_ex", "bind", "sendto", "sendmsg", "listen"):
         setattr(socket.socket, name, _deny)
     for name in ("create_connection", "create_server", "getaddrinfo", "gethostbyname",
                  "gethostbyname_ex", "gethostbyaddr", "socketpair", "fromfd"):
         setattr(socket, name, _deny)
+    if in_namespace:
+        return "namespace"
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0:
@@ -83,10 +102,14 @@ def isolate_network() -> str:
     return "python"
 
 
-def limit_memory(memory_mb: int) -> int:
-    """RLIMIT_AS = the address space mapped now + ``memory_mb``; returns the limit in bytes."""
+def address_space_kb() -> int:
     with open("/proc/self/status") as f:
-        vm_kb = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
+        return next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
+
+
+def limit_memory(memory_mb: int, vm_kb: int) -> int:
+    """RLIMIT_AS = the address space mapped (``vm_kb``, :func:`address_space_kb`) +
+    ``memory_mb``; returns the limit in bytes."""
     limit = vm_kb * 1024 + memory_mb * (1 << 20)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     return limit
@@ -164,9 +187,30 @@ def run_call(functions: dict, name: str, arguments: Any, output_bytes: int) -> d
     return {"ok": text}
 
 
+def _isolate(isolation: str, private_dir: str, memory_mb: int) -> dict:
+    """After the tools' imports: shut this process in (``pipeline.tools.isolation``); what was
+    set up, for the ready message. Raises IsolationError."""
+    vm_kb = address_space_kb()
+    network = isolate_network(in_namespace=isolation == "namespaces")
+    info: dict = {"isolation": isolation, "network": network}
+    if isolation == "namespaces":
+        info.update(build_root(private_dir, binds=import_roots(), private_mb=memory_mb))
+        home = PRIVATE_DIR
+    else:
+        become_subreaper()
+        os.chdir(private_dir)
+        home = private_dir
+    os.environ.update(HOME=home, TMPDIR=home, PWD=home)
+    drop_privileges()
+    info["home"] = home
+    info["address_space_limit"] = limit_memory(memory_mb, vm_kb)
+    return info
+
+
 def main(argv: list[str]) -> int:
     fd_in, fd_out, owner = int(argv[0]), int(argv[1]), int(argv[2])
-    memory_mb, output_bytes, specs = int(argv[3]), int(argv[4]), argv[5:]
+    memory_mb, output_bytes, isolation, private_dir = int(argv[3]), int(argv[4]), argv[5], argv[6]
+    specs = argv[7:]
 
     die_with_parent()
     shield_from_stop_signals()
@@ -175,10 +219,22 @@ def main(argv: list[str]) -> int:
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):  # nothing a tool writes reaches the owner's console, nothing is read
         os.dup2(devnull, fd)
+    os.close(devnull)
     inbox, outbox = Connection(fd_in, writable=False), Connection(fd_out, readable=False)
 
     def send(message: dict) -> None:
         outbox.send_bytes(json.dumps(message).encode())
+
+    if isolation == "namespaces":
+        try:  # before any import of a tool: a user namespace needs a process with one thread
+            enter_namespaces()
+        except IsolationError as err:
+            send({"fail": "isolation", "message": str(err)})
+            return 1
+        child = os.fork()
+        if child:
+            keep(child, (fd_in, fd_out))  # does not return
+        die_with_parent()  # process 1 of the pid namespace, dies with the keeper
 
     functions = {}
     for spec in specs:
@@ -187,9 +243,13 @@ def main(argv: list[str]) -> int:
         except RewardError as err:
             send({"fail": "error", "message": str(err).replace("reward.function", "tool")})
             return 1
-    network = isolate_network()
-    limit = limit_memory(memory_mb)
-    send({"ready": {"network": network, "address_space_limit": limit}})
+    try:
+        info = _isolate(isolation, private_dir, memory_mb)
+    except (IsolationError, OSError) as err:
+        send({"fail": "isolation", "message": str(err)})
+        return 1
+    end_call = end_call_namespaces if isolation == "namespaces" else end_call_process
+    send({"ready": info})
     while True:
         try:
             request = json.loads(inbox.recv_bytes())
@@ -199,10 +259,14 @@ def main(argv: list[str]) -> int:
             answer = run_call(functions, request["name"], request["arguments"], output_bytes)
         except MemoryError:
             answer = {"fail": "memory", "message": "the call ran out of its memory limit"}
+        # every process the call started is gone, and its files, before the answer is sent
+        clean = end_call() and clear_dir(info["home"])
         try:
             send(answer)
         except MemoryError:
             return 3
+        if not clean:  # something of the call could not be removed: a fresh worker takes over
+            return 0
 
 
 if __name__ == "__main__":

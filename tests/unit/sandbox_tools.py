@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 
 
@@ -75,3 +78,59 @@ def raw_connect(port: int = 80) -> str:
 
 def fail(message: str) -> None:
     raise ValueError(message)
+
+
+# ---- issue 38, item 5: output that is not valid UTF-8 text
+
+
+def surrogate() -> str:
+    """Bytes that are not UTF-8, decoded the way os.fsdecode does: a lone surrogate."""
+    return "caf" + b"\xc3".decode("utf-8", "surrogateescape") + " ok"
+
+
+def fail_surrogate() -> None:
+    raise ValueError("bad byte \udcff")
+
+
+# ---- issue 38, item 10: what a tool can reach
+
+
+def read_file(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def write_file(path: str, text: str = "x") -> str:
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def listdir(path: str = ".") -> list:
+    return sorted(os.listdir(path))
+
+
+def environment() -> dict:
+    return dict(os.environ)
+
+
+def identity() -> dict:
+    return {"uid": os.getuid(), "cwd": os.getcwd(), "home": os.environ.get("HOME")}
+
+
+def signal_pid(pid: int) -> str:
+    os.kill(pid, signal.SIGKILL)
+    return "sent"
+
+
+def leave_daemon(tag: str, then_hang: bool = False) -> str:
+    """A grandchild in a session of its own (setsid, then its parent exits), ``tag`` in its
+    command line; with ``then_hang`` the call then sleeps past its timeout."""
+    child = subprocess.Popen(
+        [sys.executable, "-c",
+         "import os, time; os.setsid(); os.fork() and os._exit(0); time.sleep(3600)", tag],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    child.wait()  # the grandchild exists: forked before its parent exited
+    if then_hang:
+        time.sleep(3600)
+    return "started"

@@ -9,9 +9,12 @@ Run: ``.venv/bin/python -m pytest -q tests/unit/test_multiturn.py``
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 import re
+import threading
+import time
 
 import pytest
 import torch
@@ -19,11 +22,11 @@ import torch
 from megatron_gspo.loss.gspo import gspo_loss
 from megatron_gspo.train.batching import rl_batch
 from pipeline.scoring.data import Prompt
-from pipeline.generation.environment import ToolEnvironment
+from pipeline.generation.environment import EnvStep, ToolEnvironment
 from pipeline.generation.multiturn import Budgets, compose_routes, run_trajectory, trajectory_metrics
 from pipeline.generation.client import SamplingParams
 from pipeline.generation.trajectory import RolloutResult, Span, Turn
-from pipeline.tools.sandbox import ToolExecutor, ToolLimits, load_tools
+from pipeline.tools.sandbox import ToolExecutor, ToolLimits, ToolsInterrupted, load_tools
 from pipeline.scoring.tasks import decode, encode
 from pipeline.generation.tool_calls import FORMATS, parse_tool_calls
 
@@ -58,6 +61,31 @@ def test_a_malformed_call_is_an_error_text_that_shows_the_format(text, says):
     assert len(p) == 1 and p.calls == [None]
     assert says in p.errors[0] and p.errors[0].startswith("error: ")
     assert '<tool_call>{"name": <tool name>, "arguments":' in p.errors[0]
+
+
+DEEP = "[" * 1000 + "]" * 1000
+HUGE = "9" * 5000
+
+
+@pytest.mark.parametrize("body,says", [
+    ('{"name": "add", "arguments": {"a": %s}}' % DEEP, "nested more than 64 levels deep"),
+    (DEEP, "nested more than 64 levels deep"),
+    ('{"name": "add", "arguments": {"a": %s}}' % ("[" * 100 + "]" * 100),
+     "nested more than 64 levels deep"),
+    ('{"name": "add", "arguments": {"a": %s, "b": 1}}' % HUGE, "not valid JSON (Exceeds the limit"),
+    ('{"name": "add", "arguments": %s}' % json.dumps('{"a": %s}' % HUGE),
+     '"arguments" must be a JSON object (it is not valid JSON (Exceeds the limit'),
+    ('{"name": "add", "arguments": %s}' % json.dumps(DEEP),
+     '"arguments" must be a JSON object (it is nested more than 64 levels deep'),
+])
+def test_hostile_model_text_is_a_malformed_call_never_an_exception(executor, body, says):
+    """Issue 38, item 11: a call nested ~1000 levels deep or holding an integer of more than 4300
+    digits raised RecursionError / ValueError out of ToolEnvironment.step and ended the run."""
+    p = parse_tool_calls(f"<tool_call>{body}</tool_call>")
+    assert p.calls == [None] and says in p.errors[0], p.errors[0][:300]
+    env = ToolEnvironment(executor=executor, tool_format=FORMATS["plain"])
+    step = env.step(f"<tool_call>{body}</tool_call>", tool_time_left_s=10)
+    assert step.errors == ["malformed"] and not step.done and says in step.observation
 
 
 def test_a_good_call_next_to_a_malformed_one_is_kept_in_order():
@@ -207,6 +235,54 @@ def test_failed_calls_are_counted_by_reason(executor):
     assert m["tool_errors/mean"] == 1.0 and m["end_reason/tool_error"] == 0.5
 
 
+class SurrogateEnv:
+    """A custom environment whose answer is not valid UTF-8 text (a lone surrogate)."""
+
+    def reset(self, prompt):
+        return list(prompt.prompt_ids)
+
+    def step(self, text, *, tool_time_left_s):
+        return EnvStep(observation="<tool_response>caf\udcc3</tool_response>")
+
+
+def test_an_environment_answer_that_is_not_utf8_is_sanitised_and_counted():
+    """Issue 38, item 5: the answer reached the tokenizer and raised UnicodeEncodeError."""
+    p = Prompt(index=0, prompt_ids=encode("1+1="), label=None, text="1+1=", origin="t")
+    r = asyncio.run(run_trajectory(Scripted(["call\n", "2\n"]), SurrogateEnv(), p,
+                                   SamplingParams(max_new_tokens=50),
+                                   Budgets(max_turns=2, max_tokens=500, max_tool_time_s=5),
+                                   rid="r", encode_text=encode, decode=decode))
+    assert r.turns[0].errors == ("encoding",) and r.turns[0].tool_errors == 1
+    assert "caf\ufffd" in decode(r.output_ids)
+    assert trajectory_metrics([r])["tool_errors/encoding"] == 1.0
+
+
+@pytest.mark.parametrize("trajectories", [6])
+def test_a_stop_signal_ends_a_rollout_of_slow_tools_within_one_tool_timeout(trajectories):
+    """Issue 38, item 12: a stop during slow tool calls took 325 s with tools.timeout_s 20 (every
+    call ran to its timeout, one after the other). Here 6 trajectories of 4 turns, each calling a
+    tool that sleeps past its 2 s timeout, on 1 worker: 48 s without a stop; after the stop flag
+    the rollout raises within one tool timeout."""
+    stop = threading.Event()
+    tools = load_tools(["tests.unit.sandbox_tools:hang"])
+    hang = '<tool_call>{"name":"hang","arguments":{}}</tool_call>\n'
+    with ToolExecutor(tools, ToolLimits(timeout_s=2.0), workers=1, interrupted=stop.is_set) as ex:
+        env = ToolEnvironment(executor=ex, tool_format=FORMATS["plain"])
+        p = Prompt(index=0, prompt_ids=encode("1+1="), label=None, text="1+1=", origin="t")
+        budgets = Budgets(max_turns=4, max_tokens=2000, max_tool_time_s=60)
+
+        async def rollout():
+            return await asyncio.gather(*[
+                run_trajectory(Scripted([hang] * 4), env, p, SamplingParams(max_new_tokens=100),
+                               budgets, rid=f"r{i}", encode_text=encode, decode=decode)
+                for i in range(trajectories)])
+        threading.Timer(1.0, stop.set).start()  # the stop signal, during the first calls
+        t0 = time.monotonic()
+        with pytest.raises(ToolsInterrupted, match="a stop signal came"):
+            asyncio.run(rollout())  # returns once every tool thread is done
+        assert time.monotonic() - t0 < 1.0 + 2.0, "not within one tool timeout of the stop"
+
+
 def test_routes_come_from_the_turn_that_first_computed_each_token(executor):
     r = run(Scripted([CALL, "42\n"]), executor, max_tokens=800, routed=(2, 1))
     n1 = len("12+30=") + len(CALL) - 1  # rows turn 1 returned: prompt + its output - 1
@@ -330,6 +406,9 @@ class NotAnEnvironment:
     ({"functions": ["pipeline.scoring.tasks:add"], "workers": 0}, "tools.workers: must be >= 1"),
     ({"functions": ["pipeline.scoring.tasks:add"], "format": "xml"}, "tools.format"),
     ({"environment": "NoColon"}, "tools.environment: expected"),
+    ({"functions": ["pipeline.scoring.tasks:add"], "isolation": "none"}, "tools.isolation"),
+    ({"functions": ["pipeline.scoring.tasks:add"], "pass_env": ["A=B"]},
+     "tools.pass_env[0]: expected the name of an environment variable"),
 ])
 def test_bad_tools_settings_name_the_field(section, said):
     from megatron_gspo.config import ConfigError, config_from_dict

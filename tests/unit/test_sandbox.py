@@ -12,11 +12,13 @@ import time
 
 import pytest
 
-from pipeline.tools.sandbox import ToolExecutor, ToolLimits, load_tools
+from pipeline.generation.environment import ToolEnvironment
+from pipeline.generation.tool_calls import FORMATS
+from pipeline.tools.sandbox import ToolExecutor, ToolLimits, ToolsInterrupted, load_tools
 
 M = "tests.unit.sandbox_tools"
 NAMES = ("add", "shout", "hang", "spin", "allocate", "flood_print", "flood_return", "exit_hard",
-         "segfault", "fetch", "fetch_quietly", "raw_connect", "fail")
+         "segfault", "fetch", "fetch_quietly", "raw_connect", "fail", "surrogate", "fail_surrogate")
 
 
 @pytest.fixture(scope="module")
@@ -155,10 +157,61 @@ def test_calls_run_concurrently_on_the_workers(executor):
     assert time.monotonic() - t0 < 1.9  # both at once on the 2 workers
 
 
+def test_output_that_is_not_utf8_text_is_a_failed_call_never_a_crash(executor):
+    """Issue 38, item 5: a lone surrogate in what a tool returned (or raised) reached the
+    tokenizer and ended the run with UnicodeEncodeError; it is a failed call (``encoding``), its
+    text shown with U+FFFD."""
+    out = executor.call("surrogate", {})
+    assert not out.ok and out.error == "encoding"
+    assert "not valid UTF-8" in out.output and "U+DCC3" in out.output
+    assert "caf\ufffd ok" in out.output
+    out.output.encode("utf-8")  # what is appended and tokenized
+    out = executor.call("fail_surrogate", {})
+    assert out.error == "error" and "bad byte \ufffd" in out.output
+    out.output.encode("utf-8")
+    env = ToolEnvironment(executor=executor, tool_format=FORMATS["qwen3"])
+    step = env.step('<tool_call>{"name": "surrogate", "arguments": {}}</tool_call>',
+                    tool_time_left_s=10)
+    assert step.errors == ["encoding"] and not step.done
+    step.observation.encode("utf-8")
+    assert_works(executor)
+
+
+def test_a_stop_signal_abandons_the_calls_running_and_waiting_at_once():
+    """Issue 38, item 12: a stop during slow tool calls waited for each call's timeout (325 s
+    with tools.timeout_s 20); with the stop flag the call running and the call waiting for the
+    worker end within a poll, the worker killed."""
+    stop = threading.Event()
+    tools = load_tools([f"{M}:hang", f"{M}:add"])
+    with ToolExecutor(tools, ToolLimits(timeout_s=30.0), workers=1,
+                      interrupted=stop.is_set) as ex:
+        assert ex.call("add", {"a": 1, "b": 2}).ok  # the worker started
+        ended: dict[int, tuple[float, BaseException]] = {}
+
+        def call(i: int) -> None:
+            try:
+                ex.call("hang", {})
+            except BaseException as err:  # noqa: BLE001 - recorded for the assertion
+                ended[i] = (time.monotonic(), err)
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)  # one call runs, the other waits for the only worker
+        t0 = time.monotonic()
+        stop.set()
+        for t in threads:
+            t.join(timeout=10)
+        assert sorted(ended) == [0, 1]
+        assert all(isinstance(err, ToolsInterrupted) for _, err in ended.values())
+        assert max(t for t, _ in ended.values()) - t0 < 1.0
+        assert "a stop signal came" in str(ended[0][1])
+
+
 def test_failures_are_counted_by_kind(executor):
     s = executor.stats
     assert s["calls"] > 10 and s["error/timeout"] >= 2 and s["error/crash"] >= 2
     assert s["error/memory"] >= 1 and s["error/output_limit"] >= 2 and s["error/network"] >= 2
+    assert s["error/encoding"] >= 1
 
 
 def test_bad_tool_specs_name_the_field():
