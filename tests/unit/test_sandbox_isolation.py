@@ -17,6 +17,7 @@ Run: ``.venv/bin/python -m pytest -q tests/unit/test_sandbox_isolation.py``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -44,21 +45,33 @@ def _executor(isolation: str) -> ToolExecutor:
                         isolation=isolation, pass_env=[DECLARED])
 
 
-@pytest.fixture(scope="module", params=["namespaces", "process"])
-def sandbox(request):
+@contextlib.contextmanager
+def _executor_with_secrets(isolation: str):
+    before = {k: os.environ.get(k) for k in (SECRET, DECLARED)}
     os.environ[SECRET], os.environ[DECLARED] = "s3cret", "declared"
     try:
-        with _executor(request.param) as ex:
+        with _executor(isolation) as ex:
             yield ex
     finally:
-        del os.environ[SECRET], os.environ[DECLARED]
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
-@pytest.fixture
-def namespaces(sandbox):
-    if sandbox.isolation != "namespaces":
-        pytest.skip("what only the namespaces give")
-    return sandbox
+@pytest.fixture(scope="module", params=["namespaces", "process"])
+def sandbox(request):
+    """Either level: what both give."""
+    with _executor_with_secrets(request.param) as ex:
+        yield ex
+
+
+@pytest.fixture(scope="module")
+def namespaces():
+    """What only the namespaces give."""
+    with _executor_with_secrets("namespaces") as ex:
+        yield ex
 
 
 def _alive_with(tag: str) -> list[int]:
