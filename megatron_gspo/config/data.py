@@ -108,6 +108,13 @@ class RewardConfig:
     (then on_error: "raise" stops the run, "zero" counts it as 0 in train/reward_failures).
     kind http: per request (each retry has its own). The built-in rewards have none (math
     bounds math-verify's work itself)."""
+    step_timeout_s: float = 600.0
+    """kind function: the deadline of one step's rewards (the samples scored together: the
+    step's rollout or an evaluation; one group at a time under rollout.async full), in seconds. Past it the worker is killed and every sample not
+    scored yet fails with a RewardError naming this field (then on_error as for one sample), so
+    that a reward that hangs on many samples costs at most this long per step instead of
+    samples x timeout_s. Each deadline passed is said on the console when it passes. With
+    on_error "raise" the first failure ends the scoring of the step at once."""
     max_retries: int = 2
     """kind http: further attempts after a connection error, timeout, 429 or 5xx answer."""
     batch_size: int = 64
@@ -127,6 +134,9 @@ class RewardConfig:
         require(self.url is None or self.url.startswith(("http://", "https://")),
                 f"reward.url: expected an http:// or https:// URL, got {self.url!r}")
         require(self.timeout_s > 0, f"reward.timeout_s: must be > 0, got {self.timeout_s}")
+        require(self.step_timeout_s >= self.timeout_s,
+                f"reward.step_timeout_s: must be >= reward.timeout_s ({self.timeout_s:g}), got "
+                f"{self.step_timeout_s:g}")
         require(self.max_retries >= 0, f"reward.max_retries: must be >= 0, got {self.max_retries}")
         require(self.batch_size >= 1, f"reward.batch_size: must be >= 1, got {self.batch_size}")
 

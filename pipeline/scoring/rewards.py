@@ -401,12 +401,16 @@ class FunctionReward:
       (this process decides when it ends).
     """
 
-    def __init__(self, spec: str, *, timeout_s: float,
-                 interrupted: Optional[Callable[[], bool]] = None):
+    def __init__(self, spec: str, *, timeout_s: float, step_timeout_s: Optional[float] = None,
+                 fail_fast: bool = False, interrupted: Optional[Callable[[], bool]] = None,
+                 say: Callable[[str], None] = print):
         self.spec = spec
         self.function = load_function(spec)
         self.timeout_s = float(timeout_s)
+        self.step_timeout_s = None if step_timeout_s is None else float(step_timeout_s)
+        self.fail_fast = fail_fast
         self.interrupted = interrupted
+        self.say = say
         self.name = _reward_name(self.function)
         self.timeouts = 0
         """Samples that passed the deadline (each one killed a worker)."""
@@ -430,8 +434,17 @@ class FunctionReward:
             return self._score_batch(samples)
 
     def _score_batch(self, samples: Sequence[RewardSample]) -> list[Any]:
+        """One batch (a step's samples): each sample within ``timeout_s``, the whole batch within
+        ``step_timeout_s``; with ``fail_fast`` (``reward.on_error: raise``) nothing more is
+        scored after a failure. Each deadline passed is said on the console at once."""
         results: list[Any] = []
+        t0 = time.monotonic()
+        batch_deadline = None if self.step_timeout_s is None else t0 + self.step_timeout_s
         while len(results) < len(samples):
+            if self.fail_fast and any(isinstance(r, Exception) for r in results):
+                skipped = RewardError(f"not scored: an earlier sample's reward failed "
+                                      f"(reward.on_error: raise)")
+                return results + [skipped] * (len(samples) - len(results))
             start_error = self._start(samples[len(results)])
             if start_error is not None:
                 results.append(start_error)
@@ -443,18 +456,38 @@ class FunctionReward:
             except OSError:
                 pass  # the worker died: its end is read below
             for sample in rest:
-                answer = self._answer(sample, self.timeout_s)
+                left = None if batch_deadline is None else batch_deadline - time.monotonic()
+                if left is not None and left < self.timeout_s:
+                    answer = self._answer(sample, max(left, 0.0))
+                    if answer is None:  # the step's bound: the rest fail without a call
+                        return results + self._past_step_bound(len(results), len(samples), t0)
+                else:
+                    answer = self._answer(sample, self.timeout_s)
                 if answer is None:  # past the deadline: a fresh worker scores the rest
-                    results.append(RewardError(
+                    error = RewardError(
                         f"{self.name} did not return within reward.timeout_s = "
                         f"{self.timeout_s:g} s ({_describe(sample)}); its worker process was "
-                        "killed"))
+                        "killed")
+                    self.say(f"reward: {error} ({len(results)} of {len(samples)} samples of "
+                             f"this step scored, {time.monotonic() - t0:.0f} s)")
+                    results.append(error)
                     self.timeouts += 1
                     break
                 results.append(answer)
                 if isinstance(answer, _WorkerGone):
                     break
         return results
+
+    def _past_step_bound(self, scored: int, total: int, t0: float) -> list[RewardError]:
+        """The batch passed ``reward.step_timeout_s``: the worker is killed (by ``_answer``) and
+        every sample not scored fails with this error."""
+        self.timeouts += 1
+        error = RewardError(
+            f"{self.name}: the step's rewards took longer than reward.step_timeout_s = "
+            f"{self.step_timeout_s:g} s ({scored} of {total} samples scored in "
+            f"{time.monotonic() - t0:.0f} s); its worker process was killed")
+        self.say(f"reward: {error}")
+        return [error] * (total - scored)
 
     def _start(self, sample: RewardSample) -> Optional[RewardError]:
         """A worker ready to score (started if there is none); the error of ``sample`` if it
@@ -649,7 +682,9 @@ def build_reward(reward: "RewardConfig", data: "DataConfig", *,
     kind = reward_kind(reward, data)
     if kind == "function":
         return FunctionReward(reward.function, timeout_s=reward.timeout_s,
-                              interrupted=interrupted)
+                              step_timeout_s=reward.step_timeout_s,
+                              fail_fast=reward.on_error == "raise", interrupted=interrupted,
+                              say=lambda line: print(line, flush=True))
     if kind == "http":
         return HTTPReward(reward.url, timeout_s=reward.timeout_s, max_retries=reward.max_retries,
                           batch_size=reward.batch_size)

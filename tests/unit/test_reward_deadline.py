@@ -55,6 +55,10 @@ REWARDS = textwrap.dedent('''
     def odd_values(prompt, response_ids, response_text):
         return {"a": "text", "b": float("nan")}.get(response_text, 2)
 
+    def slow(prompt, response_ids, response_text):
+        time.sleep(0.4)
+        return 1.0
+
     def counter(prompt, response_ids, response_text, _state=[]):
         _state.append(os.getpid())
         return float(len(_state))
@@ -250,3 +254,48 @@ def test_a_worker_started_by_a_rollout_thread_outlives_the_thread(rewards_file):
         assert fn.worker_starts == 1
     finally:
         fn.close()
+
+
+def test_a_steps_rewards_are_bounded_as_a_whole_and_said_on_the_console(rewards_file):
+    """Issue 38, item 13: every sample within its own deadline, but many of them: the step's
+    bound (``reward.step_timeout_s``) ends the scoring, the samples left fail naming it, and
+    the console says so when it happens (not after samples x timeout_s)."""
+    said = []
+    fn = _fn(rewards_file, "slow", timeout_s=1.0, step_timeout_s=1.0, say=said.append)
+    try:
+        start = time.monotonic()
+        result = compute_rewards(fn, _samples(["a"] * 20), on_error="zero")
+        took = time.monotonic() - start
+        assert took < 5, took  # without the bound: 20 x 0.4 s
+        scored = [r for r in result.rewards if r == 1.0]
+        assert len(scored) <= 3 and len(result.failures) == 20 - len(scored)
+        assert all("reward.step_timeout_s = 1 s" in f.error for f in result.failures)
+        assert len(said) == 1 and said[0].startswith("reward: ") and "step_timeout_s" in said[0]
+        assert f"{len(scored)} of 20 samples scored" in said[0]
+    finally:
+        fn.close()
+
+
+def test_with_on_error_raise_the_first_hang_ends_the_steps_scoring(rewards_file):
+    """``reward.on_error: raise``: the run stops at the first sample past its deadline; the
+    samples after it are not waited for (each would hang its own timeout_s)."""
+    said = []
+    fn = _fn(rewards_file, "hang_on_x", timeout_s=0.5, fail_fast=True, say=said.append)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RewardError) as err:
+            compute_rewards(fn, _samples(["x"] * 8))
+        took = time.monotonic() - start
+        assert took < 4, took  # without fail_fast: 8 x 0.5 s and a worker start each
+        assert "reward.timeout_s = 0.5 s" in str(err.value) and "sample 0" in str(err.value)
+        assert len(said) == 1 and "did not return within reward.timeout_s" in said[0]
+        assert fn.worker_starts == 1
+    finally:
+        fn.close()
+
+
+def test_the_step_bound_is_checked_against_the_sample_deadline():
+    base = {"reward": {"kind": "function", "function": "m:f", "timeout_s": 30}}
+    with pytest.raises(ConfigError, match=r"reward.step_timeout_s: must be >= reward.timeout_s"):
+        config_from_dict({**base, "reward": {**base["reward"], "step_timeout_s": 10}})
+    assert config_from_dict(base).reward.step_timeout_s == 600.0
