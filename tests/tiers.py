@@ -119,6 +119,7 @@ SLOW = (
     "tests/rollout/test_weight_sync.py::test_sync_makes_servers_serve_the_new_weights",  # 8.9
     "tests/unit/test_cpu_compat.py::test_cuda_device_arguments_go_to_the_cpu",  # 4.5
     "tests/reliability/test_refused_update.py",  # 14 (a server of its own)
+    "tests/reliability/test_dead_server.py::test_train_survives_its_only_server_dying_in_an_async_mode",  # 2 x 28
 )
 
 

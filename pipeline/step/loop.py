@@ -44,7 +44,7 @@ from pipeline.sources.choice import make_source
 from pipeline.sources.saved import checkpoint_json
 from pipeline.step.phases import (check_parity, evaluate, release_servers, resume_servers,
                                   server_metrics, sync_weights)
-from pipeline.step.rank0 import everywhere, on_main
+from pipeline.step.rank0 import everywhere, on_main, run_on_rank0
 from pipeline.step.step_guard import Preempted, StepGuard
 
 
@@ -67,8 +67,14 @@ def run(ctx: LoopContext, trainer: Trainer, *, start_step: int,
         trainer.save(ctx.run_dir, step, checkpoint_json(state) if is_main else {})
         ctx.logger.commit(step)  # no resumed run redoes steps <= step: the trackers get them
 
-    guard = StepGuard(ctx.stop, save=save, start_step=start_step,
-                      data_position=lambda: source.state() if is_main else None)
+    def data_position() -> Optional[dict]:
+        # collective: rank 0's source state, taken with the resync channel open (a full-mode
+        # stream stops its requests for it; one waiting for a restarted server needs a sync)
+        held: dict = {}
+        run_on_rank0(ctx, lambda: held.update(position=source.state()))
+        return held.get("position")
+
+    guard = StepGuard(ctx.stop, save=save, start_step=start_step, data_position=data_position)
     # a server that dies mid-rollout comes back with the weights the trainer holds then
     ctx.resync = lambda version: sync_weights(ctx, trainer, version)
     ctx.weights_version = start_step

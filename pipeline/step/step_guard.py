@@ -37,7 +37,8 @@ class StepGuard:
     collective's own exception. A step is never saved twice, nor is the step the run started
     from (its checkpoint exists; for step 0 a fresh start is the same). Anything but
     :class:`PhaseFailed` passes through untouched (it need not have happened on every rank, so
-    no collective may run on its behalf). Collective: every rank makes the same calls.
+    no collective may run on its behalf). Collective: every rank makes the same calls, and
+    ``data_position()`` (rank 0's data position, None on the others) is one too.
     """
 
     def __init__(self, stop: StopFlag, *, save: Callable[[int, Optional[dict]], None],

@@ -734,3 +734,34 @@ def test_train_survives_its_only_server_dying_mid_rollout(tmp_path):
     assert records[1]["rollout/server_restarts"] == 1.0
     assert records[1]["rollout/requests_retried"] >= 1
     assert records[-1]["rollout/servers_alive"] == 1.0
+
+
+@pytest.mark.parametrize("mode", ["one_step", "full"])
+def test_train_survives_its_only_server_dying_in_an_async_mode(tmp_path, mode):
+    """Issue 38 item 2: ``rollout.async: one_step`` / ``full``, one embedded server SIGKILLed
+    after step 1 (the next rollout under way, or the stream generating while the trainer
+    trains): the server is restarted and synced to the current weights, its samples in flight
+    are generated again, and the run finishes (exit 0) instead of stopping after
+    ``rollout.outage_timeout_s`` with ``no live server ... waiting for a weight sync``."""
+    run_dir = tmp_path / "run"
+    run = Run(train_args(run_dir, "run.num_steps=4", "run.save_interval=0",
+                         f"rollout.async={mode}"), tmp_path / "train.log")
+    try:
+        run.wait_until(lambda: bool(tagged_pids(run.tag)), "the launcher", timeout=60)
+        deadline = time.monotonic() + 600
+        while 1 not in metric_steps(run_dir):
+            assert run.proc.poll() is None and time.monotonic() < deadline, run.output()[-4000:]
+            time.sleep(0.02)
+        servers = _server_pids(run)
+        assert len(servers) == 1, servers
+        os.kill(servers[0], signal.SIGKILL)
+        code = run.wait(timeout=600)
+    finally:
+        run.kill_everything()
+    out = run.output()
+    assert code == 0, out[-4000:]
+    assert "no live server" in out, out[-4000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert records[-1]["rollout/server_restarts"] == 1.0
+    assert records[-1]["rollout/servers_alive"] == 1.0
