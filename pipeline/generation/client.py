@@ -163,6 +163,10 @@ def parse_generate_response(body: Any, rid: str, prompt_ids: Sequence[int], url:
             raise ValueError(f"{len(entries)} output_token_logprobs for {len(output_ids)} output ids")
         if any(int(e[1]) != t for e, t in zip(entries, output_ids)):
             raise ValueError("output_token_logprobs token ids differ from output_ids")
+        missing = next((i for i, e in enumerate(entries) if e[0] is None), None)
+        if missing is not None:  # SGLang renders a NaN / -inf as null (orjson)
+            raise ValueError(f"output token {missing} has a null log-prob (a NaN or -inf on the "
+                             "server: are its weights finite?)")
         logprobs = [float(e[0]) for e in entries]
         spans = weight_version_spans(meta, len(output_ids))
         routed = None

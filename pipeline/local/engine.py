@@ -225,7 +225,11 @@ class LocalEngine:
         if self.tokenizer is None:
             raise ValueError("text input needs a tokenizer; this server has none (started with "
                              "--skip-tokenizer-init or without tokenizer files): send input_ids")
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        except (TypeError, ValueError) as err:  # the request's text, not the server: a 400
+            raise ValueError(f"text: the tokenizer cannot encode it ({type(err).__name__}: "
+                             f"{err})") from None
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> Optional[str]:
         if self.tokenizer is None:
