@@ -59,10 +59,12 @@ def _export_worker(rank, world, cfg_dict, disk, real):
             return {"type": type(e).__name__, "errno": getattr(e, "errno", None), "text": str(e)}
         return {"type": "exported"}
 
-    def state():
+    def state():  # between two barriers: no rank changes the disk meanwhile
         dist.barrier()
-        return {"hf": _snapshot(out_dir), "ckpt": _snapshot(disk / "checkpoints"),
+        seen = {"hf": _snapshot(out_dir), "ckpt": _snapshot(disk / "checkpoints"),
                 "left": sorted(p.name for p in disk.iterdir())}
+        dist.barrier()
+        return seen
 
     if rank == 0:  # a checkpoint of the run beside the export: never touched
         (disk / "checkpoints").mkdir()
