@@ -20,6 +20,13 @@ wait is bounded (``health_timeout_s``, ``request_timeout_s`` per attempt, ``max_
 errors are :class:`RolloutError` naming the URL, the HTTP status and what the server last said,
 whichever of SGLang's three error-body shapes it used.
 
+Connections: every call of a client (and of the direct clients it makes) shares ONE connection
+pool (:mod:`pipeline.generation.connections`): at most ``max_connections`` ``/generate`` requests
+on the wire at once, whatever the number of calls running (an asynchronous rollout runs one per
+group), by default a quarter of the process's ``RLIMIT_NOFILE`` and at most 512. A process that
+runs out of file descriptors anyway (EMFILE) gets :class:`~pipeline.generation.connections.
+TooManyOpenFiles` at once, naming it: it is not retried, and not taken for a dead server.
+
 No server left (``servers``: the run's ``pipeline.servers.pool.ServerPool``): a request that fails
 without an answer or with a 5xx (the router's ``500 call_upstream_request_error`` when its worker
 died, then ``503 No available workers``) asks the pool (``wait_for_live``, on a thread, once for
@@ -63,6 +70,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import aiohttp
 
 from pipeline.generation import routed_experts as re_wire
+from pipeline.generation.connections import (ConnectionPool, Pooled, TooManyOpenFiles,
+                                             out_of_files)
 from pipeline.generation.trajectory import RolloutResult, Span
 from pipeline.generation.version import from_wire
 
@@ -165,6 +174,10 @@ def parse_generate_response(body: Any, rid: str, prompt_ids: Sequence[int], url:
             raise ValueError(f"{len(entries)} output_token_logprobs for {len(output_ids)} output ids")
         if any(int(e[1]) != t for e, t in zip(entries, output_ids)):
             raise ValueError("output_token_logprobs token ids differ from output_ids")
+        missing = next((i for i, e in enumerate(entries) if e[0] is None), None)
+        if missing is not None:  # SGLang renders a NaN / -inf as null (orjson)
+            raise ValueError(f"output token {missing} has a null log-prob (a NaN or -inf on the "
+                             "server: are its weights finite?)")
         logprobs = [float(e[0]) for e in entries]
         spans = weight_version_spans(meta, len(output_ids))
         routed = None
@@ -272,6 +285,8 @@ def http_json(method: str, url: str, body: Any = None, *, timeout_s: float = 30.
     except urllib.error.HTTPError as err:
         status, raw = err.code, err.read()
     except (urllib.error.URLError, OSError, TimeoutError) as err:
+        if out_of_files(err):  # this process, not the server (a "dead" server would be restarted)
+            raise TooManyOpenFiles.calling(url, err, None) from None
         reason = getattr(err, "reason", err)
         raise RolloutError(url, None, f"{type(reason).__name__}: {reason}") from None
     text = raw.decode(errors="replace")
@@ -312,6 +327,8 @@ async def _probe(session, url: str, timeout_s: float) -> tuple[Optional[int], st
                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             return resp.status, (await resp.text())[:500]
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
+        if out_of_files(err):
+            raise TooManyOpenFiles.calling(url, err, None) from None
         return None, f"{type(err).__name__}: {err}"
 
 
@@ -380,9 +397,13 @@ class RolloutClient:
                  *, max_concurrency: int = 64, request_timeout_s: float = 600.0,
                  health_timeout_s: float = 300.0, max_attempts: int = 5,
                  retry_backoff_s: float = 0.5, connect_timeout_s: float = 10.0,
-                 server_cooldown_s: float = 5.0, servers: Any = None):
+                 server_cooldown_s: float = 5.0, servers: Any = None,
+                 max_connections: Optional[int] = None, pool: Optional[ConnectionPool] = None):
         """``servers``: the run's ``ServerPool`` (``wait_for_live``, ``requests_retried``), or
-        None: failures are retried ``max_attempts`` times, then raised."""
+        None: failures are retried ``max_attempts`` times, then raised. ``max_connections``:
+        ``/generate`` requests of this client on the wire at once, all its calls together
+        (:mod:`pipeline.generation.connections`; default: a quarter of the process's
+        ``RLIMIT_NOFILE``, at most 512); ``pool``: share another client's pool instead."""
         if not router_url and not server_urls:
             raise ValueError("RolloutClient: give router_url or server_urls")
         self.router_url = router_url.rstrip("/") if router_url else None
@@ -394,6 +415,8 @@ class RolloutClient:
         self.retry_backoff_s = retry_backoff_s
         self.connect_timeout_s = connect_timeout_s
         self.server_cooldown_s = server_cooldown_s
+        self.pool = pool if pool is not None else ConnectionPool(max_connections)
+        """The connections of every call of this client (and of its direct clients)."""
         self._inflight: dict[str, int] = {u: 0 for u in self.server_urls}
         self._down_until: dict[str, float] = {}
         self._rr = 0
@@ -459,17 +482,17 @@ class RolloutClient:
         requests of one ``generate_groups`` call do: ``async with client.session() as send:
         await send(rid, prompt, sampling, routed_experts=None, pin=None)``."""
         sem, batch = self._limit(), _Batch()
-        async with aiohttp.ClientSession() as http:
+        async with self.pool.use() as pooled:
             async def send(rid: str, prompt: Sequence[int], sampling: SamplingParams, *,
                            routed_experts: Optional[tuple[int, int]] = None,
                            pin: Optional[str] = None) -> RolloutResult:
-                return await self._one(http, sem, batch, rid, prompt, sampling, routed_experts,
-                                       pin)
+                return await self._one(pooled, sem, batch, rid, prompt, sampling,
+                                       routed_experts, pin)
             try:
                 yield send
             except BaseException:
                 batch.stopping = True
-                await self._abort_on(http, self.server_urls or [self.router_url])
+                await self._abort_on(pooled.session, self.server_urls or [self.router_url])
                 raise
 
     async def _routed_experts_client(self) -> "RolloutClient":
@@ -490,17 +513,19 @@ class RolloutClient:
                                max_attempts=self.max_attempts,
                                retry_backoff_s=self.retry_backoff_s,
                                connect_timeout_s=self.connect_timeout_s,
-                               server_cooldown_s=self.server_cooldown_s, servers=self.servers)
+                               server_cooldown_s=self.server_cooldown_s, servers=self.servers,
+                               pool=self.pool)
         direct._limits, direct._limits_lock = self._limits, self._limits_lock  # one bound
         return direct
 
     # --- one sample
-    async def _one(self, session, sem: asyncio.Semaphore, batch: _Batch, rid: str,
+    async def _one(self, pooled: Pooled, sem: asyncio.Semaphore, batch: _Batch, rid: str,
                    prompt: Sequence[int], sampling: SamplingParams,
                    routed_experts: Optional[tuple[int, int]] = None,
                    pin: Optional[str] = None) -> RolloutResult:
         """One request; ``pin``: the server to send it to while that server answers (a sticky
-        multi-turn trajectory; a retry after a failure there goes elsewhere)."""
+        multi-turn trajectory; a retry after a failure there goes elsewhere). Out of file
+        descriptors: :class:`TooManyOpenFiles` at once (no retry, no wait for a server)."""
         async with sem:
             last: Optional[RolloutError] = None
             url: Optional[str] = None
@@ -526,9 +551,13 @@ class RolloutClient:
                                                 sock_connect=self.connect_timeout_s)
                 timed_out = False
                 try:
-                    async with session.post(url + "/generate", json=payload, timeout=timeout) as resp:
-                        status, text = resp.status, await resp.text()
+                    async with pooled.slots:  # the pool's limit (before the timeout starts)
+                        async with pooled.session.post(url + "/generate", json=payload,
+                                                       timeout=timeout) as resp:
+                            status, text = resp.status, await resp.text()
                 except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
+                    if out_of_files(err):  # this process, not the server: no retry, no wait
+                        raise TooManyOpenFiles.calling(url, err, self.pool.limit) from err
                     timed_out = isinstance(err, asyncio.TimeoutError)
                     status, text = None, ""
                     last = RolloutError(url, None, (f"no answer within {self.request_timeout_s:g} s"
@@ -536,7 +565,7 @@ class RolloutClient:
                     if not self.router_url:
                         self._down_until[url] = time.monotonic() + self.server_cooldown_s
                     if timed_out:  # it may still be running there: free it (best effort)
-                        await self._abort_on(session, [url], rid=send_rid)
+                        await self._abort_on(pooled.session, [url], rid=send_rid)
                 finally:
                     self._inflight[url] -= 1
                 if status == 200:
@@ -627,8 +656,8 @@ class RolloutClient:
         """``/abort_request {"abort_all": true}`` on every server (the router does not proxy it)."""
         urls = await asyncio.to_thread(self.worker_urls)
         if session is None:
-            async with aiohttp.ClientSession() as own:
-                await self._abort_on(own, urls)
+            async with self.pool.use() as pooled:
+                await self._abort_on(pooled.session, urls)
         else:
             await self._abort_on(session, urls)
 
@@ -647,8 +676,8 @@ class RolloutClient:
             if s.n != 1:
                 raise ValueError("generate: sampling.n must be 1 (use generate_groups for G samples)")
         sem, batch = self._limit(), _Batch()
-        async with aiohttp.ClientSession() as session:
-            return list(await asyncio.gather(*(self._one(session, sem, batch, rid, p, s,
+        async with self.pool.use() as pooled:
+            return list(await asyncio.gather(*(self._one(pooled, sem, batch, rid, p, s,
                                                          routed_experts)
                                                for rid, p, s in requests)))
 
@@ -687,13 +716,13 @@ class RolloutClient:
         base = seed if seed is not None else random.getrandbits(62)
         prefix = rid_prefix or f"g{uuid.uuid4().hex[:12]}"
         sem, batch = self._limit(), _Batch()
-        async with aiohttp.ClientSession() as session:
+        async with self.pool.use() as pooled:
             tasks: dict[asyncio.Task, tuple[int, int]] = {}
             for p, prompt in enumerate(prompts):
                 for s in range(group_size):
                     sp = replace(sampling, n=1, sampling_seed=sample_seed(base, p, s))
                     task = asyncio.create_task(
-                        self._one(session, sem, batch, f"{prefix}-p{p}-s{s}", prompt, sp,
+                        self._one(pooled, sem, batch, f"{prefix}-p{p}-s{s}", prompt, sp,
                                   routed_experts))
                     tasks[task] = (p, s)
             groups: list[list[Optional[RolloutResult]]] = [[None] * group_size for _ in prompts]
@@ -716,7 +745,8 @@ class RolloutClient:
                         # server after an abort; the next abort, a second later, catches it).
                         batch.stopping = True
                         last_abort = time.monotonic()
-                        await self._abort_on(session, self.server_urls or [self.router_url])
+                        await self._abort_on(pooled.session,
+                                             self.server_urls or [self.router_url])
             except BaseException:
                 batch.stopping = True
                 for task in pending:
@@ -725,7 +755,7 @@ class RolloutClient:
                 for task in tasks:  # the others that failed alike (no live server) are seen
                     if task.done() and not task.cancelled():
                         task.exception()
-                await self._abort_on(session, self.server_urls or [self.router_url])
+                await self._abort_on(pooled.session, self.server_urls or [self.router_url])
                 raise
         if min_complete_groups is None:
             return [list(g) for g in groups]

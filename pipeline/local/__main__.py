@@ -4,7 +4,10 @@
 
 The flags are those of ``megatron-gspo serve`` (:mod:`pipeline.local.args`; ``megatron-gspo serve
 --help`` describes them), and so are the rules: a bad argument is one line naming the flag, exit
-status 2, before the model is loaded; SIGINT or SIGTERM stop it. ``pipeline/servers/cluster.py``
+status 2, before the model is loaded; so is a model directory that cannot be served as it is (a
+truncated safetensors file, weights that do not match config.json:
+:mod:`pipeline.local.model_files`), naming the file, the tensor and the shapes; SIGINT or SIGTERM
+stop it. ``pipeline/servers/cluster.py``
 starts its servers this way.
 
 The third-party warnings that are benign here are silenced first, before the server's modules
@@ -19,6 +22,7 @@ import argparse
 import sys
 from typing import Optional
 
+from megatron_gspo.errors import is_input_error
 from pipeline.local.args import ServeArgError, add_arguments, validate
 from pipeline.observe import benign_warnings
 
@@ -49,7 +53,13 @@ def run(args: argparse.Namespace, prog: str) -> int:
     # without loading torch): the server's modules import torch, transformers and fastapi
     from pipeline.local.server import serve
 
-    return serve(args)
+    try:
+        return serve(args)
+    except Exception as err:
+        if not is_input_error(err):  # a crash: its traceback
+            raise
+        print(f"{prog}: {err}", file=sys.stderr)  # bad input (the model files): one line
+        return 2
 
 
 def main(argv: Optional[list[str]] = None) -> int:

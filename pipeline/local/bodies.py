@@ -5,12 +5,21 @@ answers to the ones it refuses.
   read (weight-update paths, :data:`WEIGHT_UPDATE_PATHS`, have the larger limit);
 * ``--max-json-depth``: :func:`json_depth_exceeds` on the bytes before parsing, a 400
   (:class:`TooDeep`);
-* :func:`error_response`: a refused body's 400 in the shape SGLang answers that kind of error.
+* :func:`parse_json`: the body parsed as SGLang 0.5.23 parses every body (``ORJSONRequest``:
+  orjson), so what orjson refuses is a 400 here too, never a 500 further on: bytes that are not
+  UTF-8, a string holding a lone surrogate (``"\\udcff"``), ``NaN`` / ``Infinity`` and numbers
+  that overflow a double; an integer outside [-2^63, 2^64) becomes a float, as orjson makes it
+  (then a contract 400 wherever an integer is expected);
+* :func:`error_response`: a refused body's 400 in the shape SGLang answers that kind of error;
+* :func:`json_response` / :func:`render_json`: answers rendered as SGLang renders them (its
+  ``SGLangORJSONResponse``, ``dumps_json``): a non-finite float (a NaN or -inf log-prob) is
+  ``null``, never a 500 while rendering.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -25,8 +34,38 @@ WEIGHT_UPDATE_PATHS = frozenset({"/update_weights_from_tensor", "/update_weights
 shape lists): limited by --max-weight-update-mb instead of --max-request-mb."""
 
 
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None (what orjson writes: ``null``)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def render_json(content: Any) -> bytes:
+    """JSON bytes of an answer as SGLang 0.5.23 renders it (``utils/json_response.dumps_json``,
+    orjson): NaN and +-inf are ``null`` (a log-prob of -inf, weights gone NaN), the rest as
+    Starlette's JSONResponse writes it."""
+    try:
+        text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except ValueError:  # a non-finite float somewhere (rare: walk only then)
+        text = json.dumps(_finite(content), ensure_ascii=False, allow_nan=False,
+                          separators=(",", ":"))
+    return text.encode("utf-8")
+
+
+class SGLangJSONResponse(JSONResponse):
+    """A JSON answer rendered by :func:`render_json` (non-finite floats as ``null``)."""
+
+    def render(self, content: Any) -> bytes:
+        return render_json(content)
+
+
 def json_response(content: Any, status: int = 200) -> JSONResponse:
-    return JSONResponse(content=content, status_code=status)
+    return SGLangJSONResponse(content=content, status_code=status)
 
 
 class TooDeep(ValueError):
@@ -58,6 +97,66 @@ def json_depth_exceeds(raw: bytes, limit: int) -> bool:
     return False
 
 
+_I64_MIN, _U64_MAX = -(1 << 63), (1 << 64) - 1
+_LONG_DIGITS = re.compile(rb"\d{19}")  # an integer this long may be outside [-2^63, 2^64)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _orjson_int(text: str):
+    """orjson's integers: beyond [-2^63, 2^64) it parses a float."""
+    value = int(text)
+    return value if _I64_MIN <= value <= _U64_MAX else float(text)
+
+
+def _orjson_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise proto.ParseError(f"JSON decode error: number {text[:40]} is infinity when parsed "
+                               "as double")
+    return value
+
+
+def _refuse_constant(name: str):
+    raise proto.ParseError(f"JSON decode error: {name} is not a JSON value")
+
+
+def _lone_surrogate(value: Any) -> bool:
+    """Whether a string in ``value`` (a key or a value, at any depth) holds a lone surrogate."""
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(v, dict):
+            todo.extend(v.keys())
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            todo.extend(v)
+    return False
+
+
+def parse_json(raw: bytes) -> Any:
+    """``raw`` parsed as SGLang 0.5.23 parses a body (orjson): a :class:`proto.ParseError` (its
+    400 for a body that does not parse) for what orjson refuses, ints beyond [-2^63, 2^64) as
+    floats. Linear; the slower checks run only when the bytes could need them."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise proto.ParseError(f"JSON decode error: the body is not valid UTF-8 ({err})") from None
+    try:
+        body = json.loads(text, parse_float=_orjson_float, parse_constant=_refuse_constant,
+                          **({"parse_int": _orjson_int} if _LONG_DIGITS.search(raw) else {}))
+    except json.JSONDecodeError as err:
+        raise proto.ParseError(f"JSON decode error: {err}") from None
+    if _SURROGATE_ESCAPE.search(raw) and _lone_surrogate(body):
+        raise proto.ParseError("JSON decode error: a string holds a lone surrogate (an "
+                               "unpaired \\ud800-\\udfff escape), which is not valid UTF-8")
+    return body
+
+
 async def read_body(request, *, required: bool = False) -> dict:
     """The request's JSON object ({} for an empty body unless ``required``): a
     :class:`proto.ParseError` for a body that is not a JSON object, :class:`TooDeep` past
@@ -72,9 +171,7 @@ async def read_body(request, *, required: bool = False) -> dict:
         raise TooDeep(f"There was an error parsing the body: JSON nested deeper than this "
                       f"server's --max-json-depth {limit}")
     try:
-        body = json.loads(raw)
-    except json.JSONDecodeError as err:
-        raise proto.ParseError(f"JSON decode error: {err}") from None
+        body = parse_json(raw)
     except RecursionError:  # only with a --max-json-depth near Python's recursion limit
         raise TooDeep(f"There was an error parsing the body: JSON nested too deeply "
                       f"(--max-json-depth {limit})") from None

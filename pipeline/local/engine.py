@@ -74,6 +74,7 @@ from typing import Callable, Optional
 import torch
 
 from pipeline.local.kv_cache import cache_from, kv_layers
+from pipeline.local.model_files import check_model_dir, load_config
 from pipeline.local.prefix_cache import PrefixCache, default_radix_cache_tokens
 from pipeline.local.protocol import (finish_abort_queued, finish_abort_running, finish_length,
                                      finish_stop)
@@ -119,7 +120,7 @@ class LocalEngine:
                  max_queued_requests: Optional[int] = None,
                  capture_routed_experts: bool = False, device: str = "cpu",
                  radix_cache: bool = True, radix_cache_max_tokens: Optional[int] = None):
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
         """Where the model, its KV cache and its forward passes live (``--device``); requests,
@@ -133,7 +134,10 @@ class LocalEngine:
         if not (self.model_path / "config.json").is_file():
             raise FileNotFoundError(f"{self.model_path}: no config.json (not a Hugging Face model dir)")
         self.dtype = getattr(torch, dtype)
-        config = AutoConfig.from_pretrained(self.model_path)
+        config = load_config(self.model_path)
+        # damaged files, weights that do not fit config.json: one line naming them, not
+        # transformers' error deep in its loader (or a weight it would initialise at random)
+        check_model_dir(self.model_path, config)
         # PyTorch's fused SDPA (GQA without materialising repeated K/V heads): 1.6x the decode
         # throughput of transformers' eager attention on CPU (docs/performance.md, "Rollout
         # and training kernels"); the same function, to float rounding.
@@ -221,7 +225,11 @@ class LocalEngine:
         if self.tokenizer is None:
             raise ValueError("text input needs a tokenizer; this server has none (started with "
                              "--skip-tokenizer-init or without tokenizer files): send input_ids")
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        except (TypeError, ValueError) as err:  # the request's text, not the server: a 400
+            raise ValueError(f"text: the tokenizer cannot encode it ({type(err).__name__}: "
+                             f"{err})") from None
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> Optional[str]:
         if self.tokenizer is None:

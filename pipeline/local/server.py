@@ -81,6 +81,12 @@ Limits (a request must not be able to take the server down: ``n: 1000000`` once 
 * ``--max-json-depth``: deeper JSON is a 400 (the HTTPException shape, FastAPI's "There was an
   error parsing the body", SGLang's answer when its parser gives up), checked on the bytes
   before parsing (:func:`~pipeline.local.bodies.json_depth_exceeds`), never a 500;
+* every body is parsed as SGLang parses it (orjson: :func:`~pipeline.local.bodies.parse_json`), so
+  invalid UTF-8, a lone surrogate, ``NaN`` / ``Infinity`` are SGLang's 400, never a 500 further
+  on; every answer is rendered as SGLang renders it (orjson: a NaN or -inf is ``null``);
+* ``--model-path``: its safetensors headers and every weight's shape are checked against
+  config.json before transformers loads it (:mod:`pipeline.local.model_files`): one line naming
+  the file, the tensor and the shapes, exit status 2;
 * ``update_weights_from_disk`` loads only from the served model's directory and the
   ``--weight-roots`` directories (paths resolved, symlinks followed), each shard named by the
   index a plain file of the directory; every header is checked against its file first, so a

@@ -144,12 +144,11 @@ class WeightTable:
                 parts[name] = tensor_sums(target.to(values.dtype))
         return checksum_digest(parts) if checksum else None
 
-    def load_shards(self, path: str | Path) -> dict[str, str]:
-        """``update_weights_from_disk``: read every safetensors file of ``path`` straight into
-        the parameters (``readinto`` where the weight is contiguous and of the file's dtype);
-        returns {file name: bucket checksum of what is now loaded}. Every header is checked
-        first, so a bad directory changes nothing."""
-        headers = shard_headers(path)
+    def header_problems(self, headers: dict[str, tuple[list, int]], *,
+                        whose: str = "the model's") -> list[str]:
+        """Every tensor of the shards ``headers`` (:func:`shard_headers`) this model has no
+        place for or whose shape differs from its parameter's (``whose``, in the message),
+        naming the file, the tensor and both shapes (empty: they fit)."""
         problems = []
         for f, (layout, _) in headers.items():
             for name, dtype, shape, _, _ in layout:
@@ -159,10 +158,20 @@ class WeightTable:
                     problems.append(f"{f}: {name}: no such parameter in the served model")
                     continue
                 if tuple(shape) != tuple(want):
-                    problems.append(f"{f}: {name}: shape {list(shape)} does not match the "
-                                    f"model's {list(want)}")
+                    problems.append(f"{f}: {name}: shape {list(shape)} does not match "
+                                    f"{whose} {list(want)}")
+        return problems
+
+    def load_shards(self, path: str | Path) -> dict[str, str]:
+        """``update_weights_from_disk``: read every safetensors file of ``path`` straight into
+        the parameters (``readinto`` where the weight is contiguous and of the file's dtype);
+        returns {file name: bucket checksum of what is now loaded}. Every header is checked
+        first, so a bad directory changes nothing."""
+        headers = shard_headers(path)
+        problems = self.header_problems(headers)
         if problems:
             raise ValueError("; ".join(problems[:10]))
+
         def load_one(f: str) -> str:
             layout, data_start = headers[f]
             parts = {}  # each tensor summed right after its read, while it is in cache

@@ -7,14 +7,18 @@ rollout servers, the router and Megatron's checkpoint-writer helper included), s
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
 from typing import Callable, Optional
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "launch/configs/tiny_cpu.yaml"
@@ -146,3 +150,36 @@ def metric_steps(run_dir: Path) -> list[int]:
 def latest_step(run_dir: Path) -> int:
     marker = run_dir / "checkpoints" / "latest"
     return int(marker.read_text().strip().split("_")[1]) if marker.is_file() else 0
+
+
+# ------------------------------------------------------------------------------------------------
+# A full disk (the checkpoint's and the Hugging Face export's tests)
+
+
+@pytest.fixture()
+def small_disk(tmp_path):
+    """(directory, real): a 16 MiB tmpfs where mounting one is permitted (root in this sandbox),
+    else a plain directory whose fullness the worker simulates (``real`` False)."""
+    target = tmp_path / "disk"
+    target.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(target)],
+                          capture_output=True, text=True)
+    real = proc.returncode == 0
+    print(f"full-disk test on {'a real 16 MiB tmpfs' if real else 'a simulated full disk'}"
+          + ("" if real else f" (mount: {proc.stderr.strip()})"))
+    yield target, real
+    if real:
+        subprocess.run(["umount", "-l", str(target)], check=False)
+
+
+def fill_disk(directory: Path, leave: int = 0) -> None:
+    """Write a filler file until ``leave`` bytes are free (real ENOSPC from the filesystem)."""
+    chunk = b"\0" * (64 << 10)
+    with open(directory / "filler", "ab", buffering=0) as f:
+        try:
+            while shutil.disk_usage(directory).free > leave + len(chunk):
+                f.write(chunk)
+            while not leave:
+                f.write(chunk[:4096])
+        except OSError as err:
+            assert err.errno == errno.ENOSPC

@@ -26,7 +26,6 @@ import errno
 import io
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -41,6 +40,7 @@ from megatron_gspo.train import checkpoint as ckpt
 from tests.distributed.layouts import assemble, tiny_config
 from bench.spawn import run_on_ranks
 from tests.distributed.test_checkpoint import _fresh, _step  # the same tiny SFT step
+from tests.reliability.conftest import fill_disk as _fill
 
 
 def _pieces(gpt, cfg, pg):
@@ -197,35 +197,6 @@ def test_rotation_keeps_the_newest_and_the_resumed_one(damage):
 
 # ------------------------------------------------------------------------------------------------
 # A full disk
-
-
-@pytest.fixture()
-def small_disk(tmp_path):
-    """(directory, real): a 16 MiB tmpfs where mounting one is permitted (root in this sandbox),
-    else a plain directory whose fullness the worker simulates (``real`` False)."""
-    target = tmp_path / "disk"
-    target.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(target)],
-                          capture_output=True, text=True)
-    real = proc.returncode == 0
-    print(f"full-disk test on {'a real 16 MiB tmpfs' if real else 'a simulated full disk'}"
-          + ("" if real else f" (mount: {proc.stderr.strip()})"))
-    yield target, real
-    if real:
-        subprocess.run(["umount", "-l", str(target)], check=False)
-
-
-def _fill(directory: Path, leave: int = 0) -> None:
-    """Write a filler file until ``leave`` bytes are free (real ENOSPC from the filesystem)."""
-    chunk = b"\0" * (64 << 10)
-    with open(directory / "filler", "ab", buffering=0) as f:
-        try:
-            while shutil.disk_usage(directory).free > leave + len(chunk):
-                f.write(chunk)
-            while not leave:
-                f.write(chunk[:4096])
-        except OSError as err:
-            assert err.errno == errno.ENOSPC
 
 
 def _disk_worker(rank, world, cfg_dict, run_dir, real):

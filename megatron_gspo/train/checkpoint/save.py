@@ -6,7 +6,6 @@ rank alike. :func:`rotate_checkpoints` keeps the newest ones.
 
 from __future__ import annotations
 
-import errno
 import json
 import multiprocessing
 import os
@@ -23,6 +22,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from megatron_gspo import mcore_compat
 from megatron_gspo.collectives import all_gather, broadcast, initialized, on_rank0, rank_world
+from megatron_gspo.disk_full import DiskFull, disk_full_message, is_disk_full
 from megatron_gspo.lifetime import STOP_SIGNALS, shield_from_stop_signals, shielded_helper
 from megatron_gspo.train.checkpoint.manifest import (MANIFEST, MANIFEST_FORMAT, CheckpointError,
                                                      checkpoint_root, describe_files, list_files,
@@ -31,42 +31,10 @@ from megatron_gspo.train.checkpoint.records import layout_of, model_record
 from megatron_gspo.train.checkpoint.state import rng_state, sharded_state, state_bytes
 
 
-class CheckpointDiskFull(OSError):
+class CheckpointDiskFull(DiskFull):
     """No space left for a checkpoint (errno ENOSPC); the message names the path, the space the
-    checkpoint needs and the space free."""
-
-    def __init__(self, message: str, path: str | Path):
-        super().__init__(errno.ENOSPC, message, str(path))
-
-    def __reduce__(self):  # pickled as it is built (it crosses ranks: megatron_gspo.collectives)
-        return type(self), (self.strerror, self.filename), self.__dict__
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
-def _is_disk_full(err: BaseException) -> bool:
-    """ENOSPC / EDQUOT anywhere in ``err``'s chain (torch.distributed.checkpoint wraps the writers'
-    errors; torch.save reports a full disk as a failed write of its zip container)."""
-    seen, todo = set(), [err]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        text = str(e)
-        if "No space left on device" in text or "Disk quota exceeded" in text:
-            return True
-        todo += [e.__cause__, e.__context__]
-        failures = getattr(e, "failures", None)  # torch DCP's CheckpointException
-        if isinstance(failures, dict):
-            for value in failures.values():
-                todo.append(value if isinstance(value, BaseException)
-                            else getattr(value, "exc", None))
-    return False
+    checkpoint needs and the space free (:mod:`megatron_gspo.disk_full`: the export's is said
+    the same way)."""
 
 
 def _looks_like_failed_write(err: BaseException) -> bool:
@@ -76,10 +44,9 @@ def _looks_like_failed_write(err: BaseException) -> bool:
 
 
 def _disk_full_message(final: Path, where: Path, needed: int, free: int) -> str:
-    return (f"checkpoint {final.name}: no space left on device writing {where}: this "
-            f"checkpoint needs about {_mib(needed)}, {_mib(free)} free on that filesystem; free "
-            "space there, point run.output_dir at a larger disk, or keep fewer checkpoints "
-            "(run.keep_checkpoints)")
+    return disk_full_message("checkpoint", final.name, where, needed, free,
+                             "free space there, point run.output_dir at a larger disk, or keep "
+                             "fewer checkpoints (run.keep_checkpoints)")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -144,7 +111,7 @@ def _prepare(root: Path, final: Path, tmp: Path, needed: int) -> None:
     except CheckpointDiskFull:
         raise
     except OSError as err:
-        if _is_disk_full(err):
+        if is_disk_full(err):
             raise CheckpointDiskFull(_disk_full_message(final, Path(err.filename or tmp), needed,
                                                         shutil.disk_usage(root).free),
                                      tmp) from None
@@ -158,7 +125,7 @@ def _write_error(err: BaseException, final: Path, tmp: Path, needed: int) -> tup
         free = shutil.disk_usage(root).free
     except OSError:
         free = 0
-    if _is_disk_full(err) or (_looks_like_failed_write(err) and free < needed):
+    if is_disk_full(err) or (_looks_like_failed_write(err) and free < needed):
         where = Path(getattr(err, "filename", None) or tmp)
         return "disk_full", _disk_full_message(final, where, needed, free)
     return "error", f"checkpoint {final.name}: writing {tmp} failed: {type(err).__name__}: {err}"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 import uuid
 from typing import Any, Optional
@@ -20,7 +19,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from pipeline.generation import routed_experts
 from pipeline.local import protocol as proto
-from pipeline.local.bodies import error_response, json_response, read_body
+from pipeline.local.bodies import error_response, json_response, read_body, render_json
 from pipeline.local.request import (QUEUE_FULL, EngineRequest, QueueFull,
                                     add_weight_versions_to_meta_info)
 from pipeline.local.state import ServerState
@@ -274,7 +273,7 @@ async def stream(state: ServerState, request, call, expanded, queue, release=Non
                 chunk = partial(state, r, plen, item)
             if call.is_batch:
                 chunk["index"] = index
-            yield f"data: {json.dumps(chunk)}\n\n"
+            yield b"data: " + render_json(chunk) + b"\n\n"  # NaN / inf: null
         yield "data: [DONE]\n\n"
     finally:
         for r, _, _ in expanded:
