@@ -108,15 +108,16 @@ class _Trigger:
                       rank=int(os.environ.get("RANK", "0")), pid=os.getpid(),
                       inside=self.running > 0, at_exit=at_exit, time=time.time())
         try:
-            record["target"] = _fire(self.action)
+            target, sig = _target(self.action)
+            record["target"] = target
         except Exception as err:  # noqa: BLE001 - said in the record, the run goes on
-            record["error"] = f"{type(err).__name__}: {err}"
+            target, record["error"] = None, f"{type(err).__name__}: {err}"
         log = os.environ.get(LOG_ENV)
-        if log:
+        if log:  # first: the fault may end this process before anything else happens here
             with open(log, "a") as f:
                 f.write(json.dumps(record) + "\n")
-        if self.action == "kill-rank" and "error" not in record:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if target is not None:
+            os.kill(target, sig)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -145,20 +146,15 @@ def _child_with(*needles: bytes) -> int:
                       f"{' or '.join(n.decode() for n in needles)}")
 
 
-def _fire(action: str) -> int:
-    """Fire ``action``; returns the pid it went to (``kill-rank``: the caller kills itself)."""
+def _target(action: str) -> tuple[int, int]:
+    """The pid ``action`` goes to and the signal it sends."""
     if action == "sigterm":
-        pid = int(os.environ[LAUNCHER_ENV])
-        os.kill(pid, signal.SIGTERM)
-    elif action == "kill-server":
-        pid = _child_with(b"pipeline.local")
-        os.kill(pid, signal.SIGKILL)
-    elif action == "kill-router":
-        pid = _child_with(b"sglang_router", b"sglang::router")  # its process title
-        os.kill(pid, signal.SIGKILL)
-    else:
-        pid = os.getpid()
-    return pid
+        return int(os.environ[LAUNCHER_ENV]), signal.SIGTERM
+    if action == "kill-server":
+        return _child_with(b"pipeline.local"), signal.SIGKILL
+    if action == "kill-router":
+        return _child_with(b"sglang_router", b"sglang::router"), signal.SIGKILL  # its title
+    return os.getpid(), signal.SIGKILL  # kill-rank
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
