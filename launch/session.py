@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from launch import rank_status
 from launch.run_lock import hold
 from megatron_gspo import parallel
 from megatron_gspo.config import Config, ConfigError
@@ -69,7 +70,10 @@ class Session:
             layout = parallel.derive_layout(self.cfg.parallel, dist.get_world_size())
             print(f"layout: {layout.describe()}", flush=True)
         self.stop = StopFlag(group=self.control).install()  # checkpoint and exit 75 on a signal
-        self.resources.callback(self.stop.uninstall)
+        # a rank under the local launcher exits right after the session and then reports how
+        # it ended: a stop signal from here on (the final checkpoint and hf/ written) must not
+        # kill it first ("ranks [0] ended without reporting", exit 143: bench/stop_trials.py)
+        self.resources.callback(self.stop.uninstall, exiting=rank_status.supervised())
         write_pid_file(self.run_dir)
 
     def checkpoint_to_resume(self) -> Optional[Path]:

@@ -40,12 +40,15 @@ class StopFlag:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def uninstall(self) -> None:
+    def uninstall(self, *, exiting: bool = False) -> None:
         """Give the stop signals back to the handlers ``install`` replaced - unless a stop was
         requested: that process is on its way out with its checkpoint written, and the signals
         stay ignored, so that a late one (torchrun stops the ranks that are still tidying up
-        once the first has exited) cannot kill it before it exits with PREEMPTED_EXIT_CODE."""
-        stopping = self.signum is not None or self._stopping
+        once the first has exited) cannot kill it before it exits with PREEMPTED_EXIT_CODE.
+        ``exiting``: the process exits after this (a rank whose launcher waits for its report):
+        the signals stay ignored whatever happened, so that a stop signal in the last moments of
+        a finished run cannot kill it before it reports (the launcher exited 143)."""
+        stopping = self.signum is not None or self._stopping or exiting
         while self._previous:
             sig, handler = self._previous.popitem()
             signal.signal(sig, signal.SIG_IGN if stopping else handler)

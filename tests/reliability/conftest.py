@@ -55,12 +55,15 @@ def megatron_gspo(*args: str, timeout: float = 900, env: Optional[dict] = None
 class Run:
     """One ``megatron-gspo`` command in the background, in a session of its own, tagged."""
 
-    def __init__(self, args: list[str], log: Path):
+    def __init__(self, args: list[str], log: Path, env: Optional[dict] = None):
+        """``env``: the environment instead of :func:`clean_env`'s (a fault's:
+        ``bench.faults.Fault.env``); the tag is added to it."""
         self.tag = uuid.uuid4().hex
         self.log_path = log
         self._log = open(log, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "launch.cli", *args], cwd=ROOT,
-                                     env=clean_env(**{TAG_ENV: self.tag}), stdout=self._log,
+                                     env=dict(env or clean_env(), **{TAG_ENV: self.tag}),
+                                     stdout=self._log,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
     def output(self) -> str:

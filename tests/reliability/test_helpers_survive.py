@@ -48,6 +48,45 @@ def test_the_checkpoint_writers_queue_outlives_the_stop_signals():
     assert "alive True got {'results': 1}" in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 
+# The Manager started while stop signals reach the whole group (its interpreter booting): the
+# rank's stop signals are blocked around its start, and stay blocked although multiprocessing's
+# resource tracker, started on the way by the first spawn of the process, unblocks SIGINT and
+# SIGTERM after starting itself (it did: the Manager died of the signal, the save raised EOFError
+# - issue 38 item 1, 3 trials in 3 with a SIGTERM during the first save of a run)
+WRITER_QUEUE_UNDER_SIGNALS = r'''
+import os, signal, threading, time
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron_gspo.train.checkpoint import save
+
+got = []
+signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+done = threading.Event()
+
+def storm():
+    while not done.is_set():
+        os.killpg(0, signal.SIGTERM)
+        time.sleep(0.01)
+
+threading.Thread(target=storm, daemon=True).start()
+try:
+    save._writer_results_queue_dies_with_us()
+finally:
+    done.set()
+queue = filesystem_async._results_queue
+queue.put({"results": 1})
+print("signals", len(got) > 0, "alive", save._writer_manager._process.is_alive(), "got",
+      queue.get(timeout=10), flush=True)
+'''
+
+
+def test_the_checkpoint_writers_queue_starts_while_the_stop_signals_arrive():
+    proc = subprocess.run([sys.executable, "-c", WRITER_QUEUE_UNDER_SIGNALS], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, start_new_session=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "signals True alive True got {'results': 1}" in proc.stdout, \
+        proc.stdout + proc.stderr[-3000:]
+
+
 def test_rollout_servers_and_router_outlive_the_stop_signals_and_end_on_stop(tmp_path):
     from pipeline.generation.client import http_json
     from pipeline.servers.cluster import LocalRolloutCluster

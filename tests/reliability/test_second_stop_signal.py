@@ -17,6 +17,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -73,3 +75,30 @@ def test_a_second_stop_signal_kills_every_process_below_the_launcher(tmp_path):
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+
+
+LATE_SIGNAL = r'''
+import os, signal, sys
+from pipeline.signals import StopFlag
+
+stop = StopFlag().install()
+stop.uninstall(exiting=sys.argv[1] == "exiting")
+os.kill(os.getpid(), signal.SIGTERM)  # after the session, before the rank reports
+print("reported", flush=True)
+'''
+
+
+@pytest.mark.parametrize("exiting", [True, False])
+def test_a_stop_signal_after_a_ranks_session_ended_does_not_kill_it_before_it_reports(exiting):
+    """bench/stop_trials.py (issue 38's acceptance check), SIGTERM 0.26 s into the final save
+    of a 3-step run: it reached rank 0 after its session had given the stop signals back
+    (everything written) and before it reported; the rank died of it and the launcher exited
+    143 ("ranks [0] ended without reporting") for a finished run. A supervised rank's session
+    now leaves them ignored (``launch.session.Session``); a session in a process that goes on
+    restores the previous handlers."""
+    done = subprocess.run([sys.executable, "-c", LATE_SIGNAL, "exiting" if exiting else "-"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    if exiting:
+        assert done.returncode == 0 and done.stdout == "reported\n", done.stderr[-2000:]
+    else:
+        assert done.returncode == -signal.SIGTERM and done.stdout == ""

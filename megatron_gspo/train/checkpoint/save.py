@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+from multiprocessing import resource_tracker
 from multiprocessing.managers import SyncManager
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -72,7 +73,10 @@ def _writer_results_queue_dies_with_us() -> None:
         # the stop signals stay blocked from the fork on: the spawned interpreter inherits the
         # mask, so a signal to the whole group while it starts (before its initializer runs) no
         # longer kills it (the save then failed with EOFError); one that reaches this thread
-        # meanwhile is delivered when the mask is restored
+        # meanwhile is delivered when the mask is restored. multiprocessing's resource tracker
+        # starts first: starting itself (the process's first spawn) it UNBLOCKS SIGINT and
+        # SIGTERM afterwards, which left the Manager's interpreter unshielded (issue 38 item 1)
+        resource_tracker.ensure_running()
         before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             _writer_manager.start(initializer=shielded_helper)
