@@ -704,48 +704,11 @@ def test_train_survives_a_killed_server(tmp_path, sft_policy):
     assert records[-1]["rollout/servers_alive"] == 2.0
 
 
-@pytest.mark.slow
-def test_train_survives_its_only_server_dying_mid_rollout(tmp_path):
-    """Issue 22 item 5: one embedded server, SIGKILLed as step 2's rollout begins: the rollout
-    waits, the server is restarted and synced to the current weights mid-rollout (every rank
-    takes part), the batch completes and the run finishes (exit 0) instead of ending with the
-    router's ``503 No available workers``."""
+def _kill_the_only_server_after_step_1(tmp_path, *settings: str) -> tuple[int, str, list[dict]]:
+    """A run with one embedded server, SIGKILLed as soon as step 1 is logged (step 2's rollout
+    starts right after that line); (exit status, output, metrics records)."""
     run_dir = tmp_path / "run"
-    run = Run(train_args(run_dir, "run.num_steps=3", "run.save_interval=0"),
-              tmp_path / "train.log")
-    try:
-        run.wait_until(lambda: bool(tagged_pids(run.tag)), "the launcher", timeout=60)
-        deadline = time.monotonic() + 600
-        while 1 not in metric_steps(run_dir):  # step 2's rollout starts right after this line
-            assert run.proc.poll() is None and time.monotonic() < deadline, run.output()[-4000:]
-            time.sleep(0.02)
-        servers = _server_pids(run)
-        assert len(servers) == 1, servers
-        os.kill(servers[0], signal.SIGKILL)
-        code = run.wait(timeout=600)
-    finally:
-        run.kill_everything()
-    out = run.output()
-    assert code == 0, out[-4000:]
-    assert "no live server" in out and "the rollout resumes its unfinished requests" in out, \
-        out[-4000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3]
-    assert records[1]["rollout/server_restarts"] == 1.0
-    assert records[1]["rollout/requests_retried"] >= 1
-    assert records[-1]["rollout/servers_alive"] == 1.0
-
-
-@pytest.mark.parametrize("mode", ["one_step", "full"])
-def test_train_survives_its_only_server_dying_in_an_async_mode(tmp_path, mode):
-    """Issue 38 item 2: ``rollout.async: one_step`` / ``full``, one embedded server SIGKILLed
-    after step 1 (the next rollout under way, or the stream generating while the trainer
-    trains): the server is restarted and synced to the current weights, its samples in flight
-    are generated again, and the run finishes (exit 0) instead of stopping after
-    ``rollout.outage_timeout_s`` with ``no live server ... waiting for a weight sync``."""
-    run_dir = tmp_path / "run"
-    run = Run(train_args(run_dir, "run.num_steps=4", "run.save_interval=0",
-                         f"rollout.async={mode}"), tmp_path / "train.log")
+    run = Run(train_args(run_dir, "run.save_interval=0", *settings), tmp_path / "train.log")
     try:
         run.wait_until(lambda: bool(tagged_pids(run.tag)), "the launcher", timeout=60)
         deadline = time.monotonic() + 600
@@ -759,9 +722,38 @@ def test_train_survives_its_only_server_dying_in_an_async_mode(tmp_path, mode):
     finally:
         run.kill_everything()
     out = run.output()
+    records = ([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+               if code == 0 else [])
+    return code, out, records
+
+
+@pytest.mark.slow
+def test_train_survives_its_only_server_dying_mid_rollout(tmp_path):
+    """Issue 22 item 5: one embedded server, SIGKILLed as step 2's rollout begins: the rollout
+    waits, the server is restarted and synced to the current weights mid-rollout (every rank
+    takes part), the batch completes and the run finishes (exit 0) instead of ending with the
+    router's ``503 No available workers``."""
+    code, out, records = _kill_the_only_server_after_step_1(tmp_path, "run.num_steps=3")
+    assert code == 0, out[-4000:]
+    assert "no live server" in out and "the rollout resumes its unfinished requests" in out, \
+        out[-4000:]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[1]["rollout/server_restarts"] == 1.0
+    assert records[1]["rollout/requests_retried"] >= 1
+    assert records[-1]["rollout/servers_alive"] == 1.0
+
+
+@pytest.mark.parametrize("mode", ["one_step", "full"])
+def test_train_survives_its_only_server_dying_in_an_async_mode(tmp_path, mode):
+    """Issue 38 item 2: ``rollout.async: one_step`` / ``full``, one embedded server SIGKILLed
+    after step 1 (the next rollout under way, or the stream generating while the trainer
+    trains): the server is restarted and synced to the current weights, its samples in flight
+    are generated again, and the run finishes (exit 0) instead of stopping after
+    ``rollout.outage_timeout_s`` with ``no live server ... waiting for a weight sync``."""
+    code, out, records = _kill_the_only_server_after_step_1(tmp_path, "run.num_steps=4",
+                                                             f"rollout.async={mode}")
     assert code == 0, out[-4000:]
     assert "no live server" in out, out[-4000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert records[-1]["rollout/server_restarts"] == 1.0
     assert records[-1]["rollout/servers_alive"] == 1.0
