@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from bench.faults import ROOT, Fault, fired
+from bench.faults import ROOT, TAG_ENV, Fault, fired, tagged_pids
 
 STEPS = 3
 SETTINGS = ("run.global_batch_size=32", "run.micro_batch_size=8", "rollout.num_servers=1",
@@ -52,7 +52,6 @@ MODES = ("off", "one_step", "full")
 PHASES = (("rollout", "rollout", (2, 3)), ("update", "update", (2, 3)), ("sync", "sync", (2, 3)),
           ("eval", "eval", (2,)), ("periodic save", "save", (2,)), ("final save", "save", (3,)),
           ("export", "export", (None,)))
-TAG_ENV = "RELIABILITY_TAG"
 RUN_TIMEOUT_S = 900
 
 
@@ -103,22 +102,6 @@ def clean_env(**extra: str) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, env.get("PYTHONPATH", "")
                                                                 .split(os.pathsep))])
     return dict(env, **extra)
-
-
-def tagged_pids(tag: str) -> list[int]:
-    needle = f"{TAG_ENV}={tag}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if needle not in (entry / "environ").read_bytes().split(b"\0"):
-                continue
-            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
 
 
 def run_train(run_dir: Path, mode: str, log: Path, *, env: dict, resume: bool) -> tuple[int, str, list]:

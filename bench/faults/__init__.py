@@ -84,3 +84,26 @@ def fired(log: Path) -> list[dict]:
     if not Path(log).is_file():
         return []
     return [json.loads(line) for line in Path(log).read_text().splitlines() if line.strip()]
+
+
+TAG_ENV = "RELIABILITY_TAG"
+"""Set to a run's own tag in the environment of the run's processes: every process it starts
+inherits it, so the run's processes can be found (and killed) whatever their parents."""
+
+
+def tagged_pids(tag: str) -> list[int]:
+    """Every live process whose environment holds ``TAG_ENV=tag`` (zombies excluded)."""
+    needle = f"{TAG_ENV}={tag}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            found.append(int(entry.name))
+    return found

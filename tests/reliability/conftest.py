@@ -20,10 +20,11 @@ from typing import Callable, Optional
 
 import pytest
 
+from bench.faults import TAG_ENV, tagged_pids
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "launch/configs/tiny_cpu.yaml"
 SFT_CONFIG = "launch/configs/tiny_cpu_sft.yaml"
-TAG_ENV = "RELIABILITY_TAG"
 
 # A short GSPO run from the seeded initialisation: 2 ranks (EP2), one local server behind the
 # router, 4 prompts x 8 samples per step; the servers decode one request at a time
@@ -99,24 +100,6 @@ class Run:
                 os.kill(pid, 9)
             except OSError:
                 pass
-
-
-def tagged_pids(tag: str) -> list[int]:
-    """Every live process whose environment holds ``RELIABILITY_TAG=tag`` (zombies excluded)."""
-    needle = f"{TAG_ENV}={tag}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if needle not in (entry / "environ").read_bytes().split(b"\0"):
-                continue
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            found.append(int(entry.name))
-    return found
 
 
 def wait_gone(tag: str, timeout: float = 15) -> list[int]:
