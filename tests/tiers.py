@@ -119,7 +119,6 @@ SLOW = (
     "tests/rollout/test_weight_sync.py::test_sync_makes_servers_serve_the_new_weights",  # 8.9
     "tests/unit/test_cpu_compat.py::test_cuda_device_arguments_go_to_the_cpu",  # 4.5
     "tests/reliability/test_refused_update.py",  # 14 (a server of its own)
-    "tests/reliability/test_dead_server.py::test_train_survives_its_only_server_dying_in_an_async_mode",  # 2 x 28
 )
 
 
@@ -172,4 +171,9 @@ EXTENDED = (
     "tests/distributed/test_layouts.py::test_one_step_matches_single_process[PP2xTP2]",  # 11
     "tests/distributed/test_packed_gspo_step.py::test_packed_step_matches_single_process_padded[CP2xPP2]",  # 11
     "tests/distributed/test_gspo_layouts.py::test_gspo_gradients_match_single_process[DP2xPP2]",  # 10
+    # 2026-12-07, the runs issue 38 added (seconds measured beside other work): the README's
+    # suite keeps one run per fault in the reliability tests; these repeat a kind it has
+    "tests/reliability/test_dead_server.py::test_train_survives_its_only_server_dying_in_an_async_mode",  # 2 x 28
+    "tests/reliability/test_tool_stop.py",                                            # 25
+    "tests/distributed/test_nonfinite_update.py::test_a_non_finite_update_is_stopped_on_every_rank_before_the_optimizer[gradient]",  # 20
 )
