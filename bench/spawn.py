@@ -31,6 +31,21 @@ import torch.distributed as dist
 DEFAULT_TIMEOUT_S = 120.0
 
 
+# Imported once by the fork server, so that every rank starts with them in memory instead of
+# spending ~7 s (2 cores) importing Megatron-Core again (a spawned rank imports everything anew).
+PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt",
+           "megatron.core.optimizer", "megatron.core.distributed", "megatron.core.pipeline_parallel",
+           "transformers")
+
+
+def _context():
+    """The fork-server start method with :data:`PRELOAD` imported in the server (a fork of a
+    process that has imported but not run anything: no threads, no process group)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -50,7 +65,11 @@ def _dump(obj, path: str) -> None:
         pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple,
+            environ: dict[str, str]) -> None:
+    # forked from the fork server: its environment is the one the server started with
+    os.environ.clear()
+    os.environ.update(environ)
     torch.set_num_threads(1)
     result_path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
@@ -72,11 +91,12 @@ def run_on_ranks(world_size: int, fn: Callable, args: tuple = (), *,
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank."""
     if world_size > 4:
         raise ValueError("the test machines have 2 cores: spawn at most 4 ranks")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     with tempfile.TemporaryDirectory(prefix="gspo_spawn_") as out_dir:
         port = _free_port()
         procs = [
-            ctx.Process(target=_worker, args=(rank, world_size, port, out_dir, fn, args), daemon=False)
+            ctx.Process(target=_worker, args=(rank, world_size, port, out_dir, fn, args, dict(os.environ)),
+                        daemon=False)
             for rank in range(world_size)
         ]
         for proc in procs:
