@@ -1,4 +1,4 @@
-"""Run a function on N gloo ranks in spawned processes and collect what each rank returns.
+"""Run a function on N gloo ranks in fresh processes and collect what each rank returns.
 
     results = run_on_ranks(world_size=2, fn=my_module_level_fn, args=(...))   # list, by rank
 
@@ -8,7 +8,14 @@ file in a private temporary directory (pickle: results are arbitrary objects, wr
 harness's own child processes - the one case where unpickling is safe; nothing here reads a file
 it did not create). An exception on any rank is re-raised in the caller as a
 ``RuntimeError`` naming the rank and carrying its traceback. The process group is destroyed on
-every rank, whatever happens. ``fn`` must be importable (module level) for the spawn start method.
+every rank, whatever happens. ``fn`` must be importable (module level): it is pickled by name.
+
+The ranks are forked from multiprocessing's fork server, which imports :data:`PRELOAD` (torch,
+Megatron-Core, transformers) once per test session and nothing else: a rank starts in ~0.1 s
+instead of the ~7 s a spawned interpreter spends importing Megatron-Core on the 2-core machine,
+with the same clean state (no process group, no threads, none of this project's modules; the
+caller's environment is passed along). Measured: 4 calls of a 2-rank all-reduce, spawn 8.7-25 s
+each (load), fork server 5.7 s for the first (the server's imports), 0.1 s after.
 
 The benchmarks' and the tests' harness: it lives in bench/ so that bench/ does not import tests/.
 """
