@@ -106,7 +106,7 @@ from fastapi import FastAPI
 from pipeline.local import fault_injection
 from pipeline.local.bodies import BodyLimit
 from pipeline.local.engine import LocalEngine
-from pipeline.local.routes import control, generate, info, weights
+from pipeline.local.routes import control, generate, health, info, weights
 from pipeline.local.state import ServerState
 
 log = logging.getLogger("megatron_gspo.serve")
@@ -121,12 +121,15 @@ class LocalRolloutServer:
         self.app = FastAPI(title="megatron-gspo local rollout server")
         self.app.state.server = self.state
         generate.register(self.app)
+        health.register(self.app)
         info.register(self.app, enable_metrics=self.state.enable_metrics)
         control.register(self.app)
         weights.register(self.app)
         if getattr(args, "fault_perturb_weights", 0.0):  # tests of the parity watchdog only
             fault_injection.install(self.app, self.engine, args.fault_perturb_weights,
                                     seed=args.random_seed or 0)
+        if getattr(args, "fault_update_delay_s", 0.0):  # tests of a long sync pause only
+            fault_injection.install_update_delay(self.app, self.engine, args.fault_update_delay_s)
         # added last: the outermost middleware (the fault injection's wraps the app's streams)
         self.app.state.max_json_depth = self.state.max_json_depth
         self.app.add_middleware(BodyLimit, max_bytes=self.state.max_request_bytes,
