@@ -28,6 +28,11 @@ enforces (each rule checked against the wheel by ``tests/rollout/test_server_con
   hit); a request with ``n > 1`` first sends its prompt alone with ``max_new_tokens`` 0, as
   SGLang's TokenizerManager does, so its samples find it cached; an accepted flush (and so every
   weight update with ``flush_cache: true``) and ``release_memory_occupation`` empty it;
+* ``/health`` and ``/health_generate`` are a one-token generation that waits while generation
+  is paused: 200 once the engine produces anything after the check began, 503 after
+  ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s); ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false``
+  makes ``/health`` answer at once; ``/ready`` is 503 while paused (:mod:`pipeline.local.routes.
+  health`);
 * pause modes: ``abort`` aborts until no generate is left, ``in_place`` holds requests with their
   KV, ``retract`` sends running requests back to the waiting queue, recomputed (prompt + output so
   far re-prefilled) on the weights of the time after ``continue_generation``;

@@ -71,8 +71,7 @@ def servers(tmp_path_factory):
             yield cluster, weights
 
 
-@pytest.mark.slow
-@pytest.mark.extended
+@pytest.mark.slow  # and in the extended tier (tests/tiers.py)
 @pytest.mark.parametrize("mode", ["off", "one_step", "full"])
 def test_gspo_trains_through_syncs_that_outlast_the_routers_health_checks(mode, servers,
                                                                           tmp_path):
