@@ -224,13 +224,15 @@ class ServerPool:
 
     def readmitted(self) -> float:
         """After a sync resumed the servers: wait until the router lists every serving server
-        healthy (bounded, reported; :mod:`pipeline.servers.readmission`); the seconds waited
-        (0.0 without a router or when it did at once). Past ``readmit_timeout_s``:
-        ``RouterNotReadmitted`` naming the router and the servers."""
+        healthy (bounded, reported; :mod:`pipeline.servers.readmission`), except those found
+        dead meanwhile (left to the next :meth:`check`); the seconds waited (0.0 without a
+        router or when it did at once). Past ``readmit_timeout_s``: ``RouterNotReadmitted``
+        naming the router and the servers."""
         if self.readmission is None:
             return 0.0
-        return self.readmission.after_sync([s.url for s in self._servers
-                                            if s.state == "serving"])
+        serving = {s.url: s for s in self._servers if s.state == "serving"}
+        return self.readmission.after_sync(
+            list(serving), alive=lambda url: self._dead(serving[url]) is None)
 
     def wait_for_router(self, answered_at: float, first_at: float) -> None:
         """A rollout request got the router's ``503 No available workers`` at ``answered_at``

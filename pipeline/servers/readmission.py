@@ -13,9 +13,10 @@ The servers are fine; only the router has not looked again yet. :class:`RouterRe
 (rank 0's ``pipeline.servers.pool.ServerPool`` holds one) waits for it:
 
 * :meth:`RouterReadmission.after_sync`: after a weight sync resumed the servers, until the
-  router lists every one of them healthy (polled every :data:`POLL_S`); reported on the console
-  when it has to wait, the seconds returned (``sync/router_readmit_s``); past the bound a
-  :class:`RouterNotReadmitted` naming the router, the servers and what to change;
+  router lists every one of them healthy (polled every :data:`POLL_S`), except those that no
+  longer answer (dead: the router is right, the pool's next check drops them); reported on the
+  console when it has to wait, the seconds returned (``sync/router_readmit_s``); past the bound
+  a :class:`RouterNotReadmitted` naming the router, the servers and what to change;
 * :meth:`RouterReadmission.for_request`: a rollout request that got the 503 although its
   servers answer waits until a poll made after that answer lists a healthy worker (one thread
   polls for every waiting request), then is sent again, not counted as a failed attempt; the
@@ -73,15 +74,24 @@ class RouterReadmission:
         self._pause_ended = float("-inf")
 
     # ------------------------------------------------------------------ after a sync
-    def after_sync(self, server_urls: Sequence[str]) -> float:
+    def after_sync(self, server_urls: Sequence[str],
+                   alive: Callable[[str], bool] = lambda url: True) -> float:
         """Wait until the router lists every server of ``server_urls`` that it lists at all as
-        healthy; returns the seconds waited (0.0 when it did at once). RouterNotReadmitted after
-        ``timeout_s``."""
+        healthy, except those that do not answer (``alive(url)`` false: dead, the pool's next
+        check drops them; the router is right about them); returns the seconds waited (0.0 when
+        it did at once). RouterNotReadmitted after ``timeout_s``."""
         urls = {u.rstrip("/") for u in server_urls}
         start = time.monotonic()
         said = False
         while True:
-            unhealthy = self._unhealthy(urls)
+            listed = self._unhealthy(urls)
+            dead = [u for u in listed if u in urls and not alive(u)]
+            if dead:
+                urls -= set(dead)
+                self.note(f"weight sync: {', '.join(dead)} does not answer: not waiting for the "
+                          f"router {self.router_url} to re-admit it (the next check of the "
+                          "servers drops it)")
+            unhealthy = [u for u in listed if u not in dead]
             if not unhealthy:
                 break
             waited = time.monotonic() - start

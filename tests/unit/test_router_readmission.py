@@ -178,7 +178,8 @@ def test_a_server_the_sync_paused_is_alive_while_its_http_process_answers(fakes)
         pool.check()
 
 
-def test_after_a_sync_the_pool_waits_until_the_router_lists_every_server_healthy(fakes, capsys):
+def test_after_a_sync_the_pool_waits_until_the_router_lists_every_live_server_healthy(fakes,
+                                                                                     capsys):
     pool = ServerPool([fakes.server_url], router_url=fakes.router_url, readmit_timeout_s=10)
     pool.readmission.poll_s = 0.1
     fakes.healthy_after = time.monotonic()
@@ -190,6 +191,10 @@ def test_after_a_sync_the_pool_waits_until_the_router_lists_every_server_healthy
     assert f"marked {fakes.server_url} unhealthy during the pause" in err, err
     assert "routes to every server again after" in err, err
     fakes.healthy_after = None
+    fakes.server_health = 503  # a server that died after the sync: not waited for
+    assert pool.readmitted() == 0.0
+    assert "does not answer: not waiting for the router" in capsys.readouterr().err
+    fakes.server_health = 200
     pool.readmission.timeout_s = 0.4
     with pytest.raises(RouterNotReadmitted, match=r"still lists .* unhealthy .* after the weight "
                                                   r"sync resumed them \(rollout\.router\."
