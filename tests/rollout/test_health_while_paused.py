@@ -26,13 +26,14 @@ from tests.rollout.conftest import InProcessServer
 from tests.sglang_wheel import read_member
 
 TIMEOUT_S = 1
+UPDATE_DELAY_S = 0.6
 
 
 @pytest.fixture(scope="module")
 def server(model_dir):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    s = InProcessServer(model_dir, fault_update_delay_s=1.5)
+    s = InProcessServer(model_dir, fault_update_delay_s=UPDATE_DELAY_S)
     s.server.state.health_check_timeout_s = TIMEOUT_S  # what SGLANG_HEALTH_CHECK_TIMEOUT=1 gives
     yield s
     s.close()
@@ -66,8 +67,11 @@ def test_unpaused_health_generates_and_answers_at_once(server):
 
 
 def test_paused_health_waits_then_answers_503_and_ready_is_503(paused):
-    for path in ("/health", "/health_generate"):
-        status, took = timed_get(paused, path)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        checks = {path: pool.submit(timed_get, paused, path)
+                  for path in ("/health", "/health_generate")}
+    for path, check in checks.items():
+        status, took = check.result()
         assert status == 503 and took >= TIMEOUT_S, (path, status, took)
     assert timed_get(paused, "/ready")[0] == 503  # paused, and unhealthy after a failed check
     post(paused, "/continue_generation", {})
@@ -80,30 +84,31 @@ def test_a_check_during_the_pause_answers_200_once_generation_continues(paused):
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             check = pool.submit(timed_get, paused, "/health")
-            time.sleep(0.5)
+            time.sleep(0.3)
             assert not check.done()  # the generation waits for continue_generation
             post(paused, "/continue_generation", {})
             status, took = check.result(timeout=20)
     finally:
         paused.server.state.health_check_timeout_s = TIMEOUT_S
-    assert status == 200 and 0.5 <= took < 5, (status, took)
+    assert status == 200 and 0.3 <= took < 5, (status, took)
 
 
 def test_a_weight_update_during_the_pause_answers_a_waiting_check(paused, model_dir):
     """SGLang: any message from the scheduler (an update's answer too) ends a check with 200.
-    The update is held 1.5 s on the engine thread (--fault-update-delay-s): the check waits
-    for it, past its own start, then passes."""
+    The update holds the engine thread 0.6 s (--fault-update-delay-s): the check waits for
+    it, past its own start, then passes, although generation stays paused."""
     paused.server.state.health_check_timeout_s = 5
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             update = pool.submit(post, paused, "/update_weights_from_disk",
                                  {"model_path": str(model_dir)})
-            time.sleep(0.2)
+            time.sleep(0.1)
             status, took = timed_get(paused, "/health")
             assert update.result(timeout=30)[0] == 200
     finally:
         paused.server.state.health_check_timeout_s = TIMEOUT_S
-    assert status == 200 and took >= 1.0, (status, took)
+    assert status == 200 and took >= UPDATE_DELAY_S - 0.2, (status, took)
+    assert paused.server.paused  # still paused: the update's answer is what passed the check
 
 
 def test_generation_switch_off_makes_health_answer_while_paused(paused):
