@@ -178,5 +178,5 @@ EXTENDED = (
     "tests/distributed/test_nonfinite_update.py::test_a_non_finite_update_is_stopped_on_every_rank_before_the_optimizer[gradient]",  # 20
     # 2026-12-07, issue 37 item 1's acceptance (the router during a long weight sync): 3-step
     # runs in each rollout.async mode, ~12 s of waiting for the router after each of 4 syncs
-    "tests/reliability/test_long_sync_pause.py",  # 9 (the server and router) + 103 / 91 / 90
+    "tests/reliability/test_long_sync_pause.py",  # 7-9 (server, router) + 78-103 / 73-91 / 68-90
 )

@@ -7,8 +7,8 @@ that runs a one-token generation; a generation waits while the server is paused;
 200 once anything comes back from the scheduler after the check began, 503 after
 ``SGLANG_HEALTH_CHECK_TIMEOUT`` (default 20 s); ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false``
 makes ``/health`` (only) answer 200 at once; ``/ready`` is 503 while paused. Each is checked
-against one in-process server whose check bound is shortened (``TIMEOUT_S``) so that a failing
-check takes a second; the environment parsing is checked on its own.
+against one in-process server started with ``SGLANG_HEALTH_CHECK_TIMEOUT=1`` (``TIMEOUT_S``: a
+failing check takes a second); the environment parsing is checked on its own.
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ UPDATE_DELAY_S = 0.6
 def server(model_dir):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    s = InProcessServer(model_dir, fault_update_delay_s=UPDATE_DELAY_S)
-    s.server.state.health_check_timeout_s = TIMEOUT_S  # what SGLANG_HEALTH_CHECK_TIMEOUT=1 gives
+    with pytest.MonkeyPatch.context() as env:  # read once, when the server starts
+        env.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", str(TIMEOUT_S))
+        s = InProcessServer(model_dir, fault_update_delay_s=UPDATE_DELAY_S)
+    assert s.server.state.health_check_timeout_s == TIMEOUT_S
     yield s
     s.close()
     torch.set_num_threads(threads)
