@@ -87,6 +87,10 @@ class RLSession(Session):
     registered on are :class:`launch.session.Session`'s (shared with ``sft``).
     """
 
+    pool: Optional[ServerPool] = None
+    """Rank 0's server pool (:meth:`build_rollout`); the weight sync gives it its record of the
+    servers it paused (:meth:`build_weight_sync`)."""
+
     def validate(self) -> None:
         validate_rl(self.cfg)
 
@@ -151,8 +155,10 @@ class RLSession(Session):
         pool = ServerPool(server_urls, router_url=router_url, cluster=cluster,
                           min_servers=cfg.rollout.min_servers,
                           outage_timeout_s=cfg.rollout.outage_timeout_s,
+                          readmit_timeout_s=cfg.rollout.router.readmit_timeout_s,
                           interrupted=lambda: self.stop.signum is not None)
         client.servers = pool  # a request with no live server waits for one (wait_for_live)
+        self.pool = pool  # the weight sync tells it which servers it paused
         logger = MetricsLogger.from_config(cfg, run_dir)
         self.resources.callback(logger.close)
         encoder = train_set.encoder
@@ -228,6 +234,8 @@ class RLSession(Session):
         pusher = WeightPusher(urls, **weight_pusher_options(self.cfg.rollout, self.run_dir),
                               group=self.control)
         self.resources.callback(pusher.close)
+        if self.pool is not None:  # rank 0: a server the sync paused is not a dead one
+            self.pool.paused = pusher.paused
         return pusher
 
     # ---------------------------------------------------------------------------------------

@@ -19,8 +19,13 @@ computes as one replica); ``--no-extensions`` turns this server's protocol exten
 ``--cpu-threads``, ``--weight-update-timeout``, ``--allow-pickled-tensors``, ``--max-n``,
 ``--weight-roots``, ``--max-request-mb``, ``--max-weight-update-mb``, ``--max-json-depth`` and
 ``--radix-cache-max-tokens`` are
-this server's own, and so is ``--fault-perturb-weights`` (fault injection for the parity
-watchdog's tests only: docs/parity.md).
+this server's own, and so are ``--fault-perturb-weights`` (fault injection for the parity
+watchdog's tests only: docs/parity.md) and ``--fault-update-delay-s`` (slow weight updates, for
+the tests of a long weight-sync pause only).
+Health checks read SGLang's environment variables as SGLang does:
+``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`` (default true: ``/health`` generates one token,
+which waits while generation is paused; false: ``/health`` answers 200 at once) and
+``SGLANG_HEALTH_CHECK_TIMEOUT`` (default 20: seconds before a generating check answers 503).
 A bad argument is one line naming the flag, exit status 2, before the model is loaded.
 Stop it with SIGINT or SIGTERM.
 """

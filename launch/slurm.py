@@ -68,6 +68,7 @@ from typing import Optional
 from launch.common import add_config_args, load_from_args
 from megatron_gspo.config import (Config, ConfigError, dump_config, load_config,
                                   validate_data_parallel)
+from pipeline.local.health_env import LAUNCHER_ENV
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "slurm"
 PREEMPTED_EXIT_STATUS = 75
@@ -360,6 +361,7 @@ def build_script(cfg: Config, args: argparse.Namespace, layout: JobLayout, run_d
         "server_gpu_options": (f" --gpus-per-task={min(layout.server_tp, gpus)}"
                                if gpus and args.gpu_binding == "task" else ""),
         "train_env": train_env(cfg, layout, args),
+        "server_health_env": server_health_env(),
         "site_env": site_env(args.env),
         "train_args": " --ignore-memory-plan" if args.ignore_memory_plan else "",
         "lib": (TEMPLATE_DIR / "lib.sh").read_text().rstrip("\n"),
@@ -396,6 +398,18 @@ def _env_names(entries: list[str]) -> set[str]:
 
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def server_health_env() -> str:
+    """The servers' health-check environment (``pipeline.local.health_env.LAUNCHER_ENV``:
+    ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false``), each variable kept where the submitting
+    environment or ``--env`` sets it: SGLang's ``/health`` then answers while a weight sync
+    pauses the servers, so the router never drops them, however long the sync (a disk reload
+    takes minutes at 235B); docs/rollout.md, "The router during a weight sync"."""
+    lines = ["# SGLang's /health answers without generating a token: a generation waits while a weight",
+             "# sync pauses the servers, and the router would drop them all (docs/rollout.md)"]
+    lines += [f"export {name}=${{{name}:-{value}}}" for name, value in LAUNCHER_ENV.items()]
+    return "\n".join(lines)
 
 
 def site_env(entries: list[str]) -> str:

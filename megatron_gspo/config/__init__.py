@@ -40,7 +40,8 @@ from megatron_gspo.config.gspo import GSPOConfig
 from megatron_gspo.config.load import apply_override, config_from_dict, dump_config, load_config
 from megatron_gspo.config.model import (ModelConfig, ParallelConfig, padded_vocab_size,
                                         pipeline_stage_layers)
-from megatron_gspo.config.rollout import ParityConfig, RolloutConfig, WeightSyncConfig
+from megatron_gspo.config.rollout import (ParityConfig, RolloutConfig, RouterConfig,
+                                         WeightSyncConfig)
 from megatron_gspo.config.root import Config, validate_data_parallel
 from megatron_gspo.config.run import MLflowConfig, OptimConfig, RunSettings, WandbConfig
 from megatron_gspo.config.validate import validate_model_parallel, validate_sft_context_parallel
@@ -48,7 +49,7 @@ from megatron_gspo.config.validate import validate_model_parallel, validate_sft_
 __all__ = [
     "REWARD_KINDS", "Config", "ConfigError", "DataConfig", "GSPOConfig", "MLflowConfig",
     "ModelConfig", "OptimConfig", "ParallelConfig", "ParityConfig", "RewardConfig",
-    "RolloutConfig", "RunSettings", "ToolsConfig", "WandbConfig", "WeightSyncConfig",
+    "RolloutConfig", "RouterConfig", "RunSettings", "ToolsConfig", "WandbConfig", "WeightSyncConfig",
     "apply_override", "config_from_dict", "dump_config", "load_config", "padded_vocab_size",
     "pipeline_stage_layers", "validate_data_parallel", "validate_model_parallel",
     "validate_sft_context_parallel",

@@ -1,6 +1,7 @@
 """The sections about the rollout servers: ``rollout`` (:class:`RolloutConfig`, sampling and
-where the servers are), its ``rollout.weight_sync`` (:class:`WeightSyncConfig`) and ``parity``
-(:class:`ParityConfig`, the servers-vs-trainer watchdog after every weight sync)."""
+where the servers are), its ``rollout.weight_sync`` (:class:`WeightSyncConfig`) and
+``rollout.router`` (:class:`RouterConfig`), and ``parity`` (:class:`ParityConfig`, the
+servers-vs-trainer watchdog after every weight sync)."""
 
 from __future__ import annotations
 
@@ -80,6 +81,31 @@ class WeightSyncConfig:
                 f"distributed (got {self.transport}: a disk sync rewrites whole shards)")
 
 
+@dataclass(kw_only=True, slots=True)
+class RouterConfig:
+    """The section ``rollout.router``: what the trainer's client allows the sglang-router in
+    front of the servers (``rollout.router_url``, or the one an embedded run starts)."""
+
+    readmit_timeout_s: float = 300.0
+    """How long the router may take to route to the servers again after a weight sync paused
+    them. SGLang's ``/health`` generates a token, which waits while a server is paused, so a
+    router whose health checks run during a long sync marks every server unhealthy and, after
+    ``continue_generation``, answers ``503 No available workers`` until its checks re-admit them
+    (sglang-router's defaults: up to 2 x 60 s). Two waits use it: (1) after every weight sync
+    rank 0 waits until the router lists every synced server healthy again (reported on the
+    console, ``sync/router_readmit_s`` in the metrics); past this bound the run stops with an
+    error naming the router; (2) a rollout request answered with that 503 while the servers
+    answer is sent again, not counted as a failed attempt, once the router lists a healthy
+    worker; it fails after this long (counted from its first such answer, or from the end of
+    the weight sync's pause if that is later). The launchers' own servers keep answering
+    ``/health`` while paused (``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false``), so with
+    them neither wait happens (docs/rollout.md, "The router during a weight sync")."""
+
+    def __post_init__(self) -> None:
+        require(self.readmit_timeout_s > 0,
+                f"rollout.router.readmit_timeout_s: must be > 0, got {self.readmit_timeout_s}")
+
+
 MAX_CONCURRENCY = 8192
 """The largest rollout.max_concurrency: 8192 connections from rank 0 (the shipped 30B / 235B
 recipes use 1024; SGLang servers run a few hundred requests each)."""
@@ -118,6 +144,8 @@ class RolloutConfig:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """How the weights reach the servers after each training phase (the section
     ``rollout.weight_sync``)."""
+    router: RouterConfig = field(default_factory=RouterConfig)
+    """What the client allows the router after a weight sync (the section ``rollout.router``)."""
     max_concurrency: int = 512
     """Requests the trainer's rollout client keeps in flight at once (to the router, or to the
     servers directly), over everything one rollout runs together: the whole batch in ``off`` and

@@ -38,6 +38,13 @@ is generated again from its prompt, with its own ``sampling_seed``: a non-stream
 whose server died returns no partial output to continue from. Every re-send is counted
 (``requests_retried``, also in the pool's metrics).
 
+The router's ``503 No available workers`` while the pool says a server serves (a live server the
+router's health checks marked unhealthy, typically during a weight sync's pause: SGLang's
+``/health`` waits while paused): the request waits until the router lists a healthy worker
+again (``servers.wait_for_router``, on a thread, one per event loop at a time; bounded by
+``rollout.router.readmit_timeout_s``: ``pipeline.servers.readmission``) and is sent again, not
+counted as a failed attempt.
+
 Log-probs: ``output_logprobs`` are SGLang's ``output_token_logprobs``, i.e. log-probs of the
 temperature-scaled distribution ``log_softmax(logits / T)`` before top-k / top-p truncation
 (greedy: ``T = 1``). Compare them with the trainer's log-probs computed at the same temperature.
@@ -79,6 +86,8 @@ if TYPE_CHECKING:
     from megatron_gspo.config import RolloutConfig
 
 RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
+NO_WORKERS_CODE = "no_available_workers"  # sglang-router's error code of that 503
+NO_WORKERS_TEXT = "No available workers"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -139,6 +148,23 @@ def error_message(text: str) -> str:
         if "detail" in body:
             return str(body["detail"])
     return text.strip()[:1000]
+
+
+def no_available_workers(status: Optional[int], text: str) -> bool:
+    """Whether an answer is the router's ``503 No available workers``: sglang-router 0.3.2's
+    ``{"error": {"code": "no_available_workers", "message": "No available workers (all circuits
+    open or unhealthy)"}}``, or the plain text of older routers. It has no worker it considers
+    healthy: dead servers, or live ones its health checks have not re-admitted yet
+    (``pipeline.servers.readmission``)."""
+    if status != 503:
+        return False
+    try:
+        body = json.loads(text)
+    except (json.JSONDecodeError, TypeError):
+        return (text or "").lstrip().startswith(NO_WORKERS_TEXT)
+    error = body.get("error") if isinstance(body, dict) else None
+    return isinstance(error, dict) and (error.get("code") == NO_WORKERS_CODE or str(
+        error.get("message", "")).startswith(NO_WORKERS_TEXT))
 
 
 def generate_payload(rid: str, input_ids: Sequence[int], sampling: SamplingParams, *,
@@ -427,6 +453,9 @@ class RolloutClient:
         """event loop -> the semaphore of ``max_concurrency`` that every call on it shares
         (:meth:`_limit`); shared with the direct clients made from this one."""
         self._limits_lock = threading.Lock()
+        self._router_waits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        """event loop -> the lock that lets one request of it at a time wait on a thread for
+        the router (:meth:`_wait_for_router`; the others find it routing when they get it)."""
 
     def _limit(self) -> asyncio.Semaphore:
         """``max_concurrency`` as ONE bound over every call of this client (and of the direct
@@ -532,6 +561,7 @@ class RolloutClient:
             failures = 0  # attempts failed since the request was sent first (or servers came back)
             sends = 0
             waits = 0
+            no_workers_since: Optional[float] = None  # its first "No available workers" answer
             while True:
                 if batch.stopping:
                     return _not_sent(rid, prompt, url or self.router_url or "")
@@ -591,6 +621,12 @@ class RolloutClient:
                         waits += 1
                         failures = 0  # sent again at once, with the whole budget
                         continue
+                    if self.router_url and no_available_workers(status, text):
+                        # a server serves, the router has not re-admitted it yet: wait for it
+                        answered = time.monotonic()
+                        no_workers_since = no_workers_since or answered
+                        await self._wait_for_router(answered, no_workers_since)
+                        continue  # not a failed attempt
                 failures += 1
                 if failures >= self.max_attempts:
                     assert last is not None
@@ -633,6 +669,18 @@ class RolloutClient:
             else:
                 batch.alive_at = time.monotonic()
             return recovered
+
+    async def _wait_for_router(self, answered_at: float, first_at: float) -> None:
+        """``servers.wait_for_router`` on a thread, one request of this event loop at a time
+        (the others then find the router routing at once); its error (the bound passed) is this
+        request's."""
+        loop = asyncio.get_running_loop()
+        with self._limits_lock:
+            lock = self._router_waits.get(loop)
+            if lock is None:
+                lock = self._router_waits[loop] = asyncio.Lock()
+        async with lock:
+            await asyncio.to_thread(self.servers.wait_for_router, answered_at, first_at)
 
     async def _abort_on(self, session, urls: Sequence[str], *, rid: Optional[str] = None) -> None:
         body = {"rid": rid} if rid else {"abort_all": True}

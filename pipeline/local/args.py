@@ -15,6 +15,8 @@ import math
 import re
 from pathlib import Path
 
+from pipeline.local import health_env
+
 DEFAULT_MAX_N = 1024  # --max-n
 DEFAULT_MAX_QUEUED = 4096  # --max-queued-requests (SGLang's default: unbounded)
 DEFAULT_MAX_REQUEST_MB = 32  # --max-request-mb (SGLang: unbounded)
@@ -121,6 +123,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "weight update add noise of R x each weight's RMS to every weight, so the "
                         "server no longer serves the synced policy (pipeline/local/"
                         "fault_injection.py; default 0: off)")
+    p.add_argument("--fault-update-delay-s", type=float, default=0.0, metavar="S",
+                   help="FAULT INJECTION, for tests of a long weight-sync pause only: every "
+                        "weight update holds the engine thread S seconds before it runs, as a "
+                        "long disk reload holds SGLang's scheduler (pipeline/local/"
+                        "fault_injection.py; default 0: off)")
 
 
 def _at_least(args, flag: str, low, *, allow_none: bool = False) -> None:
@@ -141,6 +148,7 @@ def validate(args: argparse.Namespace) -> None:
     _at_least(args, "--max-queued-requests", 1, allow_none=True)
     _at_least(args, "--radix-cache-max-tokens", 1, allow_none=True)
     _at_least(args, "--fault-perturb-weights", 0.0)
+    _at_least(args, "--fault-update-delay-s", 0.0)
     for flag in ("--weight-update-timeout", "--max-request-mb", "--max-weight-update-mb"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if not (math.isfinite(value) and value > 0):
@@ -164,6 +172,7 @@ def validate(args: argparse.Namespace) -> None:
     try:
         resolve_dp_layout(args.dp_size, args.attn_dp_size, args.enable_dp_attention,
                           args.tp_size)
+        health_env.timeout_from_env()  # SGLang fails to start on what int() refuses
     except ValueError as err:
         raise ServeArgError(str(err)) from None
 

@@ -197,7 +197,11 @@ class LocalEngine:
         ignores the waiting queue (``is_fully_idle(ignore_waiting=True)``)."""
         self._stopping = False
         self._error: Optional[BaseException] = None
-        self.last_step_time = time.time()
+        self.last_output_time = time.monotonic()
+        """When the engine thread last produced something (``time.monotonic()``): a token or the
+        end of any request, or the result of a call it ran (a weight load, a retract, ...).
+        SGLang's TokenizerManager ``last_receive_tstamp``, bumped by every message from the
+        scheduler; its health check answers 200 once it moves past the check's start."""
         self.num_finished = 0  # requests finished (any reason) since start
         # Batch state (engine thread only).
         self._cache = None  # transformers DynamicCache of the running rows: [B, H_kv, T, d]
@@ -384,13 +388,13 @@ class LocalEngine:
                             fut.set_result(fn())
                         except BaseException as err:  # noqa: BLE001 - reported to the caller
                             fut.set_exception(err)
+                        self.last_output_time = time.monotonic()
                 if do_abort:
                     self._apply_aborts()
                 if admit:
                     self._prefill(admit)
                 if self._running and not hold:
                     self._decode_step()
-                self.last_step_time = time.time()
         except BaseException as err:  # noqa: BLE001 - kept for health checks and submitters
             log.exception("engine thread failed")
             self._error = err
@@ -442,6 +446,7 @@ class LocalEngine:
         with self._cv:
             self._inflight.pop(r.rid, None)
             self.num_finished += 1
+        self.last_output_time = time.monotonic()
         if r.on_event is not None:
             r.on_event("finish")
 
@@ -756,6 +761,7 @@ class LocalEngine:
                 self._finish(r, reason)
             elif r.on_event is not None:
                 r.on_event("token")
+        self.last_output_time = time.monotonic()
         return tokens
 
     def _stop_reason(self, r: EngineRequest, tok: int) -> Optional[dict]:

@@ -28,6 +28,11 @@ enforces (each rule checked against the wheel by ``tests/rollout/test_server_con
   hit); a request with ``n > 1`` first sends its prompt alone with ``max_new_tokens`` 0, as
   SGLang's TokenizerManager does, so its samples find it cached; an accepted flush (and so every
   weight update with ``flush_cache: true``) and ``release_memory_occupation`` empty it;
+* ``/health`` and ``/health_generate`` are a one-token generation that waits while generation
+  is paused: 200 once the engine produces anything after the check began, 503 after
+  ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s); ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false``
+  makes ``/health`` answer at once; ``/ready`` is 503 while paused (:mod:`pipeline.local.routes.
+  health`);
 * pause modes: ``abort`` aborts until no generate is left, ``in_place`` holds requests with their
   KV, ``retract`` sends running requests back to the waiting queue, recomputed (prompt + output so
   far re-prefilled) on the weights of the time after ``continue_generation``;
@@ -106,7 +111,7 @@ from fastapi import FastAPI
 from pipeline.local import fault_injection
 from pipeline.local.bodies import BodyLimit
 from pipeline.local.engine import LocalEngine
-from pipeline.local.routes import control, generate, info, weights
+from pipeline.local.routes import control, generate, health, info, weights
 from pipeline.local.state import ServerState
 
 log = logging.getLogger("megatron_gspo.serve")
@@ -121,12 +126,15 @@ class LocalRolloutServer:
         self.app = FastAPI(title="megatron-gspo local rollout server")
         self.app.state.server = self.state
         generate.register(self.app)
+        health.register(self.app)
         info.register(self.app, enable_metrics=self.state.enable_metrics)
         control.register(self.app)
         weights.register(self.app)
         if getattr(args, "fault_perturb_weights", 0.0):  # tests of the parity watchdog only
             fault_injection.install(self.app, self.engine, args.fault_perturb_weights,
                                     seed=args.random_seed or 0)
+        if getattr(args, "fault_update_delay_s", 0.0):  # tests of a long sync pause only
+            fault_injection.install_update_delay(self.app, self.engine, args.fault_update_delay_s)
         # added last: the outermost middleware (the fault injection's wraps the app's streams)
         self.app.state.max_json_depth = self.state.max_json_depth
         self.app.add_middleware(BodyLimit, max_bytes=self.state.max_request_bytes,

@@ -24,6 +24,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from pipeline.local import health_env
 from pipeline.local import protocol as proto
 from pipeline.local.args import (DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_N, DEFAULT_MAX_QUEUED,
                                  DEFAULT_MAX_REQUEST_MB, DEFAULT_MAX_WEIGHT_UPDATE_MB, arg_or,
@@ -161,6 +162,12 @@ class ServerState:
         self.flush_pending = False
         self.paused = False
         self.shutting_down = False
+        self.health_check_timeout_s = health_env.timeout_from_env()
+        """SGLANG_HEALTH_CHECK_TIMEOUT: how long a generating health check waits (default 20)."""
+        self.health_generation = health_env.generation_from_env()
+        """SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION: whether ``/health`` generates a token."""
+        self.healthy = True
+        """False after a failed health check until one succeeds (SGLang's ServerStatus)."""
         self._not_paused: Optional[asyncio.Event] = None
         self.groups: dict[str, Any] = {}  # group_name -> rank 0's update group
         self.group_lock = threading.Lock()

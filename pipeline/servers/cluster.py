@@ -25,6 +25,11 @@ that lives until :meth:`stop`.
 output into ``<name>.log`` and rotates it at ``log_max_bytes`` (``<name>.log.1`` ...
 ``<name>.log.<log_backups>``, the oldest dropped): the router alone logs ~250 KB per GSPO step.
 
+**Servers keep answering ``/health`` while paused**: every server is started with
+``pipeline.local.health_env.LAUNCHER_ENV`` (``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false``)
+unless this process's environment sets the variable, so the router's health checks pass during a
+weight sync's pause however long it lasts (docs/rollout.md, "The router during a weight sync").
+
 **Dead servers** (``pipeline.servers.pool`` decides): :meth:`deregister` takes a server out of the
 router, ``restart_server(i, register=False)`` starts it again without giving it to the router,
 and :meth:`register` admits it once it holds the current weights.
@@ -49,6 +54,7 @@ from typing import Optional, Sequence
 
 from megatron_gspo.lifetime import shielded_helper
 from pipeline.generation.client import RolloutError, http_json, router_workers, wait_healthy
+from pipeline.local.health_env import LAUNCHER_ENV
 
 # Set by torchrun / launch.local for training ranks; a server must not inherit them (it is no
 # rank: its output goes to its own log, never to a rank's).
@@ -261,13 +267,17 @@ class LocalRolloutCluster:
         except (ProcessLookupError, PermissionError):
             pass
 
-    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, cmd: list[str], defaults: Optional[dict] = None
+               ) -> subprocess.Popen:
+        """Start ``cmd`` as ``name`` (see the module docstring); ``defaults``: environment
+        variables it gets unless this process's environment sets them."""
         log_path = self.log_dir / f"{name}.log"
         # A server (``python -m pipeline.local``) silences the benign third-party warnings
         # (pipeline/observe/benign_warnings.py) unless MEGATRON_GSPO_SHOW_WARNINGS is set in this
         # environment, which the server inherits. It is no rank of ours: RANK and the rank-log
         # switch are dropped, so a server started by training rank 1 logs to its own file only.
-        env = {k: v for k, v in os.environ.items() if k not in _RANK_ONLY_ENV}
+        env = {**(defaults or {}),
+               **{k: v for k, v in os.environ.items() if k not in _RANK_ONLY_ENV}}
         env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.cpu_threads),
                    TOKENIZERS_PARALLELISM="false")
         old = self._log_writers.pop(name, None)
@@ -317,7 +327,7 @@ class LocalRolloutCluster:
                "--host", self.host, "--port", str(self._ports[i]),
                "--random-seed", str(self.random_seed + 1000 * i + self._restarts[i]),
                "--cpu-threads", str(self.cpu_threads), *self.server_args]
-        self._spawn(f"server{i}", cmd)
+        self._spawn(f"server{i}", cmd, defaults=LAUNCHER_ENV)
 
     def _wait_servers(self, indices) -> None:
         indices = list(indices)

@@ -33,6 +33,19 @@ nothing of a request whose server died, so there is no partial output to continu
 is bounded (``outage_timeout_s``): then :class:`ServerPoolError` ``rollout: no live server for N s
 (...)`` naming each server, why it is gone and what its restart said (external: the router).
 
+**A server the weight sync has paused** (:attr:`ServerPool.paused`, the pusher's record:
+``pipeline.servers.paused``) is alive when its HTTP process answers ``/model_info``: SGLang's
+``/health`` generates a token, which waits while the server is paused, and answers 503 after
+20 s, so a probe of ``/health`` (a rollout of ``rollout.async: full`` asking during the sync)
+would take a paused server for a dead one and drop it from the sync it is in.
+
+**The router after a sync** (:mod:`pipeline.servers.readmission`, ``rollout.router.
+readmit_timeout_s``): a router whose health checks ran during the pause may list the resumed
+servers unhealthy and answer ``503 No available workers`` until its checks re-admit them.
+:meth:`ServerPool.readmitted` (the loop, after each sync) waits until it lists them healthy
+again; :meth:`ServerPool.wait_for_router` (the rollout client, for a request that got that 503
+while a server serves) waits until it lists a healthy worker. Both are bounded and reported.
+
 ``metrics()`` (logged every step): ``rollout/servers_alive`` (servers in the router, serving),
 ``rollout/server_restarts`` (restarts so far in this process) and ``rollout/requests_retried``
 (``/generate`` requests sent again after a failure, so far).
@@ -49,6 +62,8 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from pipeline.generation.client import RolloutError, http_json, router_workers
 from pipeline.servers.cluster import LocalRolloutCluster, remove_from_router
+from pipeline.servers.paused import PausedServers
+from pipeline.servers.readmission import RouterReadmission
 
 PROBE_TIMEOUT_S = 30.0
 """How long ``/health`` may take (the local server runs a one-token generation when idle)."""
@@ -56,6 +71,9 @@ OUTAGE_TIMEOUT_S = 300.0
 """How long a rollout waits for a live server (restarts included) before it fails."""
 OUTAGE_POLL_S = 2.0
 """Between two looks at dead servers while a rollout waits (restarts tried again, /health)."""
+READMIT_TIMEOUT_S = 300.0
+"""How long the router may take to route to the servers again after a sync
+(``rollout.router.readmit_timeout_s``)."""
 
 
 class ServerPoolError(RuntimeError):
@@ -88,6 +106,11 @@ class ServerPool:
     (``rollout.outage_timeout_s``)."""
     interrupted: Optional[Callable[[], bool]] = None
     """True once the run is asked to stop (a stop signal): a waiting rollout gives up at once."""
+    readmit_timeout_s: float = READMIT_TIMEOUT_S
+    """:meth:`readmitted`, :meth:`wait_for_router`: how long the router may take to route to
+    the servers again (``rollout.router.readmit_timeout_s``)."""
+    paused: PausedServers = field(default_factory=PausedServers)
+    """The servers the weight sync has paused now (the loop gives the pusher's record)."""
     restarts: int = 0
     events: int = 0
     """Drops, restarts and returns so far: a sync retried after a failure compares it."""
@@ -110,6 +133,11 @@ class ServerPool:
         if len(urls) < self.min_servers:
             raise ServerPoolError(f"rollout.min_servers: {self.min_servers}, but the run has "
                                   f"{len(urls)} rollout server(s): {urls}")
+        self.readmission = (RouterReadmission(self.router_url, self.readmit_timeout_s,
+                                              paused=lambda: bool(self.paused),
+                                              interrupted=self.interrupted)
+                            if self.router_url else None)
+        """The waits for the router after a sync (None without a router)."""
 
     # ------------------------------------------------------------------ the loop's calls
     def members(self) -> list[str]:
@@ -193,6 +221,26 @@ class ServerPool:
             admitted.append(server.url)
             self._note(f"{server.url} holds the current weights: back in the router")
         return admitted
+
+    def readmitted(self) -> float:
+        """After a sync resumed the servers: wait until the router lists every serving server
+        healthy (bounded, reported; :mod:`pipeline.servers.readmission`), except those found
+        dead meanwhile (left to the next :meth:`check`); the seconds waited (0.0 without a
+        router or when it did at once). Past ``readmit_timeout_s``: ``RouterNotReadmitted``
+        naming the router and the servers."""
+        if self.readmission is None:
+            return 0.0
+        serving = {s.url: s for s in self._servers if s.state == "serving"}
+        return self.readmission.after_sync(
+            list(serving), alive=lambda url: self._dead(serving[url]) is None)
+
+    def wait_for_router(self, answered_at: float, first_at: float) -> None:
+        """A rollout request got the router's ``503 No available workers`` at ``answered_at``
+        (``time.monotonic()``; its first such answer at ``first_at``) while a server serves:
+        return once the router lists a healthy worker again (the rollout client calls this on a
+        thread; bounded: :meth:`RouterReadmission.for_request`). Without a router: at once."""
+        if self.readmission is not None:
+            self.readmission.for_request(answered_at, first_at)
 
     def metrics(self) -> dict[str, float]:
         return {"rollout/servers_alive": float(sum(s.state == "serving" for s in self._servers)),
@@ -305,17 +353,19 @@ class ServerPool:
             self._renewed.append(server.url)
 
     def _dead(self, server: _Server) -> Optional[str]:
-        """Why ``server`` counts as dead, or None."""
+        """Why ``server`` counts as dead, or None. A server the weight sync has paused is asked
+        ``/model_info`` (its HTTP process answers it; SGLang's ``/health`` waits while paused)."""
         if server.index is not None:
             code = self.cluster.server_exit_code(server.index)
             if code is not None:
                 log = self.cluster.log_path(f"server{server.index}")
                 return f"its process exited with status {code}; log {log}"
+        path = "/model_info" if server.url in self.paused else "/health"
         try:
-            status, _ = http_json("GET", server.url + "/health", timeout_s=self.probe_timeout_s)
+            status, _ = http_json("GET", server.url + path, timeout_s=self.probe_timeout_s)
         except RolloutError as err:
-            return f"/health: {err.message}"
-        return None if status == 200 else f"/health answered {status}"
+            return f"{path}: {err.message}"
+        return None if status == 200 else f"{path} answered {status}"
 
     def _answers(self, server: _Server) -> bool:
         try:

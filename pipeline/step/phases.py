@@ -65,7 +65,9 @@ def sync_weights(ctx: LoopContext, trainer: Trainer, version: WeightVersion) -> 
     With a server pool (``ctx.servers``, rank 0) the servers are checked first: the dead ones
     are dropped (and restarted in embedded mode, then included here: a restarted server gets
     these weights before it re-enters the router); a push that fails because a server died
-    meanwhile is made again to the servers left."""
+    meanwhile is made again to the servers left. After the push the restarted ones are admitted
+    and rank 0 waits, bounded, until the router lists every server healthy again
+    (``ServerPool.readmitted``: ``router_readmit_s``, 0 when it did at once)."""
     pool = _sync_members(ctx)
     for attempt in range(MAX_SYNC_ATTEMPTS):
         try:
@@ -77,9 +79,12 @@ def sync_weights(ctx: LoopContext, trainer: Trainer, version: WeightVersion) -> 
             if pool["events"] == before["events"]:  # no server died: another failure
                 raise
             continue
-        if pool is not None:
-            _pool_call(ctx, lambda: ctx.servers.admit())
-        return stats.metrics()
+        if pool is None:
+            return stats.metrics()
+        # restarted servers into the router, then the router routing to every server again
+        # (its health checks may have marked them unhealthy during the pause; bounded)
+        waited = _pool_call(ctx, lambda: (ctx.servers.admit(), ctx.servers.readmitted())[1])
+        return {**stats.metrics(), "router_readmit_s": waited}
     raise AssertionError("unreachable")
 
 

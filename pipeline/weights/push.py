@@ -85,6 +85,7 @@ import torch.distributed as dist
 from megatron_gspo.collectives import Failure, Outcome, all_gather, broadcast, on_rank0
 from megatron_gspo.errors import one_line
 from pipeline.generation import client as rollout
+from pipeline.servers.paused import PausedServers
 from pipeline.weights import transport as wt
 from pipeline.weights.disk import DiskTransport
 from pipeline.weights.distributed import DistributedTransport
@@ -200,6 +201,10 @@ class WeightPusher:
         self._ext: list[str] = []  # per server: the extensions this push negotiated ("" = none)
         self._said_unverified = False
         self._paused_at = 0.0  # rank 0: when this push paused the servers
+        self.paused = PausedServers()
+        """Rank 0: the servers this pusher has paused now (from before ``pause_generation`` until
+        ``continue_generation`` answered); the server pool reads it
+        (``pipeline.servers.paused``)."""
         self._base: dict[int, torch.Tensor] = {}  # delta: bucket index -> the bytes last sent
         self._pushes = 0
         self._last_ok: Optional[str] = None  # the version of the last successful push
@@ -348,6 +353,7 @@ class WeightPusher:
 
     def _begin(self, stream, stats: SyncStats) -> dict:
         t0 = self._paused_at = time.perf_counter()
+        self.paused.add(self.server_urls)
         self.each_server(lambda u: rollout.control(u, "/pause_generation",
                                                    {"mode": self.pause_mode},
                                                    timeout_s=self.timeout_s))
@@ -381,11 +387,14 @@ class WeightPusher:
         # abort and retract alike: the radix cache holds KV of the old weights (0.5.23 lets a
         # paused engine flush with retracted requests waiting; they are recomputed on continue).
         self.each_server(lambda u: rollout.flush_cache(u, timeout_s=self.timeout_s))
-        self.each_server(lambda u: rollout.control(u, "/continue_generation", {},
-                                                   timeout_s=self.timeout_s))
+        self.each_server(self._continue)
         stats.phases["flush_continue_s"] = time.perf_counter() - t0
         # what generation waited: from the pause request to the last server's continue
         stats.phases["paused_s"] = time.perf_counter() - self._paused_at
+
+    def _continue(self, url: str) -> None:
+        rollout.control(url, "/continue_generation", {}, timeout_s=self.timeout_s)
+        self.paused.discard([url])
 
     def _finish(self, version: str, buckets: dict, stats: SyncStats, stream,
                 raised: Optional[BaseException], failure: Optional[Failure]) -> tuple[int, dict]:
@@ -411,6 +420,8 @@ class WeightPusher:
                 rollout.control(url, "/continue_generation", {}, timeout_s=min(self.timeout_s, 60))
             except rollout.RolloutError as err:
                 notes.append(f"resuming generation failed: {err}")
+            finally:
+                self.paused.discard([url])
         tail = ("; generation resumed on every server (weights may be half-updated: the next "
                 "push is a full one)") if not notes else "; " + "; ".join(notes)
         return error + tail

@@ -467,6 +467,9 @@ def test_one_step_a_resync_asked_while_the_trainer_trains_waits_for_it(tmp_path)
         def admit(self):
             return []
 
+        def readmitted(self):  # the router routes to every server at once
+            return 0.0
+
         def metrics(self):
             return {}
 
@@ -550,6 +553,9 @@ def test_the_loop_syncs_the_pools_members_and_logs_the_event(tmp_path):
         def admit(self):
             self.admits += 1
             return []
+
+        def readmitted(self):  # the router routes to every server at once
+            return 0.0
 
         def metrics(self):
             return {"rollout/servers_alive": 2.0, "rollout/server_restarts": float(self.restarts)}

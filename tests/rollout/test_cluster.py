@@ -78,6 +78,23 @@ def test_groups_complete_through_the_router(cluster):
     assert_same_samples(again, groups)  # seeded: whichever server answers
 
 
+def test_the_servers_it_starts_answer_health_while_paused(cluster):
+    """Issue 37 item 1: the launcher starts its servers with SGLANG_ENABLE_HEALTH_ENDPOINT_
+    GENERATION=false, so /health answers at once while a weight sync pauses them (the router's
+    checks keep passing); /health_generate still generates, and that waits while paused."""
+    url = cluster.server_urls[0]
+    assert http_json("POST", url + "/pause_generation", {"mode": "abort"})[0] == 200
+    try:
+        t0 = time.monotonic()
+        assert http_json("GET", url + "/health", timeout_s=5)[0] == 200
+        assert time.monotonic() - t0 < 1.0
+        with pytest.raises(RolloutError, match="timed out"):
+            http_json("GET", url + "/health_generate", timeout_s=0.5)
+    finally:
+        assert http_json("POST", url + "/continue_generation", {})[0] == 200
+    assert http_json("GET", url + "/health_generate", timeout_s=10)[0] == 200
+
+
 def test_routed_experts_bypass_the_router_that_drops_the_field(cluster):
     body = {"input_ids": [5, 6, 7], "return_routed_experts": True,
             "sampling_params": {"max_new_tokens": 3}}

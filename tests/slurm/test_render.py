@@ -169,10 +169,14 @@ def test_cluster_environment_and_gpu_binding(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
     script = dry_run(capsys, tmp_path / "run", *GPU_OPTIONS, "--env", "NCCL_IB_HCA=mlx5_0,mlx5_1",
                      "--env", "NCCL_SOCKET_IFNAME", "--gpu-binding", "task",
+                     "--env", "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=true",
                      sets=["rollout.tp_size=4", "rollout.ep_size=4", "rollout.enable_dp_attention=true",
                            "rollout.dp_size=2", "parallel.tensor=2", "parallel.sequence_parallel=true"])
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
     assert "export NCCL_IB_HCA=mlx5_0,mlx5_1\n" in script and "export NCCL_SOCKET_IFNAME=ib0\n" in script
+    # the site's --env comes after the launcher's default (SGLang's /health switch)
+    site = "export SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=true\n"
+    assert script.index(HEALTH_ENV) < script.index(site)
     servers, _, trainer = srun_lines(script)
     assert option(trainer, "export") == ("ALL,MASTER_ADDR=$MASTER_ADDR,MASTER_PORT=$MASTER_PORT,"
                                          "CUDA_DEVICE_MAX_CONNECTIONS=1,LOCAL_RANK=0,"
@@ -230,6 +234,24 @@ def test_training_allocator_setting_and_network_interface_guidance(capsys, tmp_p
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in help_text
     readme = " ".join((ROOT / "slurm" / "README.md").read_text().split())
     assert "GLOO_SOCKET_IFNAME" in readme and "PYTORCH_CUDA_ALLOC_CONF" in readme
+
+
+HEALTH_ENV = ("export SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION="
+              "${SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION:-false}\n")
+
+
+def test_servers_keep_answering_health_while_a_sync_pauses_them():
+    """Issue 37 item 1: every step gets SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false (SGLang's
+    /health then answers without a generation, which would wait while the servers are paused
+    and make the router drop them), unless the job's environment or --env sets it (the --env
+    export comes later: test_cluster_environment_and_gpu_binding)."""
+    env = subprocess.run(["bash", "-c", f"{HEALTH_ENV}echo $SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"],
+                         capture_output=True, text=True, check=True,
+                         env={"PATH": os.environ["PATH"]}).stdout
+    assert env == "false\n"
+    for template in ("disaggregated.sbatch", "colocated.sbatch"):  # both layouts, before --env's
+        text = (ROOT / "slurm" / template).read_text()
+        assert 0 <= text.index("{{server_health_env}}") < text.index("{{site_env}}"), template
 
 
 def test_memory_plan_refuses_a_layout_that_does_not_fit(capsys, tmp_path):
@@ -333,6 +355,8 @@ def test_gpu_script_runs_the_job_against_fake_slurm(capsys, tmp_path):
     assert trainer["command"][-1] == f"rollout.router_url=http://gpu-001:{port0}"
     assert servers["env"]["MGSPO_ROLLOUT_HOSTS"].split() == ["gpu-001", "gpu-002", "gpu-003", "gpu-004"]
     assert servers["env"]["MGSPO_SERVER_PORT0"] == str(port0 + 10)
+    # SGLang's /health answers while a weight sync pauses the servers (no generation)
+    assert servers["env"]["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "false"
     # every server registered with the router, at the host of its task (2 per node)
     registered = [json.loads(c["body"])["url"] for c in calls if c["tool"] == "curl"]
     assert registered == [f"http://gpu-00{1 + i // 2}:{port0 + 10 + 2 * i}" for i in range(8)]

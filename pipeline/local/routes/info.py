@@ -1,29 +1,22 @@
-"""Health and information routes: ``/health``, ``/health_generate``, ``/ready``, ``/model_info``,
-``/server_info`` (and their ``get_`` spellings), ``/v1/loads``, ``/v1/models`` and, only with
-``--enable-metrics``, ``/metrics``; as SGLang 0.5.23 answers them. :func:`register` adds them
+"""Information routes: ``/model_info``, ``/server_info`` (and their ``get_`` spellings),
+``/v1/loads``, ``/v1/models`` and, only with ``--enable-metrics``, ``/metrics``; as SGLang 0.5.23
+answers them (the health routes: :mod:`pipeline.local.routes.health`). :func:`register` adds them
 to the app."""
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import time
-import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse
 
 from pipeline.local import protocol as proto
-from pipeline.local.request import EngineRequest
 from pipeline.local.state import ServerState
-
-HEALTH_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT
 
 
 def register(app: FastAPI, *, enable_metrics: bool) -> None:
     """This module's routes (``/metrics`` only with ``--enable-metrics``, as SGLang mounts it)."""
-    app.get("/health")(app.get("/health_generate")(health))
-    app.get("/ready")(ready)
     app.get("/model_info")(model_info)
     app.get("/get_model_info")(model_info)
     app.get("/server_info")(server_info)
@@ -32,34 +25,6 @@ def register(app: FastAPI, *, enable_metrics: bool) -> None:
     if enable_metrics:
         app.get("/metrics")(metrics)
     app.get("/v1/models")(models)
-
-
-
-async def health(request: Request):
-    state: ServerState = request.app.state.server
-    eng = state.engine
-    if state.shutting_down or not eng.alive:
-        return Response(status_code=503)
-    running, waiting = eng.counts()
-    if state.paused or running or waiting:
-        return Response(status_code=200)
-    loop = asyncio.get_running_loop()
-    done = asyncio.Event()
-    req = EngineRequest(f"HEALTH_CHECK_{uuid.uuid4().hex}", [0],
-                        proto.parse_sampling({"max_new_tokens": 1, "temperature": 0.0}),
-                        on_event=lambda kind: kind == "finish" and loop.call_soon_threadsafe(done.set))
-    try:
-        eng.submit([req])
-        await asyncio.wait_for(done.wait(), HEALTH_TIMEOUT_S)
-    except (ValueError, RuntimeError, asyncio.TimeoutError):
-        eng.abort(req.rid)
-        return Response(status_code=503)
-    return Response(status_code=200)
-
-
-async def ready(request: Request):
-    state: ServerState = request.app.state.server
-    return Response(status_code=200 if state.engine.alive and not state.shutting_down else 503)
 
 
 def model_info(request: Request):
