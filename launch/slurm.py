@@ -65,6 +65,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from launch import weight_sync_reach
 from launch.common import add_config_args, load_from_args
 from megatron_gspo.config import (Config, ConfigError, dump_config, load_config,
                                   validate_data_parallel)
@@ -497,6 +498,8 @@ def _submit(script: str, script_path: Path) -> Optional[str]:
 def main(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = load_from_args(args)
     layout = plan_layout(cfg, args)
+    weight_sync_reach.check_job(cfg, colocated=layout.colocated, train_nodes=layout.train_nodes,
+                                server=layout.server)
     from launch import preflight
 
     # what train and sft would find at the job's start, found before it queues (exit 2)

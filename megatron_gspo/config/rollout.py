@@ -20,8 +20,9 @@ class WeightSyncConfig:
     transport: Literal["disk", "tensor", "distributed"] = "disk"
     """safetensors shards on a shared filesystem, written by every sending rank in parallel
     (``disk``: ``pipeline.weights.disk``); SGLang's update_weights_from_tensor with CUDA-IPC /
-    shared-memory handles, for servers on the trainer's node (``tensor``; the local server needs
-    --allow-pickled-tensors); or a broadcast group per sending rank with every GPU of every
+    shared-memory handles, for servers on the trainer's node, every sending rank on that node
+    too (``tensor``; the local server needs --allow-pickled-tensors; other placements are refused
+    by ``launch slurm`` and ``train`` before they start: ``launch.weight_sync_reach``); or a broadcast group per sending rank with every GPU of every
     server, flattened buckets (``distributed``: NCCL on GPUs, gloo on CPU)."""
     senders: Literal["auto", "rank", "node", "stage"] = "auto"
     """Which training ranks send the weights (``megatron_gspo.hf.gather.sender_ranks``): ``rank``:
