@@ -70,7 +70,7 @@ import torch
 from launch import local, rank_status, weight_sync_reach
 from launch.rl_session import validate_rl
 from launch.run_lock import check_free
-from megatron_gspo.config import Config, ConfigError, validate_data_parallel
+from megatron_gspo.config import Config, ConfigError, quantization_note, validate_data_parallel
 from megatron_gspo.parallel import derive_layout
 from megatron_gspo.train.batching import pack_tokens
 from pipeline.generation.client import RolloutError, http_json, router_workers
@@ -125,6 +125,11 @@ def check(cfg: Config, *, program: Program, world_size: Optional[int],
         weight_sync_reach.check_world(cfg)
     if program == "config" and notes is not None and cfg.rollout.weight_sync.transport == "tensor":
         notes.append(weight_sync_reach.CONFIG_NOTE)
+    note = quantization_note(cfg.rollout, cfg.gspo)
+    if note and program == "config" and notes is not None:
+        notes.append(note)
+    elif note and program == "train":
+        print(note, flush=True)
     if program == "sft":
         _check_sft_lengths(cfg)
         return

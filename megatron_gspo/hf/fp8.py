@@ -20,7 +20,10 @@ are what the weight sync sends and the project's local server reads (torch, any 
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -84,3 +87,22 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
                          f"{(rows, cols)} in {BLOCK} x {BLOCK} blocks (expected {expected})")
     full = scale.float().repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:rows, :cols]
     return (q.float() * full).to(dtype)
+
+
+def checkpoint_problem(directory: str | Path) -> Optional[str]:
+    """Why the Hugging Face directory an FP8 server starts from does not hold these weights'
+    layout (its config.json's ``quantization_config`` against :data:`QUANTIZATION_CONFIG`);
+    None when it does, or when there is no config.json here to read."""
+    path = Path(directory) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    if not isinstance(quant, dict):
+        return f"{path} has no quantization_config: a bf16 checkpoint"
+    wrong = {k: quant.get(k) for k, v in QUANTIZATION_CONFIG.items() if quant.get(k) != v}
+    if wrong:
+        return (f"{path}'s quantization_config has {wrong}, not the block FP8 layout the weight "
+                f"sync sends ({QUANTIZATION_CONFIG})")
+    return None

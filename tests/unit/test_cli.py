@@ -22,7 +22,7 @@ EXPECTED_OPTIONS = {
                       "--nproc"},
     "serve": {"--model-path", "--model", "--host", "--port", "--random-seed", "--skip-tokenizer-init",
               "--weight-version", "--context-length", "--max-running-requests",
-              "--max-prefill-tokens", "--dtype", "--log-level", "--cpu-threads",
+              "--max-prefill-tokens", "--dtype", "--quantization", "--log-level", "--cpu-threads",
               "--weight-update-timeout", "--tp-size", "--allow-pickled-tensors", "--max-n",
               "--max-queued-requests", "--weight-roots", "--enable-return-routed-experts",
               "--fault-perturb-weights", "--device", "--no-extensions", "--dp-size",
