@@ -5,8 +5,9 @@ Under ``rollout.async: one_step`` / ``full`` rank 0's rollout thread shares the 
 with the main thread that runs (on GPUs: launches) the training step, and one interpreter lock.
 Reading an answer in Python (``json.loads`` of ``[log-prob, token id, text]`` per output token,
 then the checks and lists of ``pipeline.generation.answers``) holds that lock: a 30B step's ~2M
-tokens took 2.6 s of CPU here, and the training step that ran beside it 2.6x as long
-(``bench/bench_rollout_thread.py``: the thread and the step hand the lock back and forth).
+tokens took 2.6 s of CPU here, and the training step that ran beside it 1.6-2.3x as long
+(``bench/bench_rollout_thread.py``: the thread and the step hand the lock back and forth; with
+this pool 1.3-1.6x, docs/performance.md).
 
 So an answer of at least :data:`MIN_BYTES` is handed, as the bytes read off the socket, to a
 helper process (:class:`ParsePool`: a ``ProcessPoolExecutor`` of spawned workers that die with
