@@ -2,6 +2,7 @@
 
     megatron-gspo convert hf-to-mcore --hf Qwen3-30B-A3B/ --out ckpt/qwen3-30b-mcore --tp 4 --ep 8
     megatron-gspo convert mcore-to-hf --mcore ckpt/qwen3-30b-mcore --out export/qwen3-30b
+    megatron-gspo convert hf-to-fp8 --hf Qwen3-30B-A3B/ --out Qwen3-30B-A3B-fp8   # FP8 rollouts
 
 (or ``python -m launch.convert hf-to-mcore ...``). One process, no GPU, memory bounded by one
 layer-sized chunk (not by the model); a progress bar on stderr.
@@ -14,6 +15,9 @@ vocabulary padding. config.json and the tokenizer files are kept in ``OUT/hf_con
 mcore-to-hf reads such a checkpoint, or one the trainer saved (any layout), and writes
 safetensors shards, model.safetensors.index.json, config.json and the tokenizer files, which
 ``transformers.AutoModelForCausalLM.from_pretrained`` loads. The vocabulary padding is removed.
+
+hf-to-fp8 writes the FP8 checkpoint SGLang servers start from with ``rollout.quantization: fp8``
+(``megatron_gspo.hf.convert_fp8``).
 
 Exit status: 0 on success, 2 with a message naming the file or field on bad input.
 """
@@ -77,6 +81,20 @@ def _add_direction_parsers(subparsers) -> None:
     _add_common(m)
     m.set_defaults(convert_func=_mcore_to_hf)
 
+    f = subparsers.add_parser(
+        "hf-to-fp8", help="Hugging Face bf16 -> FP8 checkpoint for rollout.quantization: fp8",
+        description="Rewrite a Hugging Face Qwen3-MoE directory with its attention and expert "
+                    "projections as block-wise FP8 (e4m3, one float32 scale per 128 x 128 block, "
+                    "<name>_scale_inv) and quantization_config in config.json: what SGLang "
+                    "servers start from with rollout.quantization: fp8 (launch slurm "
+                    "--model-path), the layout the weight sync sends.")
+    f.add_argument("--hf", required=True, metavar="DIR", help="the bf16 Hugging Face directory")
+    f.add_argument("--out", required=True, metavar="DIR", help="output FP8 directory")
+    f.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="largest safetensors shard, e.g. 5GB or 2GiB (default 5GB)")
+    _add_common(f)
+    f.set_defaults(convert_func=_hf_to_fp8)
+
 
 def _threads(text: str):
     if text == "auto":
@@ -116,8 +134,16 @@ def _mcore_to_hf(args: argparse.Namespace):
                        sync_files=not args.no_fsync)
 
 
+def _hf_to_fp8(args: argparse.Namespace):
+    from megatron_gspo.hf.convert_fp8 import hf_to_fp8
+
+    return hf_to_fp8(args.hf, args.out, max_shard_size=args.max_shard_size,
+                     progress=not args.no_progress, overwrite=args.overwrite,
+                     sync_files=not args.no_fsync)
+
+
 def add_parser(subparsers) -> None:
-    """Register ``convert hf-to-mcore`` and ``convert mcore-to-hf`` on the main CLI."""
+    """Register ``convert hf-to-mcore``, ``mcore-to-hf`` and ``hf-to-fp8`` on the main CLI."""
     p = subparsers.add_parser(
         "convert", help="Hugging Face <-> Megatron checkpoint conversion (Qwen3-MoE)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

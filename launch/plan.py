@@ -4,7 +4,10 @@
 
 Prints, for every pipeline stage, the itemised peak (weights, fp32 gradients, optimizer states,
 activations per micro-batch with the configured recompute, the 1F1B schedule's in-flight
-micro-batches, logits and the log-prob workspace, communication buffers) and ends with one line
+micro-batches, logits and the log-prob workspace, communication buffers), then the rollout
+servers' side (the update groups' buffers, the memory of one SGLang GPU with bf16 and with FP8
+weights, and the modelled weight-sync pause per step of the distributed and the disk transport:
+megatron_gspo/rollout_plan.py) and ends with one line
 ``fits: yes|no (peak X GiB of M GiB, stage S)``. Exit status 0 when it fits, 1 when it does not,
 2 for an invalid configuration. ``train`` (on GPUs) and ``launch slurm`` (with GPUs) run the same
 plan and refuse a layout that does not fit unless given ``--ignore-memory-plan``. The arithmetic
@@ -23,6 +26,7 @@ from launch.common import add_config_args, load_from_args
 from megatron_gspo.mcore_compat import transformer_engine_available
 from megatron_gspo.parallel import minimal_world_size
 from megatron_gspo.plan import GIB, check_fits, plan_memory
+from megatron_gspo.rollout_plan import SyncAssumptions
 
 
 def add_parser(subparsers) -> None:
@@ -40,6 +44,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--moe-imbalance", type=float, default=1.0, metavar="X",
                    help="tokens of the busiest expert rank over the mean (default 1: balanced "
                         "routing; RL without an aux loss can reach 1.5)")
+    p.add_argument("--sync-assume", action="append", default=[], metavar="NAME=VALUE",
+                   help="a parameter of the weight-sync model (repeatable), e.g. fs_read_gbps=3 "
+                        "for NFS; the plan prints them all with their values "
+                        "(megatron_gspo/rollout_plan.py: SyncAssumptions, each with its source)")
     p.set_defaults(func=main)
 
 
@@ -47,7 +55,8 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = load_from_args(args)
     world = args.world_size if args.world_size is not None else minimal_world_size(cfg.parallel)
     plan = plan_memory(cfg, world, args.gpu_memory_gib, spec=args.spec,
-                       moe_imbalance=args.moe_imbalance)
+                       moe_imbalance=args.moe_imbalance,
+                       sync_assumptions=SyncAssumptions.parse(args.sync_assume))
     print(plan.format())
     return 0 if plan.fits else 1
 

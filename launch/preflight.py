@@ -31,6 +31,8 @@ mode (``rollout.async``)
 package, directory writable, W&B online
 has an API key, MLflow server answers (5 s)
 GPU-only limits (``validate_rl``)          -       yes     -       -
+weight sync ``tensor``: every rank and    note    yes     -       yes
+server on one node (``weight_sync_reach``)
 apex wgrad kernel (with CUDA, when         -       yes     yes     -
 ``model.gradient_accumulation_fusion``)
 ========================================  ======  ======  ======  ============
@@ -65,13 +67,13 @@ from urllib.request import url2pathname
 
 import torch
 
-from launch import local, rank_status
+from launch import local, rank_status, weight_sync_reach
 from launch.rl_session import validate_rl
 from launch.run_lock import check_free
-from megatron_gspo.config import Config, ConfigError, validate_data_parallel
+from megatron_gspo.config import Config, ConfigError, quantization_note, validate_data_parallel
 from megatron_gspo.parallel import derive_layout
 from megatron_gspo.train.batching import pack_tokens
-from pipeline.generation.client import RolloutError, http_json
+from pipeline.generation.client import RolloutError, http_json, router_workers
 from pipeline.generation.multiturn import check_tools
 from pipeline.observe.trackers import (MLflowTracker, WandbTracker, build_trackers,
                                        check_installed)
@@ -120,6 +122,14 @@ def check(cfg: Config, *, program: Program, world_size: Optional[int],
         check_free(cfg.run.output_dir)
     if program == "train":
         validate_rl(cfg)
+        weight_sync_reach.check_world(cfg)
+    if program == "config" and notes is not None and cfg.rollout.weight_sync.transport == "tensor":
+        notes.append(weight_sync_reach.CONFIG_NOTE)
+    note = quantization_note(cfg.rollout, cfg.gspo)
+    if note and program == "config" and notes is not None:
+        notes.append(note)
+    elif note and program == "train":
+        print(note, flush=True)
     if program == "sft":
         _check_sft_lengths(cfg)
         return
@@ -135,6 +145,14 @@ def check(cfg: Config, *, program: Program, world_size: Optional[int],
             raise ConfigError(str(err)) from err
     if program == "train" and cfg.rollout.mode == "external":
         check_router(cfg.rollout.router_url)
+        if cfg.rollout.weight_sync.transport == "tensor":
+            try:
+                urls = [w["url"] for w in router_workers(cfg.rollout.router_url)]
+            except RolloutError as err:
+                raise ConfigError(f"rollout.router_url: {cfg.rollout.router_url} does not list "
+                                  f"its workers ({err.message}), which rollout.weight_sync."
+                                  "transport: tensor needs on this node") from None
+            weight_sync_reach.check_servers(cfg, urls)
 
 
 def before_ranks(cfg: Config, *, program: Program, world_size: int, resume: bool) -> None:

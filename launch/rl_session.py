@@ -45,7 +45,7 @@ def weight_pusher_options(r, run_dir: Path) -> dict:
     sync = r.weight_sync
     return dict(transport=sync.transport, shared_dir=sync.dir or str(Path(run_dir) / "weights"),
                 master_address=sync.master_address, verify=sync.verify,
-                delta=sync.delta, timeout_s=r.request_timeout_s,
+                delta=sync.delta, timeout_s=r.request_timeout_s, quantization=r.quantization,
                 full_every=sync.full_every,
                 # full: requests in flight live through the update and continue on the new weights
                 pause_mode="retract" if r.async_ == "full" else "abort")
@@ -210,6 +210,8 @@ class RLSession(Session):
         server_args += ["--device", r.local_server_device]
         if r.weight_sync.transport == "tensor":  # SGLang's pickled payloads, loopback
             server_args.append("--allow-pickled-tensors")
+        if r.quantization:  # FP8 rollouts: the servers compute with FP8 weights
+            server_args += ["--quantization", r.quantization]
         if self.cfg.gspo.routing_replay == "rollout":  # the rollouts ask for routed experts
             server_args.append("--enable-return-routed-experts")
         # update_weights_from_disk reads only the disk sync's directory (and the served model);

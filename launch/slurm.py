@@ -65,9 +65,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from launch import weight_sync_reach
 from launch.common import add_config_args, load_from_args
 from megatron_gspo.config import (Config, ConfigError, dump_config, load_config,
                                   validate_data_parallel)
+from megatron_gspo.hf import fp8
 from pipeline.local.health_env import LAUNCHER_ENV
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "slurm"
@@ -207,6 +209,8 @@ def sglang_flags(rollout) -> list[str]:
         flags.append(f"--mem-fraction-static {rollout.mem_fraction_static:g}")
     if rollout.ep_size > 1:
         flags.append(f"--ep-size {rollout.ep_size}")
+    if rollout.quantization is not None:  # FP8 rollouts: the servers' FP8 checkpoint and kernels
+        flags.append(f"--quantization {rollout.quantization}")
     if rollout.cuda_graph_max_bs is not None:
         # 0.5.23 has one bound per phase; a bare --cuda-graph-max-bs is an ambiguous abbreviation
         # of --cuda-graph-max-bs-decode / -prefill there (argparse exits 2)
@@ -253,6 +257,8 @@ def server_command(layout: JobLayout, seed: int, colocated: bool, *, rollout=Non
                  else "$MGSPO_RUN_DIR/weights")
         cmd = ['exec "$MGSPO_PYTHON" -m launch.cli serve --model-path "$MGSPO_MODEL_PATH"',
                "--host 0.0.0.0", port, seed_arg, f'--weight-roots "{roots}"']
+        if rollout is not None and rollout.quantization is not None:
+            cmd.append(f"--quantization {rollout.quantization}")
         if routed_experts:
             cmd.append("--enable-return-routed-experts")
     lines.append(" ".join(cmd))
@@ -334,6 +340,7 @@ def build_script(cfg: Config, args: argparse.Namespace, layout: JobLayout, run_d
                           "config's model section)")
     if (workdir / Path(model_path).expanduser()).exists():  # a local path, not a hub id
         model_path = str((workdir / Path(model_path).expanduser()).resolve())
+        check_fp8_model_path(cfg, layout, Path(model_path))
     q = shlex.quote
     common = f"--nodes={layout.rollout_nodes} --ntasks-per-node={layout.server_tasks_per_node} --distribution=block"
     values = {
@@ -368,6 +375,21 @@ def build_script(cfg: Config, args: argparse.Namespace, layout: JobLayout, run_d
     }
     template = "colocated.sbatch" if layout.colocated else "disaggregated.sbatch"
     return render(template, values)
+
+
+def check_fp8_model_path(cfg: Config, layout: JobLayout, model_path: Path) -> None:
+    """``rollout.quantization: fp8`` with SGLang: the servers start from an FP8 checkpoint in the
+    layout the weight sync sends (``megatron_gspo.hf.fp8``); a bf16 one would be quantized
+    online per tensor, which SGLang 0.5.23 cannot reload (its parameters are replaced, their
+    loaders lost). Checked where the directory is readable from here."""
+    if cfg.rollout.quantization is None or layout.server != "sglang":
+        return
+    problem = fp8.checkpoint_problem(model_path)
+    if problem:
+        raise ConfigError(f"--model-path: rollout.quantization {cfg.rollout.quantization} starts "
+                          f"the SGLang servers from an FP8 checkpoint, but {problem}; make one "
+                          f"with megatron-gspo convert hf-to-fp8 --hf {model_path} --out DIR (or "
+                          "use the model's published -FP8 release) and pass --model-path DIR")
 
 
 def train_env(cfg: Config, layout: JobLayout, args: argparse.Namespace) -> str:
@@ -511,6 +533,8 @@ def _submit(script: str, script_path: Path) -> Optional[str]:
 def main(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = load_from_args(args)
     layout = plan_layout(cfg, args)
+    weight_sync_reach.check_job(cfg, colocated=layout.colocated, train_nodes=layout.train_nodes,
+                                server=layout.server)
     from launch import preflight
 
     # what train and sft would find at the job's start, found before it queues (exit 2)

@@ -75,6 +75,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megatron_gspo import rollout_plan
 from megatron_gspo.config import Config, ConfigError, padded_vocab_size, pipeline_stage_layers
 from megatron_gspo.parallel import derive_layout
 
@@ -449,8 +450,11 @@ def _recompute(m, n_layers: int, layer_bytes: float, hidden_bytes: float,
 
 
 def plan_memory(cfg: Config, world_size: int, gpu_memory_gib: float, *, spec: str = "te",
-                device: str = "gpu", moe_imbalance: float = 1.0) -> MemoryPlan:
-    """The memory plan of every pipeline stage of ``cfg`` on ``world_size`` training ranks."""
+                device: str = "gpu", moe_imbalance: float = 1.0,
+                sync_assumptions: Optional[rollout_plan.SyncAssumptions] = None) -> MemoryPlan:
+    """The memory plan of every pipeline stage of ``cfg`` on ``world_size`` training ranks, with
+    the rollout servers' lines after it (``megatron_gspo.rollout_plan``: their memory in bf16
+    and FP8, the weight-sync pause of both transports under ``sync_assumptions``)."""
     if spec not in ("te", "local"):
         raise ValueError(f"spec: 'te' or 'local', got {spec!r}")
     if device not in ("gpu", "cpu"):
@@ -579,6 +583,7 @@ def plan_memory(cfg: Config, world_size: int, gpu_memory_gib: float, *, spec: st
              + (" (on: in the host memory above)" if replay_on else
                 f" (off here: routing_replay {cfg.gspo.routing_replay})")]
     notes += _rollout_server_notes(cfg, gpu_memory_gib, world_size)
+    notes += rollout_plan.notes(cfg, gpu_memory_gib, world_size, sync_assumptions)
     return MemoryPlan(describe_layout=layout.describe(), header=header, stages=stages,
                       gpu_memory_gib=gpu_memory_gib, host_items=host_items, notes=notes)
 

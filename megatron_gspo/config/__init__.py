@@ -44,13 +44,15 @@ from megatron_gspo.config.rollout import (ParityConfig, RolloutConfig, RouterCon
                                          WeightSyncConfig)
 from megatron_gspo.config.root import Config, validate_data_parallel
 from megatron_gspo.config.run import MLflowConfig, OptimConfig, RunSettings, WandbConfig
-from megatron_gspo.config.validate import validate_model_parallel, validate_sft_context_parallel
+from megatron_gspo.config.validate import (quantization_note, validate_model_parallel,
+                                           validate_sft_context_parallel)
 
 __all__ = [
     "REWARD_KINDS", "Config", "ConfigError", "DataConfig", "GSPOConfig", "MLflowConfig",
     "ModelConfig", "OptimConfig", "ParallelConfig", "ParityConfig", "RewardConfig",
     "RolloutConfig", "RouterConfig", "RunSettings", "ToolsConfig", "WandbConfig", "WeightSyncConfig",
     "apply_override", "config_from_dict", "dump_config", "load_config", "padded_vocab_size",
-    "pipeline_stage_layers", "validate_data_parallel", "validate_model_parallel",
+    "pipeline_stage_layers", "quantization_note", "validate_data_parallel",
+    "validate_model_parallel",
     "validate_sft_context_parallel",
 ]

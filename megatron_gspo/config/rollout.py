@@ -21,8 +21,9 @@ class WeightSyncConfig:
     transport: Literal["disk", "tensor", "distributed"] = "disk"
     """safetensors shards on a shared filesystem, written by every sending rank in parallel
     (``disk``: ``pipeline.weights.disk``); SGLang's update_weights_from_tensor with CUDA-IPC /
-    shared-memory handles, for servers on the trainer's node (``tensor``; the local server needs
-    --allow-pickled-tensors); or a broadcast group per sending rank with every GPU of every
+    shared-memory handles, for servers on the trainer's node, every sending rank on that node
+    too (``tensor``; the local server needs --allow-pickled-tensors; other placements are refused
+    by ``launch slurm`` and ``train`` before they start: ``launch.weight_sync_reach``); or a broadcast group per sending rank with every GPU of every
     server, flattened buckets (``distributed``: NCCL on GPUs, gloo on CPU)."""
     senders: Literal["auto", "rank", "node", "stage"] = "auto"
     """Which training ranks send the weights (``megatron_gspo.hf.gather.sender_ranks``): ``rank``:
@@ -186,6 +187,22 @@ class RolloutConfig:
     rollout.weight_sync.transport tensor / distributed need dp_size 1."""
     cuda_graph_max_bs: Optional[int] = None
     """SGLang --cuda-graph-max-bs-decode: the largest decode batch captured in a CUDA graph."""
+    quantization: Optional[Literal["fp8"]] = None
+    """FP8 rollouts, bf16 training: ``fp8`` runs the SGLang servers with block-wise FP8 weights
+    (SGLang's ``--quantization fp8``: e4m3, one float32 scale per 128 x 128 block, dynamic
+    activation scales; docs/rollout.md, "FP8 rollouts"). The trainer keeps training in
+    model.params_dtype and quantizes at every weight sync (``megatron_gspo.hf.fp8``: the
+    attention and expert projections; embedding, output layer, norms and router stay bf16), so
+    the servers must start from an FP8 checkpoint of that layout (Qwen's -FP8 releases, or
+    ``megatron-gspo convert hf-to-fp8``). The rollout/trainer log-prob mismatch this adds is what
+    the behaviour weight (gspo.mismatch_correction, truncated importance sampling) corrects: on
+    by default with gspo.old_logprobs: recompute; with gspo.old_logprobs: rollout it is refused
+    unless gspo.mismatch_correction is set to false explicitly. The project's local server
+    imitates it on the CPU by computing with the dequantized FP8 weights (weight rounding only;
+    SGLang's FP8 kernels also quantize activations). Only ``fp8``: it is the one format of
+    SGLang's --quantization choices that bf16 weights can be turned into at every sync and that
+    SGLang 0.5.23 reloads in place (its online per-tensor FP8 of a bf16 checkpoint rebinds the
+    parameters and refuses later updates). null: the servers run model.params_dtype."""
     async_: Literal["off", "one_step", "full"] = "off"
     """YAML key ``async`` (a Python keyword, hence the field's name): whether generation overlaps
     training (docs/async.md). ``off``: rollout, training, weight sync, one after the other.

@@ -15,8 +15,9 @@ from megatron_gspo.config.rollout import ParityConfig, RolloutConfig
 from megatron_gspo.config.run import OptimConfig, RunSettings
 from megatron_gspo.config.validate import (validate_batches, validate_data_reward,
                                            validate_model_parallel, validate_parallel_optim,
-                                           validate_routing_replay, validate_schedule,
-                                           validate_staleness, validate_weight_sync)
+                                           validate_quantization, validate_routing_replay,
+                                           validate_schedule, validate_staleness,
+                                           validate_weight_sync)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -41,6 +42,7 @@ class Config:
         validate_batches(self.run, self.gspo)
         validate_schedule(self.optim, self.run)
         validate_weight_sync(self.rollout, self.model)
+        validate_quantization(self.rollout, self.gspo)
         validate_routing_replay(self.gspo, self.model)
         validate_staleness(self.rollout, self.run, self.gspo, self.model)
 

@@ -123,6 +123,39 @@ def validate_weight_sync(rollout: RolloutConfig, model: ModelConfig) -> None:
             "bfloat16")
 
 
+def validate_quantization(rollout: RolloutConfig, gspo: GSPOConfig) -> None:
+    """FP8 rollouts, bf16 training (``rollout.quantization``): the rollout log-probs come from
+    FP8 weights, the trainer's from its own; the behaviour weight (``gspo.mismatch_correction``,
+    truncated importance sampling) corrects for that only in the decoupled objective
+    (``gspo.old_logprobs: recompute``), and is on there by default. The bypass form (pi_old = the
+    FP8 rollout's log-probs) is refused unless the correction is turned off explicitly. The FP8
+    wire format is not a bf16 delta."""
+    if rollout.quantization is None:
+        return
+    require(not (gspo.old_logprobs == "rollout" and gspo.mismatch_correction is None),
+            f"rollout.quantization: {rollout.quantization} rollouts sample from FP8 weights, so "
+            "their log-probs differ from the trainer's; the behaviour weight that corrects for "
+            "that (gspo.mismatch_correction, truncated importance sampling) needs "
+            "gspo.old_logprobs: recompute (the default); or set gspo.mismatch_correction: false "
+            "to take the FP8 log-probs as pi_old uncorrected")
+    require(not rollout.weight_sync.delta,
+            f"rollout.weight_sync.delta: not with rollout.quantization {rollout.quantization} "
+            "(the servers receive FP8 blocks and their scales, not bf16 bits to compare)")
+
+
+def quantization_note(rollout: RolloutConfig, gspo: GSPOConfig) -> str | None:
+    """What ``config`` and ``train`` say about ``rollout.quantization`` (None: unset)."""
+    if rollout.quantization is None:
+        return None
+    if gspo.uses_behaviour_weight():
+        return (f"rollout.quantization {rollout.quantization}: the rollout/trainer log-prob "
+                "mismatch of FP8 rollouts is corrected by the behaviour weight "
+                f"(gspo.mismatch_correction on, truncated at gspo.mismatch_cap "
+                f"{gspo.mismatch_cap:g})")
+    return (f"rollout.quantization {rollout.quantization}: gspo.mismatch_correction is off: the "
+            "FP8 rollouts' log-prob mismatch is not corrected")
+
+
 MAX_STALENESS = 16
 """The largest rollout.max_staleness (the staleness study, docs/async.md, goes to 4)."""
 SAMPLE_BYTES_PER_TOKEN = 112

@@ -77,10 +77,11 @@ from typing import TYPE_CHECKING, Any, Optional
 import aiohttp
 
 from pipeline.generation import routed_experts as re_wire
+from pipeline.generation.answers import Answer, Malformed, check_body, read_answer, version_spans
 from pipeline.generation.connections import (ConnectionPool, Pooled, TooManyOpenFiles,
                                              out_of_files)
+from pipeline.generation.parse_pool import MIN_BYTES, ParsePool, shared_pool
 from pipeline.generation.trajectory import RolloutResult, Span
-from pipeline.generation.version import from_wire
 
 if TYPE_CHECKING:
     from megatron_gspo.config import RolloutConfig
@@ -179,6 +180,18 @@ def generate_payload(rid: str, input_ids: Sequence[int], sampling: SamplingParam
     return body
 
 
+def parse_generate_text(text: bytes | str, rid: str, prompt_ids: Sequence[int], url: str, *,
+                        routed_experts: Optional[tuple[int, int]] = None) -> RolloutResult:
+    """A 200 answer's text (or the bytes read off the socket) -> :class:`RolloutResult`, read in
+    this thread (``pipeline.generation.answers.read_answer``); RolloutError if it is not JSON or
+    malformed."""
+    try:
+        answer = read_answer(text, rid, len(prompt_ids), routed_experts)
+    except Malformed as err:
+        raise RolloutError(url, 200, str(err)) from None
+    return answer_result(answer, rid, prompt_ids, url, routed_experts)
+
+
 def parse_generate_response(body: Any, rid: str, prompt_ids: Sequence[int], url: str, *,
                             routed_experts: Optional[tuple[int, int]] = None) -> RolloutResult:
     """One /generate response object -> :class:`RolloutResult` (RolloutError if malformed).
@@ -187,39 +200,44 @@ def parse_generate_response(body: Any, rid: str, prompt_ids: Sequence[int], url:
     their absence from a sample that ran is an error (SGLang omits them silently when the
     server was started without ``--enable-return-routed-experts``)."""
     try:
-        if isinstance(body, list) and len(body) == 1:
-            body = body[0]
-        meta = body["meta_info"]
-        output_ids = [int(t) for t in body["output_ids"]]
-        finish = meta["finish_reason"] or {}
-        kind = finish.get("type")
-        if kind not in ("stop", "length", "abort"):
-            raise ValueError(f"finish_reason {finish!r}")
-        entries = meta.get("output_token_logprobs") or []
-        if len(entries) != len(output_ids):
-            raise ValueError(f"{len(entries)} output_token_logprobs for {len(output_ids)} output ids")
-        if any(int(e[1]) != t for e, t in zip(entries, output_ids)):
-            raise ValueError("output_token_logprobs token ids differ from output_ids")
-        missing = next((i for i, e in enumerate(entries) if e[0] is None), None)
-        if missing is not None:  # SGLang renders a NaN / -inf as null (orjson)
-            raise ValueError(f"output token {missing} has a null log-prob (a NaN or -inf on the "
-                             "server: are its weights finite?)")
-        logprobs = [float(e[0]) for e in entries]
-        spans = weight_version_spans(meta, len(output_ids))
-        routed = None
-        if routed_experts is not None:
-            routed = _routed_experts(meta, rid, len(prompt_ids), len(output_ids), kind,
-                                     routed_experts, url)
-    except (KeyError, TypeError, ValueError, IndexError) as err:
-        raise RolloutError(url, 200, f"malformed /generate response for rid {rid}: {err}; "
-                                     f"body: {json.dumps(body)[:500]}") from None
+        answer = check_body(body, rid, len(prompt_ids), routed_experts)
+    except Malformed as err:
+        raise RolloutError(url, 200, str(err)) from None
+    return answer_result(answer, rid, prompt_ids, url, routed_experts)
+
+
+def answer_result(answer: Answer, rid: str, prompt_ids: Sequence[int], url: str,
+                  routed_experts: Optional[tuple[int, int]] = None) -> RolloutResult:
+    """The sample of a checked answer (read here or in the parse process)."""
+    n = len(answer.output_ids)
+    routed = None
+    if answer.routed is not None and routed_experts is not None:
+        routed = re_wire.from_bytes(answer.routed, re_wire.expected_rows(len(prompt_ids), n),
+                                    *routed_experts)
     return RolloutResult(
-        rid=rid, prompt_ids=list(prompt_ids), output_ids=output_ids, output_logprobs=logprobs,
-        finish_reason=kind, matched_stop=finish.get("matched"),
-        prompt_tokens=int(meta.get("prompt_tokens", len(prompt_ids))),
-        completion_tokens=int(meta.get("completion_tokens", len(output_ids))),
-        weight_version=from_wire(meta.get("weight_version")), server_url=url, routed_experts=routed,
-        weight_versions=spans, cached_tokens=int(meta.get("cached_tokens") or 0))
+        rid=rid, prompt_ids=list(prompt_ids), output_ids=answer.output_ids.tolist(),
+        output_logprobs=answer.logprobs.tolist(), finish_reason=answer.kind,
+        matched_stop=answer.matched,
+        prompt_tokens=len(prompt_ids) if answer.prompt_tokens is None else answer.prompt_tokens,
+        completion_tokens=n if answer.completion_tokens is None else answer.completion_tokens,
+        weight_version=answer.weight_version, server_url=url, routed_experts=routed,
+        weight_versions=[Span(*s) for s in answer.spans], cached_tokens=answer.cached_tokens)
+
+
+async def read_generate_answer(raw: bytes, rid: str, prompt_ids: Sequence[int], url: str, *,
+                               routed_experts: Optional[tuple[int, int]] = None,
+                               pool: Optional[ParsePool] = None) -> RolloutResult:
+    """A 200 answer as read off the socket -> :class:`RolloutResult`: at least
+    ``parse_pool.MIN_BYTES`` of it in the parse process (``pool``, default this process's:
+    out of the training process's interpreter lock), a smaller one in this thread."""
+    if len(raw) < MIN_BYTES:
+        return parse_generate_text(raw, rid, prompt_ids, url, routed_experts=routed_experts)
+    future = (pool or shared_pool()).submit(raw, rid, len(prompt_ids), routed_experts)
+    try:
+        answer = await asyncio.wrap_future(future)
+    except Malformed as err:
+        raise RolloutError(url, 200, str(err)) from None
+    return answer_result(answer, rid, prompt_ids, url, routed_experts)
 
 
 def weight_version_spans(meta: dict, num_output: int) -> list[Span]:
@@ -227,32 +245,7 @@ def weight_version_spans(meta: dict, num_output: int) -> list[Span]:
     (ValueError otherwise), their labels read as versions (``pipeline.generation.version``).
     Absent (a server before 0.5.23): one span of ``meta_info.weight_version`` over every output
     token."""
-    raw = meta.get("weight_versions")
-    if raw is None:
-        return [Span(from_wire(meta.get("weight_version")), 0, num_output)] if num_output else []
-    spans = [Span(from_wire(str(s["version"])), int(s["start"]), int(s["end"])) for s in raw]
-    at = 0
-    for version, start, end in spans:
-        if start != at or end < start:
-            raise ValueError(f"weight_versions {raw!r} do not tile the {num_output} output tokens")
-        at = end
-    if at != num_output and not (num_output == 0 and len(spans) <= 1):
-        raise ValueError(f"weight_versions {raw!r} do not tile the {num_output} output tokens")
-    return [s for s in spans if s.end > s.start]
-
-
-def _routed_experts(meta: dict, rid: str, prompt_len: int, output_len: int, kind: str,
-                    shape: tuple[int, int], url: str):
-    text = meta.get("routed_experts")
-    if text is None:
-        if kind == "abort":  # a request aborted before it ran has none (nor does it train)
-            return None
-        raise RolloutError(url, 200, f"rid {rid}: asked for return_routed_experts, but "
-                                     "meta_info has no routed_experts: start SGLang with "
-                                     "--enable-return-routed-experts (megatron-gspo serve: the "
-                                     "same flag)")
-    num_layers, top_k = shape
-    return re_wire.decode(text, re_wire.expected_rows(prompt_len, output_len), num_layers, top_k)
+    return [Span(*s) for s in version_spans(meta, num_output)]
 
 
 def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
@@ -584,12 +577,12 @@ class RolloutClient:
                     async with pooled.slots:  # the pool's limit (before the timeout starts)
                         async with pooled.session.post(url + "/generate", json=payload,
                                                        timeout=timeout) as resp:
-                            status, text = resp.status, await resp.text()
+                            status, raw = resp.status, await resp.read()
                 except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
                     if out_of_files(err):  # this process, not the server: no retry, no wait
                         raise TooManyOpenFiles.calling(url, err, self.pool.limit) from err
                     timed_out = isinstance(err, asyncio.TimeoutError)
-                    status, text = None, ""
+                    status, raw = None, b""
                     last = RolloutError(url, None, (f"no answer within {self.request_timeout_s:g} s"
                                                     if timed_out else f"{type(err).__name__}: {err}"))
                     if not self.router_url:
@@ -599,16 +592,12 @@ class RolloutClient:
                 finally:
                     self._inflight[url] -= 1
                 if status == 200:
-                    try:
-                        body = json.loads(text)
-                    except json.JSONDecodeError:
-                        raise RolloutError(url, 200, f"not JSON: {text[:300]}") from None
-                    result = parse_generate_response(body, rid, prompt, url,
-                                                     routed_experts=routed_experts)
+                    result = await read_generate_answer(raw, rid, prompt, url,
+                                                        routed_experts=routed_experts)
                     self._down_until.pop(url, None)
                     return result
                 if status is not None:
-                    last = RolloutError(url, status, error_message(text))
+                    last = RolloutError(url, status, error_message(raw.decode("utf-8", "replace")))
                     if status not in RETRYABLE_STATUS:
                         raise last
                     if not self.router_url and status >= 500:

@@ -28,24 +28,24 @@ samples without routing data).
 from __future__ import annotations
 
 import base64
-import binascii
 from collections.abc import Sequence
 from typing import Optional
 
 import numpy as np
 import torch
 
+from pipeline.generation import answers
+
 UNKNOWN = -1
 """The ``routed_experts`` value of positions without routing data (padding, not returned)."""
 
-WIRE_DTYPE = "<i4"
+WIRE_DTYPE = answers.ROUTED_DTYPE
 """int32, little-endian: what SGLang's ``tensor.numpy().tobytes()`` writes on x86 and ARM."""
 
 
 def expected_rows(prompt_len: int, output_len: int, start_len: int = 0) -> int:
     """Rows SGLang returns: positions ``[start_len, prompt_len + output_len - 1)``."""
-    seqlen = prompt_len + output_len
-    return max(0, seqlen - 1 - min(start_len, seqlen - 1))
+    return answers.expected_rows(prompt_len, output_len, start_len)
 
 
 def encode(experts: "torch.Tensor") -> str:
@@ -56,17 +56,12 @@ def encode(experts: "torch.Tensor") -> str:
 
 def decode(text: str, rows: int, num_layers: int, top_k: int) -> "torch.Tensor":
     """SGLang's base64 string -> int32 ``[rows, num_layers, top_k]``; ValueError if the payload
-    is not base64 of exactly that many int32 values."""
-    if not isinstance(text, str):
-        raise ValueError(f"routed_experts must be a base64 string, got {type(text).__name__}")
-    try:
-        raw = base64.b64decode(text.encode("ascii"), validate=True)
-    except (binascii.Error, UnicodeEncodeError) as err:
-        raise ValueError(f"routed_experts is not base64: {err}") from None
-    want = rows * num_layers * top_k
-    if len(raw) != 4 * want:
-        raise ValueError(f"routed_experts holds {len(raw)} bytes; expected {rows} positions x "
-                         f"{num_layers} layers x top-{top_k} int32 = {4 * want} bytes")
+    is not base64 of exactly that many int32 values (``answers.routed_bytes``)."""
+    return from_bytes(answers.routed_bytes(text, rows, num_layers, top_k), rows, num_layers, top_k)
+
+
+def from_bytes(raw: bytes, rows: int, num_layers: int, top_k: int) -> "torch.Tensor":
+    """The int32 bytes of a checked answer (``answers.routed_bytes``) -> ``[rows, layers, top_k]``."""
     flat = np.frombuffer(raw, dtype=WIRE_DTYPE).astype(np.int32)
     return torch.from_numpy(flat.reshape(rows, num_layers, top_k))
 

@@ -46,6 +46,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefill-tokens", type=int, default=16384,
                    help="padded prompt tokens per prefill batch")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="FP8 weights (SGLang's flag; rollout.quantization: fp8): the attention "
+                        "and expert projections are rounded to e4m3 blocks of 128 x 128 with a "
+                        "float32 scale each at the start, and updates send them so (with their "
+                        "<name>_scale_inv); the model computes with their dequantized values. An "
+                        "imitation of the weights SGLang's FP8 kernels use, not of its FP8 "
+                        "activations (this server has no FP8 kernels)")
     p.add_argument("--device", default="cpu",
                    help="cpu (default) or cuda[:N]: where the model, its KV cache and its forward "
                         "passes run (SGLang's --device); sampling and answers stay on the host")

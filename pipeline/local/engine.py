@@ -119,7 +119,8 @@ class LocalEngine:
                  skip_tokenizer_init: bool = False, dtype: str = "float32",
                  max_queued_requests: Optional[int] = None,
                  capture_routed_experts: bool = False, device: str = "cpu",
-                 radix_cache: bool = True, radix_cache_max_tokens: Optional[int] = None):
+                 radix_cache: bool = True, radix_cache_max_tokens: Optional[int] = None,
+                 quantization: Optional[str] = None):
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
@@ -159,7 +160,9 @@ class LocalEngine:
         if not skip_tokenizer_init and _has_tokenizer(self.model_path):
             from transformers import AutoTokenizer
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.weights = WeightTable(self.model)
+        self.weights = WeightTable(self.model, fp8=quantization == "fp8")
+        if self.weights.fp8:  # computes with the FP8 blocks of its weights from the start
+            self.weights.round_to_fp8()
         self.weight_version = weight_version
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens

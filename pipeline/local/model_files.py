@@ -78,6 +78,14 @@ def check_model_dir(model_path: str | Path, config) -> None:
     except (WeightFileError, OSError) as err:
         raise ModelFilesError(f"--model-path {model_path}: {' '.join(str(err).split())}"
                               ) from None
+    fp8 = sorted(e[0] for layout, _ in headers.values() for e in layout
+                 if e[1] == torch.float8_e4m3fn or e[0].endswith("_scale_inv"))
+    if fp8:
+        raise ModelFilesError(
+            f"--model-path {model_path}: an FP8 checkpoint ({fp8[0]}, ...: float8_e4m3fn "
+            "weights with their _scale_inv): this server loads bf16 / fp32 checkpoints and, "
+            "with --quantization fp8, rounds their projections to FP8 blocks itself; serve the "
+            "checkpoint it was quantized from")
     model, missing_ok, unexpected_ok = meta_model(config)
     table = WeightTable(model)
     kept = {f: ([e for e in layout if not _ignored(e[0], unexpected_ok)], start)

@@ -137,7 +137,8 @@ class ServerState:
             capture_routed_experts=bool(getattr(args, "enable_return_routed_experts", False)),
             device=getattr(args, "device", "cpu"),
             radix_cache=not getattr(args, "disable_radix_cache", False),
-            radix_cache_max_tokens=getattr(args, "radix_cache_max_tokens", None))
+            radix_cache_max_tokens=getattr(args, "radix_cache_max_tokens", None),
+            quantization=getattr(args, "quantization", None))
         self.weight_roots = [self.engine.model_path] + [
             Path(r).resolve() for r in (getattr(args, "weight_roots", None) or [])]
         """Directories update_weights_from_disk may read (resolved): the model's and
@@ -174,7 +175,8 @@ class ServerState:
         self.impl = sglang_impl()  # SGLang's own weight-update code where it is installed
         self.receive_buffers = ReceiveBuffers(2)  # bucket k loads while bucket k+1 arrives
         self.mapped = MappedStorages()  # the trainer's shared-memory buckets stay mapped
-        self.tp_workers = TPWorkers(self.tp_size, args.model_path, args.dtype)
+        self.tp_workers = TPWorkers(self.tp_size, args.model_path, args.dtype,
+                                    getattr(args, "quantization", None))
 
     def shutdown(self) -> None:
         """Stop the engine thread and the TP rank processes."""

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from pipeline.local.weight_table import shard_files
+from megatron_gspo.hf.fp8 import dequantize, is_quantized, quantize
+from pipeline.local.weight_table import fp8_update, shard_files
 from pipeline.weights import transport as wt
 
 
@@ -188,12 +189,15 @@ class MappedStorages:
 class _Replica:
     """One extra TP rank: the full weights as tensors, its update groups."""
 
-    def __init__(self, model_path: str, dtype: str):
+    def __init__(self, model_path: str, dtype: str, quantization: Optional[str] = None):
         self.dtype = getattr(torch, dtype)
+        self.fp8 = quantization == "fp8"
         self.weights: dict[str, torch.Tensor] = {}
         for f in shard_files(model_path):
             for name, t in load_file(str(Path(model_path) / f)).items():
                 self.weights[name] = t.to(self.dtype)
+                if self.fp8 and is_quantized(name, t.shape):  # as rank 0's WeightTable does
+                    self.weights[name] = dequantize(*quantize(self.weights[name]), self.dtype)
         self.impl = sglang_impl()
         self.groups: dict[str, Any] = {}
         self.buffers = ReceiveBuffers(1)  # one command at a time: one receive buffer
@@ -201,13 +205,20 @@ class _Replica:
 
     def apply(self, named: list, delta: bool) -> str:
         full, deltas = wt.delta_pairs(named) if delta else (dict(named), {})
+        received = {}  # FP8: the checksum parts of the blocks and scales as received
+        if self.fp8:
+            full, received = fp8_update(full, self.dtype)
         for name, t in full.items():
             if name not in self.weights or tuple(self.weights[name].shape) != tuple(t.shape):
                 raise ValueError(f"{name}: not a weight of this shape")
-        parts = {}  # each weight summed right after it is written, while it is in cache
+            if t.dtype == torch.float8_e4m3fn:  # a server without --quantization fp8
+                raise ValueError(f"{name}: float8_e4m3fn, but this server runs without "
+                                 "--quantization fp8")
+        parts = dict(received)  # each weight summed right after it is written, while in cache
         for name, t in full.items():
             self.weights[name].copy_(t)
-            parts[name] = wt.tensor_sums(self.weights[name].to(t.dtype))
+            if name not in parts:
+                parts[name] = wt.tensor_sums(self.weights[name].to(t.dtype))
         for name, (index, values) in deltas.items():
             wt.delta_apply(self.weights[name], index, values)
             parts[name] = wt.tensor_sums(self.weights[name].to(values.dtype))
@@ -246,10 +257,10 @@ class _Replica:
         raise ValueError(f"unknown command {cmd!r}")
 
 
-def worker_main(conn, model_path: str, dtype: str) -> None:
+def worker_main(conn, model_path: str, dtype: str, quantization: Optional[str] = None) -> None:
     torch.set_num_threads(1)
     try:
-        replica = _Replica(model_path, dtype)
+        replica = _Replica(model_path, dtype, quantization)
         conn.send(("ok", None))
     except BaseException as err:  # noqa: BLE001 - reported to the server
         conn.send(("error", f"{type(err).__name__}: {err}"))
@@ -273,12 +284,14 @@ class TPWorkers:
     broadcasts of one update group must reach every member in the same order, and a lock's
     waiters are not woken in arrival order."""
 
-    def __init__(self, tp_size: int, model_path: str, dtype: str):
+    def __init__(self, tp_size: int, model_path: str, dtype: str,
+                 quantization: Optional[str] = None):
         ctx = mp.get_context("spawn")
         self.procs, self.conns, self.locks = [], [], []
         for _ in range(tp_size - 1):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, args=(child, str(model_path), dtype),
+            proc = ctx.Process(target=worker_main,
+                               args=(child, str(model_path), dtype, quantization),
                                daemon=True, name="tp-rank")
             proc.start()
             self.procs.append(proc)

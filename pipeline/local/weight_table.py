@@ -18,8 +18,11 @@ from typing import Optional
 
 import torch
 
+from megatron_gspo.hf.fp8 import SCALE_SUFFIX, dequantize, is_quantized, quantize, scale_shape
 from pipeline.weights.transport import (checksum_digest, delta_apply, read_shard_header,
                                         tensor_sums, weights_checksum)
+
+FP8 = torch.float8_e4m3fn
 
 
 class WeightFileError(ValueError):
@@ -36,7 +39,12 @@ class WeightTable:
 
     _FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, *, fp8: bool = False):
+        self.fp8 = fp8
+        """``--quantization fp8``: the projections (``megatron_gspo.hf.fp8.is_quantized``) arrive
+        as float8_e4m3fn blocks with their ``<name>_scale_inv``, and the model computes with
+        their dequantized values (the weights SGLang's FP8 kernels use; its activations' FP8
+        quantization is not imitated)."""
         self.entries: dict[str, tuple[torch.nn.Parameter, tuple, bool]] = {}  # param, index, transposed
         modules = dict(model.named_modules())
         for name, param in model.named_parameters():
@@ -69,7 +77,20 @@ class WeightTable:
             raise KeyError(name)
         return self.entries[name]
 
+    def scale_of(self, name: str) -> Optional[str]:
+        """With :attr:`fp8`: the weight whose per-block scale ``name`` is (None: not a scale)."""
+        if not (self.fp8 and name.endswith(SCALE_SUFFIX)):
+            return None
+        base = name[:-len(SCALE_SUFFIX)]
+        try:
+            return base if is_quantized(base, self.shape(base)) else None
+        except KeyError:
+            return None
+
     def shape(self, name: str) -> tuple[int, ...]:
+        base = self.scale_of(name)
+        if base is not None:
+            return scale_shape(self.shape(base))
         param, index, transposed = self._resolve(name)
         view = param.data[index]
         return tuple(view.t().shape) if transposed else tuple(view.shape)
@@ -83,9 +104,35 @@ class WeightTable:
         view = param.data[index]
         return view.t() if transposed else view
 
+    def fp8_problems(self, dtypes: dict[str, torch.dtype]) -> list[str]:
+        """What stops a set of tensors (name -> dtype: one update, or one shard) from loading as
+        FP8 weights and scales: each FP8 projection with its scale, both here; no FP8 at all
+        without :attr:`fp8`."""
+        problems = []
+        for name, dtype in dtypes.items():
+            base = self.scale_of(name)
+            if base is not None:
+                if dtypes.get(base) != FP8:
+                    problems.append(f"{name}: a scale without its float8_e4m3fn weight {base} in "
+                                    "the same update")
+                continue
+            try:
+                quantized = self.fp8 and is_quantized(name, self.shape(name))
+            except KeyError:
+                continue  # named by the shape check
+            if quantized and (dtype != FP8 or name + SCALE_SUFFIX not in dtypes):
+                problems.append(f"{name}: {dtype} without {name}{SCALE_SUFFIX}: this server runs "
+                                "FP8 weights (--quantization fp8); a projection comes as "
+                                "float8_e4m3fn with its per-block scale")
+            elif dtype == FP8 and not quantized:
+                problems.append(f"{name}: float8_e4m3fn, but this server "
+                                + ("keeps it unquantized" if self.fp8 else
+                                   "runs without --quantization fp8"))
+        return problems
+
     def check(self, tensors: dict[str, torch.Tensor]) -> list[str]:
         """Every problem that would stop ``tensors`` from being loaded (empty: loadable)."""
-        problems = []
+        problems = self.fp8_problems({n: t.dtype for n, t in tensors.items()})
         for name, t in tensors.items():
             try:
                 shape = self.shape(name)
@@ -100,10 +147,24 @@ class WeightTable:
 
     @torch.no_grad()
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy (casting to the parameter dtype); call :meth:`check` first."""
+        """Copy (casting to the parameter dtype; FP8 weights dequantized with their scales);
+        call :meth:`check` first."""
         for name, t in tensors.items():
+            if self.scale_of(name) is not None:
+                continue  # loaded with its weight
+            if t.dtype == FP8:
+                t = dequantize(t, tensors[name + SCALE_SUFFIX], self.view(name).dtype)
             param, index, transposed = self._resolve(name)
             param.data[index].copy_(t.t() if transposed else t)
+
+    @torch.no_grad()
+    def round_to_fp8(self) -> None:
+        """At the start, with :attr:`fp8`: every projection of the loaded checkpoint replaced by
+        its FP8 blocks' value, as a server started from it serves (later updates send FP8)."""
+        for name in self.names():
+            if is_quantized(name, self.shape(name)):
+                view = self.view(name)
+                view.copy_(dequantize(*quantize(view), view.dtype))
 
     def checksum(self) -> str:
         return weights_checksum((n, self.get(n)) for n in self.names())
@@ -129,6 +190,12 @@ class WeightTable:
                 f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""))
         parts = {}
         for name, t in full.items():
+            if self.scale_of(name) is not None or t.dtype == FP8:
+                if t.dtype == FP8:
+                    self.load({name: t, name + SCALE_SUFFIX: full[name + SCALE_SUFFIX]})
+                if checksum:  # FP8: the blocks and scales received (what it computes from)
+                    parts[name] = tensor_sums(t)
+                continue
             self.load({name: t})
             if checksum:
                 parts[name] = tensor_sums(self.view(name).to(t.dtype))
@@ -151,6 +218,7 @@ class WeightTable:
         naming the file, the tensor and both shapes (empty: they fit)."""
         problems = []
         for f, (layout, _) in headers.items():
+            problems += [f"{f}: {p}" for p in self.fp8_problems({e[0]: e[1] for e in layout})]
             for name, dtype, shape, _, _ in layout:
                 try:
                     want = self.shape(name)
@@ -175,8 +243,17 @@ class WeightTable:
         def load_one(f: str) -> str:
             layout, data_start = headers[f]
             parts = {}  # each tensor summed right after its read, while it is in cache
+            fp8 = {}  # FP8 weights and their scales, dequantized once the file is read
             with open(Path(path) / f, "rb", buffering=0) as fh:
                 for name, dtype, shape, start, end in layout:
+                    if dtype == FP8 or self.scale_of(name) is not None:
+                        fh.seek(data_start + start)
+                        raw = torch.empty(end - start, dtype=torch.uint8)
+                        if _read_into(fh, memoryview(raw.numpy())) != end - start:
+                            raise ValueError(f"{f}: {name}: file ends early")
+                        fp8[name] = raw.view(dtype).view(shape)
+                        parts[name] = tensor_sums(fp8[name])
+                        continue
                     target = self.view(name)
                     fh.seek(data_start + start)
                     if (target.is_contiguous() and target.dtype == dtype
@@ -189,6 +266,7 @@ class WeightTable:
                     if dst is not None and dst.data_ptr() != target.data_ptr():
                         target.copy_(dst.view(dtype).view(shape))
                     parts[name] = tensor_sums(target.to(dtype))
+            self.load(fp8)
             return checksum_digest(parts)
 
         # Shards hold disjoint tensors: read them on up to 2 threads (readinto and torch release
@@ -200,6 +278,27 @@ class WeightTable:
         with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="load") as pool:
             return dict(zip(files, pool.map(load_one, files)))
 
+
+
+def fp8_update(full: dict[str, torch.Tensor], dtype: torch.dtype
+               ) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
+    """An update's FP8 weights (float8_e4m3fn, each with its ``<name>_scale_inv``) as the
+    dequantized values to load, in ``dtype``, the other tensors as they are; and the checksum
+    parts of the FP8 entries as received (their blocks and scales). What a TP rank that holds
+    plain tensors (``pipeline.local.tp_ranks``) does with what :class:`WeightTable` loads."""
+    out, parts = {}, {}
+    for name, t in full.items():
+        if name.endswith(SCALE_SUFFIX) and name[:-len(SCALE_SUFFIX)] in full:
+            parts[name] = tensor_sums(t)
+            continue
+        if t.dtype == FP8:
+            scale = full.get(name + SCALE_SUFFIX)
+            if scale is None:
+                raise ValueError(f"{name}: float8_e4m3fn without {name}{SCALE_SUFFIX}")
+            parts[name] = tensor_sums(t)
+            t = dequantize(t, scale, dtype)
+        out[name] = t
+    return out, parts
 
 
 def _read_into(fh, buf: memoryview) -> int:

@@ -59,8 +59,8 @@ class DiskTransport(Transport):
     def send(self, bucket, version: str, wire, wire_flat: torch.Tensor, extra: dict,
              entry: dict) -> None:
         entry["shard"] = f"model-{bucket.index + 1:05d}-of-{bucket.count:05d}.safetensors"
-        layout, _ = wt.flat_layout(bucket.names, [bucket.dtype] * len(bucket.names),
-                                   bucket.shapes)
+        layout, _ = wt.flat_layout([n for n, _ in wire], [t.dtype for _, t in wire],
+                                   [t.shape for _, t in wire])
         wt.write_shard(self.version_dir(version, tmp=True) / entry["shard"], layout,
                        wire_flat.cpu())
         return None  # the servers answer at end(), when they load the directory
@@ -70,7 +70,8 @@ class DiskTransport(Transport):
         tmp, final = self.version_dir(version, tmp=True), self.version_dir(version)
         weight_map = {}
         for b, meta in buckets.items():
-            weight_map.update({n: meta["shard"] for n in stream.meta[b].names})
+            names = meta.get("names") or stream.meta[b].names  # FP8: weights and scales
+            weight_map.update({n: meta["shard"] for n in names})
         shards = set(weight_map.values())
         for leftover in tmp.iterdir():  # a recycled directory's files this push did not write
             if leftover.name not in shards:

@@ -86,6 +86,7 @@ from megatron_gspo.collectives import Failure, Outcome, all_gather, broadcast, o
 from megatron_gspo.errors import one_line
 from pipeline.generation import client as rollout
 from pipeline.servers.paused import PausedServers
+from pipeline.weights import fp8 as fp8_wire
 from pipeline.weights import transport as wt
 from pipeline.weights.disk import DiskTransport
 from pipeline.weights.distributed import DistributedTransport
@@ -158,7 +159,8 @@ class WeightPusher:
                  timeout_s: float = 600.0, master_address: Optional[str] = None,
                  group_name: str = "megatron_gspo_weights", backend: Optional[str] = None,
                  keep_versions: int = 1, delta: bool = False, full_every: int = 10,
-                 verify: bool | Literal["auto"] = "auto", group: Any = None):
+                 verify: bool | Literal["auto"] = "auto", group: Any = None,
+                 quantization: Optional[str] = None):
         if transport not in ("disk", "tensor", "distributed"):
             raise ValueError(f"transport {transport!r}: expected 'disk', 'tensor' or 'distributed'")
         if pause_mode not in PAUSE_MODES:
@@ -181,6 +183,10 @@ class WeightPusher:
                                                    group_name=group_name, backend=backend)
         if delta and not self._transport.supports_delta:
             raise ValueError("delta pushes need transport 'distributed' or 'tensor'")
+        if quantization not in (None, "fp8"):
+            raise ValueError(f"quantization {quantization!r}: expected None or 'fp8'")
+        if delta and quantization:
+            raise ValueError("delta pushes send bf16 bits; not with quantization fp8")
         if full_every < 1:
             raise ValueError(f"full_every: must be >= 1, got {full_every}")
         if not server_urls:
@@ -190,6 +196,9 @@ class WeightPusher:
         self.pause_mode = pause_mode
         self.timeout_s = timeout_s
         self.delta, self.full_every, self.verify = delta, full_every, verify
+        self.quantization = quantization
+        """``fp8``: the servers run FP8 weights; every bucket's projections are sent as FP8
+        blocks and scales (:mod:`pipeline.weights.fp8`)."""
         self.group = group
         self.tp: Optional[list[int]] = None
         """Per server, its TP size (``/server_info``, read at each push's start)."""
@@ -235,7 +244,8 @@ class WeightPusher:
         if failure is None:
             failure = self._transport.connect(stream.sources, stats)
         # 3. the buckets (the trainer's checksum summed per tensor during the gather, in cache)
-        if failure is None and self.verify_now and hasattr(stream, "tensor_hook"):
+        if (failure is None and self.verify_now and hasattr(stream, "tensor_hook")
+                and not self.quantization):  # FP8: the sums are of the quantized wire
             stream.tensor_hook = _tensor_sums
         mine: dict[int, dict] = {}  # bucket index -> {"checksum", "shard", "wire"}
         local = self._send_all(stream, version, full, mine, stats) if failure is None \
@@ -362,6 +372,7 @@ class WeightPusher:
         tp = []
         for url, info in zip(self.server_urls, infos):
             self._transport.check_server(url, info)
+            self._check_quantization(url, info)
             tp.append(int(info.get("tp_size") or 1))
         ext, verify = self._negotiate(infos)
         full = True
@@ -376,6 +387,17 @@ class WeightPusher:
                     or any(v != self._last_ok for v in versions))
         self._transport.begin(stats.weight_version)
         return {"tp": tp, "full": full, "phases": phases, "ext": ext, "verify": verify}
+
+    def _check_quantization(self, url: str, info: dict) -> None:
+        """The server runs the weights this pusher sends: FP8 blocks and scales loaded into a
+        server without FP8 weights (or bf16 into one with them) would be cast, not converted."""
+        served = fp8_wire.server_quantization(info)
+        if served != self.quantization:
+            raise ValueError(
+                f"{url}: rollout.quantization is {self.quantization or 'null'} but the server runs "
+                f"{served or 'unquantized'} weights (its /server_info quantization); start the "
+                "servers with --quantization fp8 from an FP8 checkpoint of the model (megatron-"
+                "gspo convert hf-to-fp8) for rollout.quantization: fp8, without it otherwise")
 
     def _end(self, version: str, buckets: dict, stats: SyncStats, stream) -> None:
         self._transport.end(version, buckets, stats, stream)
@@ -489,14 +511,18 @@ class WeightPusher:
         buffer is done when this returns (the gather reuses it for a later bucket)."""
         named = bucket.named_tensors()
         parts = getattr(bucket, "parts", None)
+        wire, wire_flat, is_delta = named, bucket.flat[: bucket.nbytes], False
+        if self.quantization:  # what the servers hold is the FP8 blocks and scales sent
+            wire = fp8_wire.fp8_entries(named)
+            wire_flat, parts = self._as_flat(wire), None
         if not self.verify_now:
             checksum = None
         elif parts is not None and len(parts) == len(bucket.names):
             checksum = _Done(wt.checksum_digest(parts))
         else:
-            checksum = self.pool.submit(wt.bucket_checksum, named)
-        entry = {"shard": None, "wire": bucket.nbytes, "verified": 0, "checksum": None}
-        wire, wire_flat, is_delta = named, bucket.flat[: bucket.nbytes], False
+            checksum = self.pool.submit(wt.bucket_checksum, wire)
+        entry = {"shard": None, "wire": bucket.nbytes, "verified": 0, "checksum": None,
+                 "names": [n for n, _ in wire] if self.quantization else None}
         if self.delta:
             base = self._base.get(bucket.index)
             if not full and base is not None:

@@ -70,7 +70,7 @@ from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_proce
 
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                "float64": torch.float64, "uint8": torch.uint8, "int64": torch.int64,
-               "int32": torch.int32, "int16": torch.int16}
+               "int32": torch.int32, "int16": torch.int16, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -253,7 +253,7 @@ _ALLOWED_GLOBALS = {
     ("collections", "OrderedDict"), ("builtins", "list"), ("builtins", "tuple"),
     ("builtins", "dict"), ("builtins", "slice"),
 } | {("torch", name) for name in ("float32", "bfloat16", "float16", "float64", "int64",
-                                  "int32", "int16", "uint8", "int8", "bool")}
+                                  "int32", "int16", "uint8", "int8", "bool", "float8_e4m3fn")}
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
@@ -437,7 +437,7 @@ def delta_pairs(named: Iterable[tuple[str, torch.Tensor]]
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
               torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
-              torch.uint8: "U8"}
+              torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3"}
 _ST_FROM = {v: k for k, v in _ST_DTYPES.items()}
 
 

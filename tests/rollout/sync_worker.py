@@ -285,3 +285,46 @@ def run_disk_recycled(rank: int, world_size: int, hf_dir: str, server_urls: list
     report.append({"after_close": sorted(p.name for p in Path(shared_dir).iterdir())})
     parallel.destroy_model_parallel()
     return report
+
+
+def _fp8_expected_checksum(full: dict, server_dtype=torch.float32) -> str:
+    """The whole-model checksum of a server that runs FP8 weights: every projection as the
+    dequantized value of its FP8 blocks (``megatron_gspo.hf.fp8``), the rest as sent."""
+    from megatron_gspo.hf.fp8 import dequantize, is_quantized, quantize
+    from pipeline.weights.transport import weights_checksum
+
+    def served(name, t):
+        return dequantize(*quantize(t)) if is_quantized(name, t.shape) else t
+
+    return weights_checksum((n, served(n, t).to(server_dtype)) for n, t in full.items())
+
+
+def run_fp8(rank: int, world_size: int, parallel_section: dict, hf_dir: str,
+            server_urls: list[str], transports: list[str], shared_dir: str, bucket_bytes: int):
+    """``rollout.quantization: fp8``: random policy weights -> each transport, FP8 on the wire ->
+    every TP rank of every server computes with the dequantized FP8 blocks of the trainer's
+    projections and the trainer's other weights exactly; every bucket's checksum (of the FP8
+    blocks and scales sent) verified."""
+    par = ParallelConfig(**parallel_section)
+    pg = parallel.initialize(par)
+    model_cfg = model_config_from_hf(hf_dir)
+    gpt = policy.build_model(model_cfg, par, pg)
+    gather = HFGather(model_cfg, bucket_bytes=bucket_bytes)
+    report = {"pushes": []}
+    for k, transport in enumerate(transports):
+        policy.init_weights(gpt, model_cfg, pg, seed=500 + k)
+        pusher = WeightPusher(server_urls, transport=transport, shared_dir=shared_dir,
+                              group=_control_group(), quantization="fp8")
+        stats = pusher.push(gather.buckets(gpt, pg), f"fp8-{transport}-{k}")
+        pusher.close()
+        full = _full_hf(gpt, model_cfg, pg)
+        if rank == 0:
+            from megatron_gspo.hf.fp8 import served_bytes
+
+            wire = sum(served_bytes(n, t.shape, t.element_size()) for n, t in full.items())
+            report["pushes"].append({"transport": transport, "stats": stats, "wire": wire,
+                                     "expected": _fp8_expected_checksum(full),
+                                     "unquantized": _expected_checksum(full),
+                                     "servers": _server_checksums(server_urls)})
+    parallel.destroy_model_parallel()
+    return report if rank == 0 else None

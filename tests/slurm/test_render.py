@@ -297,6 +297,16 @@ def test_megatron_checkpoint_init_needs_the_hf_model_path(capsys, tmp_path):
     ([], ["rollout.tp_size=2"], "rollout.tp_size: 2 needs SGLang servers on GPUs"),
     (["--rollout-nodes", "3"], [], "rollout.num_servers: 2 local servers do not spread evenly"),
     (["--container-mounts", "/a:/a"], [], "--container-mounts: only with --container-image"),
+    # issue 37, item 3: CUDA-IPC / shared-memory handles open only on the node that made them
+    (["--gpus-per-node", "8", "--nodes", "2", "--rollout-nodes", "4"],
+     ["rollout.weight_sync.transport=tensor"], "rollout.weight_sync.transport: tensor cannot "
+     "sync in a Slurm job: tensor passes the servers CUDA-IPC / shared-memory handles"),
+    (["--nodes", "2", "--rollout-nodes", "0"], ["rollout.weight_sync.transport=tensor",
+                                                 "rollout.colocated=true"],
+     "with --rollout-nodes 0 the servers are spread over the 2 training nodes"),
+    (["--nodes", "1", "--rollout-nodes", "0"], ["rollout.weight_sync.transport=tensor",
+                                                 "rollout.colocated=true"],
+     "the local server takes pickled handles only on 127.0.0.1"),
 ])
 def test_bad_layouts_exit_2_naming_the_option(capsys, tmp_path, options, sets, message):
     config = QWEN if "--gpus-per-node" in options else "launch/configs/tiny_cpu.yaml"

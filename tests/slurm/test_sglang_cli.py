@@ -195,6 +195,33 @@ def test_replicas_memory_saver_and_routed_experts_flags(programs, tmp_path):
     assert got["random_seed"] == 8
 
 
+def test_fp8_rollouts_render_sglangs_quantization_flag(programs, tmp_path, capsys):
+    """Issue 37, item 5: ``rollout.quantization: fp8`` renders ``--quantization fp8``, which
+    SGLang 0.5.23's parser takes, for servers started from an FP8 checkpoint of the weight
+    sync's layout; a bf16 one (SGLang would quantize it online and refuse every later update)
+    is refused, naming --model-path."""
+    from launch.cli import main
+    from megatron_gspo.hf.fp8 import QUANTIZATION_CONFIG
+
+    fp8_dir, bf16_dir = tmp_path / "fp8", tmp_path / "bf16"
+    for directory, quant in ((fp8_dir, QUANTIZATION_CONFIG), (bf16_dir, None)):
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps(
+            {"model_type": "qwen3_moe", **({"quantization_config": quant} if quant else {})}))
+    argv = ["launch", "slurm", "--config", "launch/configs/qwen3_30b_a3b.yaml", "--nodes", "2",
+            "--rollout-nodes", "4", "--gpus-per-node", "8", "--dry-run",
+            *_sets(tmp_path, "qwen3_30b_a3b"), "--set", "rollout.quantization=fp8"]
+    assert main([*argv, "--model-path", str(fp8_dir)]) == 0
+    script = capsys.readouterr().out
+    (first,) = check_script(script, programs, tmp_path, tasks=[(0, 0)])
+    assert first["quantization"] == "fp8"
+    assert f"export MGSPO_MODEL_PATH={fp8_dir}" in script
+    assert main([*argv, "--model-path", str(bf16_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "--model-path: rollout.quantization fp8 starts the SGLang servers from an FP8 " \
+           "checkpoint" in err and "megatron-gspo convert hf-to-fp8" in err
+
+
 @pytest.mark.parametrize("argv, refusal", [
     (["--cuda-graph-max-bs", "256"], "ambiguous option: --cuda-graph-max-bs"),
     (["--cuda-graph-max", "256"], "ambiguous option"),

@@ -24,11 +24,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # What pipeline/ may import from the training library: the typed config, the pure group-advantage
 # math, the variant registry, the trainer's input format, the child-process lifetime helper, the
-# error kinds and the cross-rank outcome protocol.
+# error kinds, the cross-rank outcome protocol and the FP8 weight format (the trainer's weight sync
+# sends it, the local server reads it: pure torch, test_fp8_format_is_pure_torch).
 PIPELINE_MAY_IMPORT = (
     "megatron_gspo.collectives",
     "megatron_gspo.config",
     "megatron_gspo.errors",
+    "megatron_gspo.hf.fp8",
     "megatron_gspo.loss.advantages",
     "megatron_gspo.loss.variants",
     "megatron_gspo.train.batching",
@@ -101,6 +103,13 @@ def test_loss_math_is_pure_torch():
         return True
 
     assert _violations(_modules("megatron_gspo/loss"), allowed) == []
+
+
+def test_fp8_format_is_pure_torch():
+    """``megatron_gspo.hf.fp8``, which pipeline/ imports: torch and the standard library only."""
+    assert _violations([ROOT / "megatron_gspo" / "hf" / "fp8.py"],
+                       lambda m: _top(m) not in ("megatron", "transformer_engine", "megatron_gspo",
+                                                 "pipeline", "launch")) == []
 
 
 def test_hf_interop_never_imports_the_model():

@@ -355,18 +355,23 @@ def test_plan_on_the_recipes_reports_sync_buffers_update_groups_and_routing_repl
     assert {"launch/configs/qwen3_30b_a3b.yaml": "2.01 GB",       # the issue: ~2.0 / 3.9 GB
             "launch/configs/qwen3_235b_a22b.yaml": "3.94 GB"}[recipe] in line
 
-    # update groups on every SGLang GPU, 128 MiB each: weight_sync distributed would send from
-    # one rank per node and stage (weight_sync.senders auto): pipeline x nodes per stage (8 GPUs
-    # a node), not one per sending rank (pipeline x expert: the issue's 16 / 64)
+    # update groups on every SGLang GPU, 128 MiB each: weight_sync distributed (the recipes'
+    # transport since issue 37) sends from one rank per node and stage (weight_sync.senders
+    # auto): pipeline x nodes per stage (8 GPUs a node), not one per sending rank (pipeline x
+    # expert: the issue's 16 / 64)
     assert stages * par["expert"] == {"launch/configs/qwen3_30b_a3b.yaml": 16,
                                       "launch/configs/qwen3_235b_a22b.yaml": 64}[recipe]
     groups = stages * -(-(world // stages) // 8)
     assert groups == {"launch/configs/qwen3_30b_a3b.yaml": 2,
                       "launch/configs/qwen3_235b_a22b.yaml": 8}[recipe]
     (line,) = [l for l in out if l.startswith("rollout-server GPU")]
-    assert rollout["weight_sync"]["transport"] == "disk" and "would add" in line
+    assert rollout["weight_sync"]["transport"] == "distributed"
+    assert line.startswith(f"rollout-server GPU (weight_sync distributed, {rollout['tp_size']} "
+                           "GPU(s) per server)")
     assert f"{groups} update group(s) (one per node and pipeline stage" in line
     assert f"= {groups * 128 * MIB / GIB:.2f} GiB" in line
+    left = 1 - rollout["mem_fraction_static"]
+    assert f"{left:.2f} x 80 GiB = {left * 80:.1f} GiB" in line  # what they must fit in
 
     # host memory: only the 235B recipe offloads its optimizer; 16 bytes per offloaded parameter
     # with Adam: fp32 parameter copy 4 + m, v 8 (one item), fp32 gradient copy 4 (another)
