@@ -596,8 +596,9 @@ class RolloutClient:
                                                         routed_experts=routed_experts)
                     self._down_until.pop(url, None)
                     return result
+                text = raw.decode("utf-8", "replace")
                 if status is not None:
-                    last = RolloutError(url, status, error_message(raw.decode("utf-8", "replace")))
+                    last = RolloutError(url, status, error_message(text))
                     if status not in RETRYABLE_STATUS:
                         raise last
                     if not self.router_url and status >= 500:
