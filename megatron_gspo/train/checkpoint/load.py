@@ -23,8 +23,11 @@ from megatron_gspo.collectives import all_gather
 from megatron_gspo.dcp_metadata import UnsafeCheckpointError, check_torch_dist
 from megatron_gspo.train.checkpoint.manifest import (CheckpointError, read_manifest, say,
                                                      verified, verify_checkpoint)
-from megatron_gspo.train.checkpoint.records import describe_layout, layout_of, resume_refusal
-from megatron_gspo.train.checkpoint.state import module_of, set_rng_state, sharded_state
+from megatron_gspo.train.checkpoint.records import (describe_layout, layout_of, optimizer_refusal,
+                                                    resume_refusal)
+from megatron_gspo.train.checkpoint.state import (is_distributed_optimizer, module_of,
+                                                  restore_torch_adam_step, set_rng_state,
+                                                  sharded_state)
 
 
 def _read_json(path: Path) -> dict:
@@ -149,7 +152,9 @@ def _load_resharded(path: Path, state: dict, optimizer, load_kwargs: dict) -> di
         tensors = iter(loaded[_RESHARDED][str(i)] for i in range(len(leaves)))
         optimizer_state = _with_leaves(state["optimizer"], tensors)
         _carry_over(optimizer_state, loaded.get("optimizer"))
-        optimizer.load_state_dict(optimizer_state)
+        with torch.no_grad():  # see load_checkpoint
+            optimizer.load_state_dict(optimizer_state)
+        restore_torch_adam_step(optimizer)
     return loaded
 
 
@@ -200,6 +205,10 @@ def load_checkpoint(path: str | Path, model_chunks: list, optimizer, *,
         refusal = resume_refusal(path, manifest, model_config, layout["tensor"])
         if refusal is not None:
             raise CheckpointError(refusal)
+    if optimizer is not None:
+        refusal = optimizer_refusal(path, manifest, is_distributed_optimizer(optimizer), layout)
+        if refusal is not None:
+            raise CheckpointError(refusal)
     scheduler_path = path / "scheduler.json"
     if scheduler is not None and "scheduler.json" not in manifest["files"]:
         raise CheckpointError(f"{scheduler_path}: missing; this checkpoint has no LR schedule "
@@ -247,7 +256,12 @@ def load_checkpoint(path: str | Path, model_chunks: list, optimizer, *,
         key = "model" if len(model_chunks) == 1 else f"model{i}"
         module_of(chunk).load_state_dict(loaded[key], strict=True)
     if optimizer is not None and not resharding:
-        optimizer.load_state_dict(loaded["optimizer"])
+        # no autograd: with float32 parameters the distributed optimizer's main parameters are
+        # views of the model's (leaves that require grad), which Megatron's
+        # load_parameter_state_from_dp_reshardable copies into in place
+        with torch.no_grad():
+            optimizer.load_state_dict(loaded["optimizer"])
+        restore_torch_adam_step(optimizer)
     if scheduler is not None:
         # After the optimizer (whose state restores the param groups' old lr): the scheduler then
         # sets the lr of the restored position. Megatron's load ADDS the saved step count to the

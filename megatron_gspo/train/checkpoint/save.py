@@ -28,7 +28,7 @@ from megatron_gspo.lifetime import STOP_SIGNALS, shield_from_stop_signals, shiel
 from megatron_gspo.train.checkpoint.manifest import (MANIFEST, MANIFEST_FORMAT, CheckpointError,
                                                      checkpoint_root, describe_files, list_files,
                                                      step_dirs)
-from megatron_gspo.train.checkpoint.records import layout_of, model_record
+from megatron_gspo.train.checkpoint.records import layout_of, model_record, optimizer_record
 from megatron_gspo.train.checkpoint.state import rng_state, sharded_state, state_bytes
 
 
@@ -215,7 +215,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model_chunks: list, optimize
     if rank == 0:
         try:
             manifest = {"format": MANIFEST_FORMAT, "step": step, "stack": mcore_compat.stack(),
-                        "world_size": dist.get_world_size(), "layout": layout, "files": files}
+                        "world_size": dist.get_world_size(), "layout": layout,
+                        "optimizer": optimizer_record(optimizer), "files": files}
             if model_config is not None:
                 manifest["model"] = model_record(model_config, layout["tensor"])
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
