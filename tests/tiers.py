@@ -176,4 +176,6 @@ EXTENDED = (
     "tests/reliability/test_dead_server.py::test_train_survives_its_only_server_dying_in_an_async_mode",  # 2 x 28
     "tests/reliability/test_tool_stop.py",                                            # 25
     "tests/distributed/test_nonfinite_update.py::test_a_non_finite_update_is_stopped_on_every_rank_before_the_optimizer[gradient]",  # 20
+    # issue 37 item 2 (2 ranks, 3 steps, a checkpoint and an export: 28 s beside other work)
+    "tests/distributed/test_param_gather.py",                                         # 28
 )
