@@ -10,6 +10,8 @@ Layout of ``<run_dir>/checkpoints``::
         scheduler.json      the LR schedule's state (Megatron's OptimizerParamScheduler), rank 0
         run_state.json      the step and what the caller saves of rank 0's data: the sampler's
                             position (RL: also the next step's batch or the stream's groups)
+        run_state.safetensors  the tensors of that run state (the next batch, its routing
+                            replay tensor), run_state.json holding placeholders (``run_state``)
         manifest.json       size and sha256 of every other file, the stack that wrote it
                             (megatron-core, torch, Python), the parallel layout, the model
                             config and the optimizer (plain / distributed) it was written
@@ -72,7 +74,8 @@ space free, raised on every rank alike. ``keep`` (``run.keep_checkpoints``) dele
 newest ``keep`` checkpoints after each save, never one in ``protect`` (the one this run resumed
 from).
 
-The package: ``manifest`` (manifests, verification, the newest intact checkpoint), ``state``
+The package: ``manifest`` (manifests, verification, the newest intact checkpoint),
+``run_state`` (``run_state.json`` and its tensors), ``state``
 (the sharded model / optimizer state, the RNG states), ``records`` (the layout and model records,
 the resume refusal), ``save`` (the writer, disk-full handling, rotation) and ``load`` (the
 resharded load); the cross-rank collectives are ``megatron_gspo.collectives``.

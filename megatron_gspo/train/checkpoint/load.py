@@ -25,6 +25,7 @@ from megatron_gspo.train.checkpoint.manifest import (CheckpointError, read_manif
                                                      verified, verify_checkpoint)
 from megatron_gspo.train.checkpoint.records import (describe_layout, layout_of, optimizer_refusal,
                                                     resume_refusal)
+from megatron_gspo.train.checkpoint.run_state import RUN_STATE, read_run_state
 from megatron_gspo.train.checkpoint.state import (is_distributed_optimizer, module_of,
                                                   restore_torch_adam_step, set_rng_state,
                                                   sharded_state)
@@ -197,9 +198,8 @@ def load_checkpoint(path: str | Path, model_chunks: list, optimizer, *,
     if problems:
         raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems[:10]))
     manifest = read_manifest(path)
-    state_path = path / "run_state.json"
-    if "run_state.json" not in manifest["files"]:
-        raise CheckpointError(f"{path}: not a training checkpoint (no run_state.json)")
+    if RUN_STATE not in manifest["files"]:
+        raise CheckpointError(f"{path}: not a training checkpoint (no {RUN_STATE})")
     layout = layout_of(model_chunks)
     if model_config is not None:
         refusal = resume_refusal(path, manifest, model_config, layout["tensor"])
@@ -275,4 +275,4 @@ def load_checkpoint(path: str | Path, model_chunks: list, optimizer, *,
             raise CheckpointError(f"{rank_file}: unreadable RNG states ({type(err).__name__}: "
                                   f"{err})") from None
         set_rng_state(rng)
-    return _read_json(state_path)
+    return read_run_state(path, manifest, tensors=dist.get_rank() == 0)
