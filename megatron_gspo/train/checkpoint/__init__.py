@@ -49,8 +49,8 @@ The distributed optimizer's state is the exception: Megatron's ``dp_reshardable`
 (``state.DISTRIBUTED_OPTIMIZER_SHARDING`` says why that one) follows its buffers, so such a
 checkpoint resumes only under the layout that wrote it, and neither optimizer's checkpoint loads
 into the other (``records.optimizer_refusal``: the kind refused before the ranks start, the
-layout when they load). Under the layout that wrote it a checkpoint loads exactly as before (Megatron's state dict, RNG
-restored, a missing RNG file an error). A changed MODEL cannot resume (``records.model_changes``:
+layout when they load). Under the layout that wrote it a checkpoint loads exactly as before
+(Megatron's state dict, RNG restored, a missing RNG file an error). A changed MODEL cannot resume (``records.model_changes``:
 any field that changes the parameters' shapes or meaning; the launcher refuses it before the
 ranks start, launch/preflight.py).
 
