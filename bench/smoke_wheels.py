@@ -161,8 +161,12 @@ def download_closure(dest: Path, *, python_version: str = PYTHON_VERSION,
     platform = _platform_args(python_version)
     with tempfile.TemporaryDirectory(prefix="gpu_smoke_resolve_") as tmp:
         report = Path(tmp) / "report.json"
-        _pip("install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
-             "--target", str(Path(tmp) / "target"), *platform, *DEPENDENCIES.values())
+        # the finder picks candidates for --python-version; pip's final Requires-Python check
+        # of a dry-run install reads the running interpreter (3.11 here: megatron-core 0.19.2
+        # needs >= 3.12), hence --ignore-requires-python
+        _pip("install", "--dry-run", "--ignore-installed", "--ignore-requires-python", "--quiet",
+             "--report", str(report), "--target", str(Path(tmp) / "target"), *platform,
+             *DEPENDENCIES.values())
         resolved = json.loads(report.read_text())["install"]
     env = _target_environment(python_version)
     items = {_canonical(i["metadata"]["name"]): i["metadata"] for i in resolved}
