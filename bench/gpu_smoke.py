@@ -1,23 +1,38 @@
-"""The GPU path of issue 12 in one script: one GPU, CUDA + NCCL (world size 1), a few minutes.
+"""The stack users run, on the one lent GPU, in one script: a few minutes, world size 1.
 
-    python bench/gpu_smoke.py                 # on a machine with one CUDA GPU
-    python bench/gpu_smoke.py --device cpu    # the same checks on CPU / gloo (what the tests run)
-    python bench/gpu_smoke.py --only sft_bf16_distributed_optimizer --only converted_checkpoint
+    python bench/gpu_smoke.py --fetch-wheels bench/wheels   # here (a package index): the wheels
+    python bench/gpu_smoke.py --device cpu                  # here: the same checks on CPU / gloo
 
-Prints one line per check, ``PASS <check> (<seconds> s): <what it saw>`` or ``FAIL <check>:
-<why>``, and ends with ``gpu_smoke: N/M checks passed on <device>``; exit status 0 iff all
-passed. The checks, in order (each uses the project's real code paths, nothing re-implemented):
+**The device command** (the device tool's ``run``; its machine has Python 3.12, torch 2.11 for
+CUDA 13, no megatron-core, Transformer Engine, SGLang or vLLM, and no network)::
 
-  environment                    torch / CUDA / device / megatron-core, the default process
-                                 group's backend (cpu:gloo,cuda:nccl on a GPU)
-  sft_bf16_distributed_optimizer SFTTrainer steps in bf16 with Megatron's distributed optimizer
-                                 (CPU: float32 and the plain optimizer: Megatron's bf16 and
-                                 distributed optimizers wrap CUDA tensors only); the loss falls
-                                 and the parameters live on the device
-  rl_train_rollout               RLTrainer.train_rollout on a real rollout batch: the trainer's
-                                 initial weights exported, one local rollout server started from
-                                 them with its model on the device (--device), and
-                                 pipeline.sources.batch.rollout_phase samples and scores it
+    run(carry=["bench/wheels"], timeout_s=540,
+        command="python3 bench/gpu_smoke.py --wheels bench/wheels --install-target /tmp/gs_site")
+
+It installs the carried closure (``bench/smoke_wheels.py``: megatron-core 0.19.2 and what the
+project needs beyond torch, pinned by sha256, offline) into ``/tmp/gs_site``, then runs every
+check. Results of a GPU run belong in docs/gpu_path.md.
+
+Prints one line per check, ``PASS <check> (<seconds> s): <what it saw>``, ``SKIP <check>: <why>``
+or ``FAIL <check>: <why>``, and ends with ``gpu_smoke: N/M checks passed on <device>`` (and the
+skips); exit status 0 iff none failed. The checks, in order (each the project's real code path):
+
+  environment                    torch / CUDA / device / megatron-core (0.19.2 on Python 3.12), the
+                                 default group's backend (cpu:gloo,cuda:nccl on a GPU: NCCL at
+                                 world size 1)
+  sft_bf16_distributed_optimizer SFTTrainer steps in bf16 with Megatron's distributed optimizer,
+                                 overlapped gradient reduce and parameter gather (CPU: float32,
+                                 the same optimizer: docs/cpu_accommodations.md 9); the loss falls
+  rl_update_and_weight_sync      the trainer's initial weights exported, the project's rollout
+                                 server started from them on the same device; a rollout batch
+                                 (pipeline.sources.batch.rollout_phase), one GSPO step of RLTrainer
+                                 with THD packing (run.max_tokens_per_micro_batch), bf16, the
+                                 distributed optimizer with overlap_param_gather and
+                                 gspo.routing_metrics off (no forward after the last update); then
+                                 the weight sync (WeightPusher, transport ``tensor``: CUDA-IPC
+                                 handles on the same GPU; the server reports each bucket's
+                                 checksum) and issue 37 item 2's check: the bytes pushed equal
+                                 the weights after Megatron's forced parameter gather
   checkpoint_exact_resume        RLTrainer.save, then a second trainer .load: its weights equal
                                  the saved ones bit for bit, and one more update from each gives
                                  bit-identical weights (torch deterministic algorithms on; on
@@ -25,29 +40,20 @@ passed. The checks, in order (each uses the project's real code paths, nothing r
   converted_checkpoint           a tiny transformers Qwen3-MoE converted on the CPU
                                  (hf_to_mcore), loaded into the policy on the device: its
                                  log-probs equal transformers' (float32, 1e-4)
-  train_command                  ``megatron-gspo train`` (local rollout server on the device, disk weight
-                                 sync, 2 steps, a checkpoint each step), then ``--resume`` to a
-                                 third step
+  train_command                  ``megatron-gspo train`` (the command line: its own rollout server
+                                 on the device and the sglang-router, disk weight sync, 2 steps,
+                                 a checkpoint each step), then ``--resume`` to a third step;
+                                 skipped, saying so, where sglang-router is not installed (its
+                                 29 MiB wheel does not fit the device's 64 MiB carry with the rest)
 
-What it does not cover: Transformer Engine (too large to carry: the local spec runs), SGLang
-itself (the project's own rollout server answers SGLang's protocol, with its model on the same
-GPU as the trainer: ``--device cuda``, ``rollout.local_server_device``), more than one GPU.
-
-Preparing a machine without a package index (its Python 3.12 has torch and nothing else that
-the checks need): on a machine with an index, fetch the exact wheel closure and copy it over::
-
-    python bench/gpu_smoke.py --download bench/wheels     # CPython 3.12, manylinux x86_64
-    # optional: --device-has freeze.txt (`pip list --format=freeze` on the GPU machine) leaves
-    # out what that machine has as well; without it, torch and torch's own closure are left out
-
-``--download`` resolves DEPENDENCIES (the project's ranges) with pip's resolver for that Python
-and platform (``pip install --dry-run --report``: metadata only), drops torch's closure,
-downloads those wheels (``pip download --no-deps``) and writes ``requirements.lock``
-(``name==version --hash=sha256:...``). On the GPU machine the script installs from that directory
-only (``pip install --no-index --no-deps --require-hashes --find-links DIR -r ...``; the
-distributions the machine lacks, or all of them into ``--install-target DIR``) when a module does
-not import; ``--install-only`` stops after that. Results of a GPU run belong in
-docs/performance.md.
+**What one GPU cannot show, and where it is checked instead.** NCCL refuses two ranks of one
+communicator on the same GPU ("Duplicate GPU detected"), so on one GPU neither the weight sync's
+``distributed`` transport (an NCCL group of the trainer and the server's ranks) nor data
+parallelism runs; the sync uses the ``tensor`` transport, the one for servers on the trainer's
+node. At world size 1 every parameter shard is this rank's own, so the stale shards of item 2
+cannot appear here: tests/distributed/test_param_gather.py shows them (and their fix) with two
+data-parallel ranks over gloo. Not covered at all: Transformer Engine (not installed: the local
+spec runs), SGLang itself (the project's own server answers its protocol).
 
 On CUDA, ``checkpoint_exact_resume`` names the kernels that are not deterministic (those PyTorch
 warns about under ``use_deterministic_algorithms(True, warn_only=True)``, and
@@ -70,195 +76,10 @@ from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# module -> requirement (the project's ranges, pyproject.toml); the runtime dependencies that the
-# checks import, and the serve extra (the local rollout server and the router)
-DEPENDENCIES = {
-    "megatron.core": "megatron-core==0.16.1",
-    "yaml": "pyyaml>=6.0,<7",
-    "transformers": "transformers>=4.57,<6",
-    "tokenizers": "tokenizers",
-    "safetensors": "safetensors>=0.5,<1",
-    "numpy": "numpy>=1.26,<3",
-    "psutil": "psutil>=5.9,<8",
-    "tqdm": "tqdm>=4.66,<5",
-    "math_verify": "math-verify>=0.8,<1",
-    "aiohttp": "aiohttp>=3.9,<4",
-    "tensorboard": "tensorboard>=2.16,<3",
-    "fastapi": "fastapi>=0.110,<1",
-    "uvicorn": "uvicorn>=0.29,<1",
-    "sglang_router": "sglang-router==0.3.2",
-}
-
-# The wheel closure ``--download`` fetches: CPython 3.12 on linux x86_64, manylinux wheels only
-# (the GPU image's Python; its glibc is at least 2.28), without what the GPU machine has already:
-# torch and everything torch requires (its own dependency closure, read from the resolution).
-PYTHON_VERSION = "3.12"
-PLATFORMS = ([f"manylinux_2_{minor}_x86_64" for minor in range(28, 4, -1)]
-             + ["manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"])
-DEVICE_HAS = ("torch",)
-LOCK = "requirements.lock"
-"""In the wheel directory: ``name==version --hash=sha256:...`` per wheel, the exact closure."""
-
-
-def _canonical(name: str) -> str:
-    import re
-
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def _target_environment(python_version: str) -> dict:
-    return {"python_version": python_version, "python_full_version": f"{python_version}.0",
-            "implementation_name": "cpython", "implementation_version": f"{python_version}.0",
-            "platform_python_implementation": "CPython", "os_name": "posix",
-            "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
-            "platform_release": "", "platform_version": "", "extra": ""}
-
-
-def _requires(requires_dist, env: dict, extras=()) -> list[tuple[str, frozenset]]:
-    """(canonical name, extras) of the requirements that apply in ``env`` with ``extras`` of
-    the requiring distribution (torch asks for ``cuda-toolkit[cublas, ...]``, whose wheels come
-    in through those extras' markers)."""
-    try:
-        from packaging.requirements import Requirement
-    except ImportError:  # pip's own copy
-        from pip._vendor.packaging.requirements import Requirement
-    out = []
-    for line in requires_dist or []:
-        req = Requirement(line)
-        if req.marker is None or any(req.marker.evaluate({**env, "extra": extra})
-                                     for extra in ("", *extras)):
-            out.append((_canonical(req.name), frozenset(_canonical(e) for e in req.extras)))
-    return out
-
-
-def _pip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True)
-    if check and proc.returncode != 0:
-        raise SystemExit(f"gpu_smoke: pip {args[0]} failed ({proc.returncode}):\n"
-                         f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return proc
-
-
-def _platform_args(python_version: str) -> list[str]:
-    args = ["--only-binary=:all:", "--python-version", python_version, "--implementation", "cp"]
-    for platform in PLATFORMS:
-        args += ["--platform", platform]
-    return args
-
-
-def download_closure(dest: Path, *, python_version: str = PYTHON_VERSION,
-                     device_has: Optional[Path] = None) -> list[tuple[str, str, int]]:
-    """Resolve the dependency closure of :data:`DEPENDENCIES` for CPython ``python_version``
-    on manylinux x86_64 (``pip install --dry-run --report``: the wheels' metadata, nothing
-    installed), leave out torch and its own closure (and the distributions named in
-    ``device_has``, a ``pip list --format=freeze`` of the GPU machine), download exactly those
-    wheels (``pip download --no-deps``) into ``dest`` and write ``dest/requirements.lock``
-    with their sha256. Returns [(name, version, bytes)]."""
-    import hashlib
-
-    dest.mkdir(parents=True, exist_ok=True)
-    platform = _platform_args(python_version)
-    with tempfile.TemporaryDirectory(prefix="gpu_smoke_resolve_") as tmp:
-        report = Path(tmp) / "report.json"
-        _pip("install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
-             "--target", str(Path(tmp) / "target"), *platform, *DEPENDENCIES.values())
-        resolved = json.loads(report.read_text())["install"]
-    env = _target_environment(python_version)
-    items = {_canonical(i["metadata"]["name"]): i["metadata"] for i in resolved}
-    excluded, seen = set(), set()
-    todo = [(d, frozenset()) for d in DEVICE_HAS if d in items]
-    while todo:  # torch's own closure: what the GPU machine's torch came with
-        name, extras = todo.pop()
-        if (name, extras) in seen:
-            continue
-        seen.add((name, extras))
-        excluded.add(name)
-        todo += [(dep, dep_extras) for dep, dep_extras in
-                 _requires(items[name].get("requires_dist"), env, extras) if dep in items]
-    if device_has is not None:
-        for line in device_has.read_text().splitlines():
-            line = line.split("#")[0].strip()
-            if line:
-                excluded.add(_canonical(line.split("==")[0].split(" @ ")[0].strip()))
-    wanted = sorted((items[n]["name"], items[n]["version"]) for n in items if n not in excluded)
-    _pip("download", "--no-deps", "--quiet", "-d", str(dest), *platform,
-         *[f"{name}=={version}" for name, version in wanted])
-    files = {}
-    for wheel in dest.glob("*.whl"):
-        parts = wheel.name.split("-")
-        files[(_canonical(parts[0]), parts[1])] = wheel
-    lines = [f"# gpu_smoke --download: CPython {python_version}, manylinux x86_64 wheels; "
-             f"install with: pip install --no-index --no-deps --require-hashes --find-links "
-             f"DIR -r {LOCK}",
-             "# left out (the GPU machine has them, torch's closure"
-             + (f" and {device_has.name}" if device_has else "") + "): "
-             + " ".join(f"{items[n]['name']}=={items[n]['version']}" for n in sorted(excluded)
-                        if n in items)]
-    out = []
-    for name, version in wanted:
-        wheel = files.get((_canonical(name), version))
-        if wheel is None:
-            raise SystemExit(f"gpu_smoke: pip download did not fetch {name}=={version}")
-        digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
-        lines.append(f"{name}=={version} --hash=sha256:{digest}")
-        out.append((name, version, wheel.stat().st_size))
-    (dest / LOCK).write_text("\n".join(lines) + "\n")
-    return out
-
-
-def missing_modules() -> list[str]:
-    import importlib.util
-
-    out = []
-    for module in DEPENDENCIES:
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except ModuleNotFoundError:  # a parent package is absent
-            found = False
-        if not found:
-            out.append(module)
-    return out
-
-
-def install_missing(wheels: Path, target: Optional[Path] = None) -> list[str]:
-    """When a dependency does not import: install the wheel directory's exact closure
-    (``requirements.lock``, written by ``--download``) from that directory only, ``--no-index
-    --no-deps --require-hashes``: into ``target`` all of it, else the distributions this Python
-    does not have (the ones it has, torch's among them, stay as they are). Returns the
-    ``name==version`` installed."""
-    import importlib.metadata
-
-    missing = missing_modules()
-    if not missing:
-        return []
-    lock = wheels / LOCK
-    if not lock.is_file():
-        raise SystemExit(f"gpu_smoke: missing {', '.join(DEPENDENCIES[m] for m in missing)} and no "
-                         f"{lock} (run `python bench/gpu_smoke.py --download {wheels}` on a machine "
-                         "with a package index, then copy the directory here)")
-    wanted = []
-    for line in lock.read_text().splitlines():
-        if not line.strip() or line.startswith("#"):
-            continue
-        name = line.split("==")[0]
-        if target is None:
-            try:
-                importlib.metadata.distribution(name)
-                continue  # this Python has it
-            except importlib.metadata.PackageNotFoundError:
-                pass
-        wanted.append(line)
-    if not wanted:
-        return []
-    with tempfile.TemporaryDirectory(prefix="gpu_smoke_install_") as tmp:
-        req = Path(tmp) / "requirements.txt"
-        req.write_text("\n".join(wanted) + "\n")
-        args = ["install", "--no-index", "--no-deps", "--require-hashes", "--find-links",
-                str(wheels), "-r", str(req)]
-        if target is not None:
-            args += ["--target", str(target)]
-        _pip(*args)
-    return [line.split(" ")[0] for line in wanted]
+# bench/ is on sys.path: the script's own directory (python bench/gpu_smoke.py), or the tests'
+from smoke_wheels import (DEPENDENCIES, LOCK, OPTIONAL, PYTHON_VERSION, REQUIRED,  # noqa: F401
+                          _canonical, carry_budget, download_closure, install_missing,
+                          missing_modules)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -335,13 +156,55 @@ def _max_abs_diff(x: dict, y: dict) -> float:
     return max(float((x[n].double() - y[n].double()).abs().max()) for n in x)
 
 
+class Skipped(Exception):
+    """A check that cannot run on this machine, and why (not a failure)."""
+
+
+OVERLAP = {"overlap_grad_reduce": True, "overlap_param_gather": True}
+"""Megatron DDP's overlaps, on in every check that trains (the distributed optimizer's)."""
+
+
+class RecordedStream:
+    """A ``BucketStream`` that keeps a copy of every tensor this rank sends (the bytes the
+    weight sync pushes), otherwise the stream itself (the pusher sets its ``tensor_hook``)."""
+
+    def __init__(self, stream):
+        object.__setattr__(self, "_stream", stream)
+        object.__setattr__(self, "sent", {})
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._stream, name, value)
+
+    def __len__(self) -> int:
+        return len(self._stream)
+
+    def __iter__(self):
+        for bucket in self._stream:
+            if bucket.flat is not None:
+                self.sent.update({n: t.detach().cpu().clone() for n, t in bucket.named_tensors()})
+            yield bucket
+
+
+def hf_weights(trainer) -> dict:
+    """The trainer's weights as full HF tensors (world size 1: this rank holds them all)."""
+    from megatron_gspo.hf.gather import iter_full_hf_tensors
+
+    out = {}
+    for bucket in iter_full_hf_tensors(trainer.gpt, trainer.cfg.model, trainer.pg):
+        out.update({name: t.clone() for name, t in bucket.items()})
+    return out
+
+
 class Smoke:
     """The checks; ``device`` is "cuda" or "cpu"."""
 
     def __init__(self, device: str, work: Path):
         self.device, self.work = device, work
         self.cuda = device == "cuda"
-        self.rl_trainer = None  # made by rl_train_rollout, reused by checkpoint_exact_resume
+        self.rl_trainer = None  # made by rl_update_and_weight_sync, reused by checkpoint_exact_resume
         self.rl_batch = None
 
     # -- helpers ---------------------------------------------------------------------------
@@ -355,11 +218,15 @@ class Smoke:
 
         return config_from_dict({
             "model": tiny_model(params_dtype="bfloat16" if self.cuda else "float32"),
-            "optim": {"lr": 1e-3, "use_distributed_optimizer": self.cuda, "adam_beta2": 0.98},
-            "gspo": {"group_size": 4, "updates_per_rollout": 2},
+            "optim": {"lr": 1e-3, "use_distributed_optimizer": True, "adam_beta2": 0.98},
+            "parallel": OVERLAP,
+            # no forward after the last update: the weight sync reads what the step left
+            "gspo": {"group_size": 4, "updates_per_rollout": 2, "routing_metrics": False},
             "rollout": {"max_new_tokens": 6, "deterministic": True},
+            # THD: whole sequences packed under 48 tokens per micro-batch
             "run": {"seed": 11, "output_dir": str(run_dir), "global_batch_size": 16,
-                    "micro_batch_size": 4, "seq_length": 16, "num_steps": 4},
+                    "micro_batch_size": 4, "seq_length": 16, "num_steps": 4,
+                    "max_tokens_per_micro_batch": 48},
             "data": {"task": "addition", "digits": 2, "num_eval_prompts": 8},
             # a random policy never adds correctly: every group's rewards would be equal and the
             # update zero; this reward spreads them (bench/gpu_smoke.py:spread_reward)
@@ -396,18 +263,19 @@ class Smoke:
         from megatron_gspo.train.sft import SFTTrainer
         from pipeline.scoring.tasks import PAD_ID
 
-        # Megatron's bf16 optimizers wrap CUDA tensors only: float32 on CPU
+        # Megatron's bf16 optimizer needs CUDA: float32 on CPU (the same distributed optimizer)
         dtype = "bfloat16" if self.cuda else "float32"
         cfg = config_from_dict({
             "model": tiny_model(params_dtype=dtype),
-            "optim": {"lr": 3e-3, "use_distributed_optimizer": self.cuda, "adam_beta2": 0.98},
+            "optim": {"lr": 3e-3, "use_distributed_optimizer": True, "adam_beta2": 0.98},
+            "parallel": OVERLAP,
             "run": {"seed": 3, "global_batch_size": 16, "micro_batch_size": 8, "seq_length": 16,
                     "num_steps": 12, "output_dir": str(self.work / "sft")}})
         pg = self.initialize(cfg)
         trainer = SFTTrainer(cfg, pg, pad_id=PAD_ID)
         self.check_device(trainer.gpt)
         optimizer = optimizer_classes(trainer.state.optimizer)
-        if self.cuda and not all(name == "DistributedOptimizer" for name in optimizer.split(" + ")):
+        if not all(name == "DistributedOptimizer" for name in optimizer.split(" + ")):
             raise AssertionError(f"optimizer {optimizer}, expected Megatron's DistributedOptimizer")
         pairs = []
         for i in range(16):
@@ -418,56 +286,94 @@ class Smoke:
         if not all(l == l for l in losses) or not losses[-1] < 0.7 * losses[0]:
             raise AssertionError(f"the loss did not fall: {losses}")
         return (f"{cfg.run.num_steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
-                f"{dtype} weights, {optimizer}")
+                f"{dtype} weights, {optimizer}, overlapped grad reduce / param gather")
 
-    def rl_train_rollout(self) -> str:
+    def rl_update_and_weight_sync(self) -> str:
         import math
 
         from megatron_gspo.hf.export import export_hf_dir
         from megatron_gspo.train.rl_trainer import RLTrainer
-        from pipeline.context import LoopContext
-        from pipeline.signals import StopFlag
-        from pipeline.sources.batch import rollout_phase
-        from pipeline.scoring.data import PromptSampler, build_datasets
-        from pipeline.observe.metrics import MetricsLogger
-        from pipeline.scoring.rewards import build_reward
-        from pipeline.generation.client import RolloutClient, http_json
-        from pipeline.servers.cluster import LocalRolloutCluster
         from pipeline.scoring.tasks import write_byte_tokenizer
+        from pipeline.servers.cluster import LocalRolloutCluster
 
         run_dir = self.work / "rl"
         cfg = self.rl_config(run_dir)
         pg = self.initialize(cfg)
         trainer = RLTrainer(cfg, pg)
         self.check_device(trainer.gpt)
-        hf_dir = export_hf_dir(trainer.gpt, cfg.model, pg, run_dir / "init_hf")
+        hf_dir = export_hf_dir(trainer.current_policy(), cfg.model, pg, run_dir / "init_hf")
         write_byte_tokenizer(hf_dir)
-        train_set, _ = build_datasets(cfg.data, seed=cfg.run.seed)
+        server_args = ["--max-running-requests", "1", "--device", self.device,
+                       "--allow-pickled-tensors"]  # the tensor transport's handles (loopback)
         with LocalRolloutCluster(hf_dir, 1, log_dir=run_dir / "logs", random_seed=cfg.run.seed,
-                                 router=False, server_args=["--max-running-requests", "1",
-                                                            "--device", self.device]) as cluster:
-            client = RolloutClient(server_urls=list(cluster.server_urls))
-            info = http_json("GET", cluster.server_urls[0] + "/server_info")[1]
-            if info.get("device") != self.device:
-                raise AssertionError(f"the rollout server runs on {info.get('device')}, "
-                                     f"expected {self.device}")
-            ctx = LoopContext(
-                cfg=cfg, run_dir=str(run_dir), logger=MetricsLogger(run_dir, enabled=False),
-                stop=StopFlag(), sampler=PromptSampler(train_set, seed=cfg.run.seed),
-                reward_fn=build_reward(cfg.reward, cfg.data), client=client,
-                decode=train_set.encoder.decode, stop_token_ids=[train_set.encoder.eos_id])
-            batch, rollout_metrics = rollout_phase(ctx, 1)
-        self.rl_batch = {k: v.clone() for k, v in batch.items()}
-        metrics = trainer.train_rollout(batch, 1)
-        for key in ("grad_norm", "entropy_mean", "rollout_trainer_logprob_abs_diff"):
-            if not math.isfinite(float(metrics.get(key, float("nan")))):
-                raise AssertionError(f"metric {key} = {metrics.get(key)}")
-        if metrics["grad_norm"] <= 0:
-            raise AssertionError("no gradient reached the optimizer")
+                                 router=False, server_args=server_args) as cluster:
+            batch, rollout_metrics = self._rollout(cfg, run_dir, cluster)
+            self.rl_batch = {k: v.clone() for k, v in batch.items()}
+            metrics = trainer.train_rollout(batch, 1)
+            for key in ("grad_norm", "entropy_mean", "rollout_trainer_logprob_abs_diff"):
+                if not math.isfinite(float(metrics.get(key, float("nan")))):
+                    raise AssertionError(f"metric {key} = {metrics.get(key)}")
+            if metrics["grad_norm"] <= 0:
+                raise AssertionError("no gradient reached the optimizer")
+            synced = self._sync_and_check(trainer, cluster)
         self.rl_trainer = trainer
-        return (f"rollout server on {self.device}, {batch['tokens'].shape[0]} sampled rows, reward {rollout_metrics['reward_mean']:.3f}, "
-                f"grad_norm {metrics['grad_norm']:.3g}, rollout/trainer |dlogp| "
-                f"{metrics['rollout_trainer_logprob_abs_diff']:.2e}")
+        return (f"rollout server on {self.device}, {batch['tokens'].shape[0]} sampled rows "
+                f"(packed: THD), reward {rollout_metrics['reward_mean']:.3f}, grad_norm "
+                f"{metrics['grad_norm']:.3g}, rollout/trainer |dlogp| "
+                f"{metrics['rollout_trainer_logprob_abs_diff']:.2e}; {synced}")
+
+    def _rollout(self, cfg, run_dir: Path, cluster):
+        """One rollout batch of the project's pipeline from the server (on ``self.device``)."""
+        from pipeline.context import LoopContext
+        from pipeline.generation.client import RolloutClient, http_json
+        from pipeline.observe.metrics import MetricsLogger
+        from pipeline.scoring.data import PromptSampler, build_datasets
+        from pipeline.scoring.rewards import build_reward
+        from pipeline.signals import StopFlag
+        from pipeline.sources.batch import rollout_phase
+
+        info = http_json("GET", cluster.server_urls[0] + "/server_info")[1]
+        if info.get("device") != self.device:
+            raise AssertionError(f"the rollout server runs on {info.get('device')}, "
+                                 f"expected {self.device}")
+        train_set, _ = build_datasets(cfg.data, seed=cfg.run.seed)
+        ctx = LoopContext(
+            cfg=cfg, run_dir=str(run_dir), logger=MetricsLogger(run_dir, enabled=False),
+            stop=StopFlag(), sampler=PromptSampler(train_set, seed=cfg.run.seed),
+            reward_fn=build_reward(cfg.reward, cfg.data),
+            client=RolloutClient(server_urls=list(cluster.server_urls)),
+            decode=train_set.encoder.decode, stop_token_ids=[train_set.encoder.eos_id])
+        return rollout_phase(ctx, 1)
+
+    def _sync_and_check(self, trainer, cluster) -> str:
+        """The weight sync after the step (transport ``tensor``, checksums verified by the
+        server), then issue 37 item 2: what it pushed is the step's weights, bit for bit."""
+        import torch
+
+        from pipeline.weights.push import WeightPusher
+
+        before = hf_weights(trainer)  # the raw parameters, read before any gather
+        pusher = WeightPusher(list(cluster.server_urls), transport="tensor", verify=True)
+        try:
+            stream = RecordedStream(trainer.hf_buckets())
+            stats = pusher.push(stream, version="1")
+        finally:
+            pusher.close()
+        for chunk in trainer.state.model:  # Megatron's own gather: the step's weights everywhere
+            chunk.start_param_sync(force_sync=True)
+        after = hf_weights(trainer)
+        if stream.sent.keys() != after.keys():
+            raise AssertionError(f"pushed {sorted(stream.sent)[:3]}..., the policy has "
+                                 f"{sorted(after)[:3]}...")
+        stale = [n for n in after if not torch.equal(stream.sent[n].to(after[n].dtype), after[n])]
+        if stale:
+            raise AssertionError(f"the weight sync pushed values other than the step's in "
+                                 f"{len(stale)} tensors: {stale[:3]}")
+        behind = sum(not torch.equal(before[n], after[n]) for n in after)
+        return (f"weight sync (tensor transport, {stats.num_buckets} buckets, checksums "
+                f"verified by the server): the {len(after)} pushed tensors are the step's "
+                f"weights bit for bit ({behind} were behind before the gather; at world size 1 "
+                "none can be: tests/distributed/test_param_gather.py shows it with 2 ranks)")
 
     def checkpoint_exact_resume(self) -> str:
         """The loaded weights equal the saved ones bit for bit, and one more update from each is
@@ -482,7 +388,7 @@ class Smoke:
         from megatron_gspo.train.rl_trainer import RLTrainer
 
         if self.rl_trainer is None:
-            raise AssertionError("needs rl_train_rollout's trainer (run it first)")
+            raise AssertionError("needs rl_update_and_weight_sync's trainer (run it first)")
         a = self.rl_trainer
         cfg, pg = a.cfg, a.pg
         path = a.save(self.work / "ckpt", 1, {"note": "gpu_smoke"})
@@ -491,8 +397,8 @@ class Smoke:
         if state.get("note") != "gpu_smoke":
             raise AssertionError(f"run state not restored: {state}")
 
-        def weights(trainer):
-            return {n: p.detach().clone() for n, p in trainer.gpt.named_parameters()}
+        def weights(trainer):  # the step's, on every shard (issue 37 item 2)
+            return {n: p.detach().clone() for n, p in trainer.current_policy().named_parameters()}
 
         differ = [n for n, t in weights(a).items() if not torch.equal(t, weights(b)[n])]
         if differ:
@@ -580,16 +486,24 @@ class Smoke:
         return f"converted on CPU, loaded on {self.device}: max |dlogp| vs transformers {err:.1e}"
 
     def train_command(self) -> str:
+        missing = missing_modules(OPTIONAL)
+        if missing:
+            raise Skipped(f"{', '.join(OPTIONAL[m] for m in missing)} not installed (the command "
+                          "line's embedded router; not carried when over the 64 MiB budget)")
         run_dir = self.work / "train"
         base = [sys.executable, "-m", "launch.cli", "train", "--config", "launch/configs/tiny_cpu.yaml",
                 "--nproc", "1", "--set", f"run.output_dir={run_dir}", "--set", "parallel.expert=1",
                 "--set", "rollout.num_servers=1", "--set", "rollout.weight_sync.transport=disk",
                 "--set", "run.global_batch_size=32", "--set", "run.eval_interval=0",
                 "--set", "run.save_interval=1", "--set", "rollout.deterministic=true"]
-        base += ["--set", f"rollout.local_server_device={self.device}"]
+        base += ["--set", f"rollout.local_server_device={self.device}",
+                 "--set", "run.loggers=[jsonl]",  # tensorboard is not carried
+                 "--set", "optim.use_distributed_optimizer=true",
+                 "--set", "parallel.overlap_grad_reduce=true",
+                 "--set", "parallel.overlap_param_gather=true",
+                 "--set", "run.max_tokens_per_micro_batch=64"]
         if self.cuda:
-            base += ["--set", "model.params_dtype=bfloat16",
-                     "--set", "optim.use_distributed_optimizer=true"]
+            base += ["--set", "model.params_dtype=bfloat16"]
         # a fresh world of its own: not this process's rank variables (its port is taken)
         env = {k: v for k, v in os.environ.items()
                if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -613,7 +527,7 @@ class Smoke:
                 f"local server on {self.device}")
 
 
-CHECKS = ["environment", "sft_bf16_distributed_optimizer", "rl_train_rollout",
+CHECKS = ["environment", "sft_bf16_distributed_optimizer", "rl_update_and_weight_sync",
           "checkpoint_exact_resume", "converted_checkpoint", "train_command"]
 
 
@@ -628,12 +542,14 @@ def main(argv=None) -> int:
                              "(default: bench/wheels)")
     parser.add_argument("--list-missing", action="store_true",
                         help="print the distributions whose modules do not import, and exit")
-    parser.add_argument("--download", type=Path, default=None, metavar="DIR",
+    parser.add_argument("--fetch-wheels", "--download", dest="download", type=Path, default=None,
+                        metavar="DIR",
                         help=f"on a machine with a package index: fetch the exact wheel closure "
                              f"for CPython {PYTHON_VERSION} / manylinux x86_64 (without torch and "
-                             f"its dependencies) into DIR with DIR/{LOCK}, and exit")
+                             f"its dependencies; the optional ones only within the device's "
+                             f"carry budget) into DIR with DIR/{LOCK}, and exit")
     parser.add_argument("--device-has", type=Path, default=None, metavar="FILE",
-                        help="with --download: also leave out the distributions in FILE (`pip "
+                        help="with --fetch-wheels: also leave out the distributions in FILE (`pip "
                              "list --format=freeze` on the GPU machine)")
     parser.add_argument("--install-target", type=Path, default=None, metavar="DIR",
                         help="install the wheels into DIR (pip --target; put on sys.path and "
@@ -644,13 +560,18 @@ def main(argv=None) -> int:
                         help="where the checks write (default: a temporary directory)")
     args = parser.parse_args(argv)
     if args.download is not None:
-        wheels = download_closure(args.download, device_has=args.device_has)
+        budget = carry_budget()
+        wheels, left_out = download_closure(args.download, device_has=args.device_has,
+                                            budget=budget)
         total = sum(size for _, _, size in wheels)
         print("\n".join(f"{name}=={version}  {size / 2**20:.2f} MiB"
                         for name, version, size in wheels))
+        if left_out:
+            print(f"left out (over the {budget / 2**20:.1f} MiB the device carries beside the "
+                  f"working tree): {', '.join(left_out)}")
         print(f"gpu_smoke: {len(wheels)} wheels, {total / 2**20:.1f} MiB in {args.download} "
-              f"({LOCK}); on the GPU machine: python bench/gpu_smoke.py --wheels "
-              f"{args.download}", flush=True)
+              f"({LOCK}); on the GPU machine: python3 bench/gpu_smoke.py --wheels "
+              f"{args.download} --install-target /tmp/gs_site", flush=True)
         return 0
     if args.install_target is not None:
         target = str(args.install_target.resolve())
@@ -684,26 +605,34 @@ def main(argv=None) -> int:
 
     benign_warnings.apply()
     parallel.init_distributed()
-    passed, selected = 0, args.only or CHECKS
+    selected = args.only or CHECKS
     with tempfile.TemporaryDirectory(prefix="gpu_smoke_") as tmp:
-        work = args.work_dir or Path(tmp)
-        smoke = Smoke(args.device, work)
-        for name in CHECKS:
-            if name not in selected:
-                continue
-            start = time.monotonic()
-            try:
-                detail = getattr(smoke, name)()
-                passed += 1
-                print(f"PASS {name} ({time.monotonic() - start:.1f} s): {detail}", flush=True)
-            except Exception as err:  # noqa: BLE001 - every check reports, the next one runs
-                last = traceback.format_exception(err)[-1].strip()
-                print(f"FAIL {name} ({time.monotonic() - start:.1f} s): {last}", flush=True)
-                traceback.print_exc()
+        verdicts = run_checks(Smoke(args.device, args.work_dir or Path(tmp)), selected)
         parallel.destroy()
-    print(f"gpu_smoke: {passed}/{len(selected)} checks passed on {args.device}", flush=True)
-    return 0 if passed == len(selected) else 1
+    passed, skipped = verdicts.count("PASS"), verdicts.count("SKIP")
+    print(f"gpu_smoke: {passed}/{len(selected)} checks passed on {args.device}"
+          + (f", {skipped} skipped" if skipped else ""), flush=True)
+    return 0 if "FAIL" not in verdicts else 1
 
+
+def run_checks(smoke: Smoke, selected: list[str]) -> list[str]:
+    """Each selected check in order, one line each; their verdicts."""
+    verdicts = []
+    for name in (c for c in CHECKS if c in selected):
+        start = time.monotonic()
+        try:
+            detail = getattr(smoke, name)()
+            verdicts.append("PASS")
+            print(f"PASS {name} ({time.monotonic() - start:.1f} s): {detail}", flush=True)
+        except Skipped as why:
+            verdicts.append("SKIP")
+            print(f"SKIP {name}: {why}", flush=True)
+        except Exception as err:  # noqa: BLE001 - every check reports, the next one runs
+            verdicts.append("FAIL")
+            last = traceback.format_exception(err)[-1].strip()
+            print(f"FAIL {name} ({time.monotonic() - start:.1f} s): {last}", flush=True)
+            traceback.print_exc()
+    return verdicts
 
 if __name__ == "__main__":
     sys.exit(main())

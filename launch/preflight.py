@@ -183,13 +183,15 @@ def check_resume(cfg: Config) -> None:
     and say so); no checkpoint, or one written before checkpoints recorded their model, passes.
     Its run state must be one this ``rollout.async`` resumes exactly
     (:func:`check_rollout_resume`)."""
-    from megatron_gspo.train.checkpoint import resume_candidate, resume_refusal  # imports Megatron
+    from megatron_gspo.train.checkpoint import (  # imports Megatron
+        optimizer_refusal, resume_candidate, resume_refusal)
 
     found = resume_candidate(cfg.run.output_dir)
     if found is None:
         return
     path, manifest = found
-    refusal = resume_refusal(path, manifest, cfg.model, cfg.parallel.tensor)
+    refusal = (resume_refusal(path, manifest, cfg.model, cfg.parallel.tensor)
+               or optimizer_refusal(path, manifest, cfg.optim.use_distributed_optimizer))
     if refusal is not None:
         raise ConfigError(refusal)
     check_rollout_resume(cfg, path)

@@ -279,7 +279,8 @@ def _export_policy(trainer, cfg: Config, out: Path):
     tokenizer_dir = cfg.data.tokenizer_dir or (cfg.run.init_from if _init_is_hf(cfg) else None)
     if tokenizer_dir is None and cfg.run.init_from and (Path(cfg.run.init_from) / "hf_config").is_dir():
         tokenizer_dir = str(Path(cfg.run.init_from) / "hf_config")
-    path = export_hf_dir(trainer.gpt, cfg.model, trainer.pg, out, tokenizer_dir=tokenizer_dir)
+    path = export_hf_dir(trainer.current_policy(), cfg.model, trainer.pg, out,
+                         tokenizer_dir=tokenizer_dir)
     if dist.get_rank() == 0 and tokenizer_dir is None and cfg.data.task is not None:
         write_byte_tokenizer(out)
     return path

@@ -95,7 +95,8 @@ class SFTSession(Session):
             return PREEMPTED_EXIT_CODE
 
         hf_dir = Path(cfg.run.output_dir) / "hf"
-        export_hf_dir(trainer.gpt, cfg.model, self.pg, hf_dir, tokenizer_dir=cfg.data.tokenizer_dir)
+        export_hf_dir(trainer.current_policy(), cfg.model, self.pg, hf_dir,
+                      tokenizer_dir=cfg.data.tokenizer_dir)
         if is_main and cfg.data.tokenizer_dir is None:
             write_byte_tokenizer(hf_dir)
             print(f"policy written to {hf_dir}")

@@ -54,6 +54,15 @@ The accommodations (docs/cpu_accommodations.md tells why each is needed and what
    True for its default ``fp8=False``, and then takes Transformer Engine's FP8 path, a NameError
    without TE: after Megatron's ``__init__`` the flag is set from the argument itself (there is no
    FP8 without a GPU).
+9. The distributed optimizer (``use_distributed_optimizer``, with or without
+   ``overlap_param_gather``): ``DistributedOptimizer._build_model_and_main_param_groups`` sorts
+   the parameters by ``param.type()`` and raises ``TypeError`` for anything but
+   ``torch.cuda.{Float,Half,BFloat16}Tensor``. While it runs, a CPU float32 tensor's ``type()``
+   answers ``torch.cuda.FloatTensor`` (:class:`CudaFloatTypeName`), so fp32 parameters take the
+   fp32 branch they take on a GPU. Everything else of the optimizer (the gradient
+   reduce-scatter, the parameter all-gather, the forward pre-hooks, the sharded state dict) is
+   Megatron's and runs over gloo. bf16 stays refused (``model.params_dtype``: Megatron's bf16
+   path needs CUDA kernels).
 
 Sequence parallelism without Transformer Engine needs a norm that accepts it (Megatron's
 ``WrappedTorchNorm`` refuses); that is not a CUDA accommodation but a module of ours, in
@@ -303,6 +312,32 @@ def _patch_recompute_rng() -> None:
     tp_random.CheckpointWithoutOutput.__init__ = init
 
 
+class CudaFloatTypeName(TorchFunctionMode):
+    """``tensor.type()`` (no argument) of a CPU float32 tensor answers ``torch.cuda.FloatTensor``
+    (accommodation 9); every other call, and ``type(dtype)`` conversions, unchanged."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func is torch.Tensor.type and len(args) == 1 and not kwargs
+                and args[0].device.type == "cpu" and args[0].dtype == torch.float32):
+            return "torch.cuda.FloatTensor"
+        return func(*args, **kwargs)
+
+
+def _patch_distributed_optimizer() -> None:
+    """Accommodation 9: the distributed optimizer's parameter sort accepts CPU float32."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    build = DistributedOptimizer._build_model_and_main_param_groups.__func__  # a classmethod
+
+    def build_on_cpu(cls, *args, **kwargs):
+        with CudaFloatTypeName():
+            return build(cls, *args, **kwargs)
+
+    build_on_cpu.__wrapped__ = build  # Megatron's own (tests/unit/test_cpu_compat.py)
+    DistributedOptimizer._build_model_and_main_param_groups = classmethod(build_on_cpu)
+
+
 def seed_rng_tracker() -> None:
     """Accommodation 5: an RNG tracker that needs no CUDA generator (exact with dropout 0)."""
     from megatron.core import tensor_parallel
@@ -323,6 +358,7 @@ def apply() -> bool:
         _patch_grad_clipping()
         _patch_uneven_collectives()
         _patch_recompute_rng()
+        _patch_distributed_optimizer()
         _mode = CudaDeviceToCpu()
         _mode.__enter__()  # stays active for the life of the process
         _applied = True

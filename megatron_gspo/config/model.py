@@ -119,7 +119,10 @@ class ParallelConfig:
     """Megatron DDP: overlap the gradient reduce-scatter / all-reduce with the backward pass."""
     overlap_param_gather: bool = False
     """Megatron DDP: overlap the distributed optimizer's parameter all-gather with the next
-    forward pass (needs optim.use_distributed_optimizer and overlap_grad_reduce)."""
+    forward pass (needs optim.use_distributed_optimizer and overlap_grad_reduce). The weight
+    sync, checkpoints and the HF export force the gather before they read the weights
+    (train_step.gather_params): between the updates of a step it overlaps, at the step's end
+    it does not."""
     distributed_timeout_minutes: int = 60
     """Timeout of every training process group (NCCL's watchdog on GPUs): the longest a
     collective may wait, e.g. for a slow rank's checkpoint write."""

@@ -43,7 +43,9 @@ class OptimConfig:
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     """After warmup: keep lr, or decay it linearly / along a half cosine to min_lr."""
     use_distributed_optimizer: bool = False
-    """Megatron's distributed (ZeRO-1) optimizer; needs CUDA."""
+    """Megatron's distributed (ZeRO-1) optimizer (on a machine without CUDA: float32 only,
+    docs/cpu_accommodations.md accommodation 9). Its checkpoints resume only under the parallel
+    layout that wrote them, and only with this field true (train/checkpoint/state.py)."""
     optimizer_cpu_offload: bool = False
     """Megatron's optimizer CPU offload (HybridDeviceOptimizer): optimizer_offload_fraction of the
     fp32 master weights and Adam moments live and are updated on the host (GPU only; needs the

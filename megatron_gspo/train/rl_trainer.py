@@ -347,7 +347,7 @@ class RLTrainer(CheckpointedTrainer):
             self._hf_gather = HFGather(self.cfg.model,
                                        bucket_bytes=rollout.weight_sync.bucket_mb << 20,
                                        dtype=dtype, senders=senders)
-        return self._hf_gather.buckets(self.gpt, self.pg)
+        return self._hf_gather.buckets(self.current_policy(), self.pg)
 
     # --- scoring given sequences (the parity watchdog, calibrate-eps) ---------------------------
     def score_log_probs(self, batch: dict, *, temperature: float = 1.0) -> torch.Tensor:

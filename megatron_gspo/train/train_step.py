@@ -71,6 +71,10 @@ class TrainState:
     pg_collection: object
     config: Config
     scheduler: object = None  # megatron.core.optimizer_param_scheduler.OptimizerParamScheduler
+    params_behind: bool = False
+    """True from an optimizer step with ``parallel.overlap_param_gather`` until
+    :func:`gather_params`: other data-parallel ranks' shards of the model parameters may still
+    hold the values before that step (Megatron gathers them at the next forward)."""
 
     @property
     def transformer_config(self):
@@ -87,10 +91,6 @@ def build_optimizer_config(optim: OptimConfig, params_dtype: str):
             f"model.params_dtype: {params_dtype} needs a GPU (Megatron's mixed-precision "
             "optimizer wraps only torch.cuda half/bfloat16 tensors); use float32 on a machine "
             "without CUDA")
-    if optim.use_distributed_optimizer and not torch.cuda.is_available():
-        raise RuntimeError(
-            "optim.use_distributed_optimizer: Megatron's distributed optimizer needs CUDA tensors; "
-            "set it to false on a machine without a GPU")
     offload = {}
     if optim.optimizer_cpu_offload:
         # Megatron's HybridDeviceOptimizer: the host part steps while the next D2H/H2D copies run
@@ -174,6 +174,36 @@ def build_train_state(gpt, config: Config, pg_collection, *, updates_per_step: i
     scheduler = build_scheduler(optimizer, config.optim, config.run.num_steps, updates_per_step)
     return TrainState(model=model, optimizer=optimizer, pg_collection=pg_collection, config=config,
                       scheduler=scheduler)
+
+
+def gathers_params_lazily(model: list) -> bool:
+    """True when Megatron's distributed optimizer leaves the parameter all-gather of a step to
+    the next forward (``parallel.overlap_param_gather``)."""
+    return any(chunk.ddp_config.use_distributed_optimizer and chunk.ddp_config.overlap_param_gather
+               for chunk in model)
+
+
+def gather_params(state: TrainState) -> None:
+    """Collective (each model chunk's data-parallel group): make every parameter hold what the
+    last optimizer step computed, on every rank. The one call every reader of the weights goes
+    through (``CheckpointedTrainer.current_policy``: the weight sync, checkpoints, the HF export).
+
+    With ``parallel.overlap_param_gather``, ``DistributedOptimizer.step`` updates only this rank's
+    shard of each parameter; the other ranks' shards arrive in the next forward's pre-hooks
+    (megatron-core 0.16.1 ``distrib_optimizer.step_with_ready_grads``: "the first all-gather is
+    launched asynchronously in the next optimizer.zero_grad() call and subsequent all-gathers
+    are launched in the forward pre-hook"). A reader before that forward would see the previous
+    step's values on every shard this rank does not own. ``start_param_sync(force_sync=True)``
+    waits for a gather in flight or runs it synchronously, and marks it dispatched, so the next
+    forward's pre-hooks gather nothing again: the bytes move once per step either way. Without
+    a step since the last gather (``params_behind`` false), or without the overlap, nothing
+    happens."""
+    if not state.params_behind:
+        return
+    for chunk in state.model:
+        if chunk.ddp_config.use_distributed_optimizer and chunk.ddp_config.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
+    state.params_behind = False
 
 
 def loss_scale(num_microbatches: int, num_units_global: float, pg_collection) -> float:
@@ -290,6 +320,8 @@ def train_step(state: TrainState, microbatches: list[dict], loss_fn: LossFn, *,
                               routing=routing)
     check_update(losses, state.model)
     lr = current_lr(state)
+    # from here until gather_params (or the next forward) other ranks' shards may be behind
+    state.params_behind = state.params_behind or gathers_params_lazily(state.model)
     update_successful, grad_norm, _ = state.optimizer.step()
     if update_successful and state.scheduler is not None:
         state.scheduler.step(1)  # as Megatron's loop: a skipped (inf/NaN) update does not count

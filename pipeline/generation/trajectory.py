@@ -13,9 +13,11 @@ Typed fields, the same for both: ``turns`` (:class:`Turn`, offsets into ``output
 ``weight_versions`` (:class:`Span`, int versions: ``pipeline.generation.version``).
 
 JSON (:func:`result_to_json` / :func:`result_from_json`): the ``full`` stream's checkpoint holds
-the samples of its buffer. :func:`result_from_json` also reads what earlier versions wrote:
-version labels as strings, ``output_mask`` / ``turns`` / ``end_reason`` null for a one-turn
-sample, turns as dicts with the environment's reward as a ``"reward"`` key of the last one.
+the samples of its buffer; the routed experts stay a tensor there (the checkpoint writes it to
+``run_state.safetensors``, ``megatron_gspo.train.checkpoint.run_state``). :func:`result_from_json`
+also reads what earlier versions wrote: version labels as strings, routed experts as nested
+lists, ``output_mask`` / ``turns`` / ``end_reason`` null for a one-turn sample, turns as dicts
+with the environment's reward as a ``"reward"`` key of the last one.
 """
 
 from __future__ import annotations
@@ -147,15 +149,16 @@ class RolloutResult:
 
 
 def result_to_json(r: RolloutResult) -> dict:
-    """A sample as JSON (a checkpoint of the ``full`` mode's buffer; bit-exact: floats as JSON
-    numbers round-trip, routed experts as nested lists)."""
+    """A sample as JSON but for its routed experts, a tensor (a checkpoint of the ``full`` mode's
+    buffer; bit-exact: floats as JSON numbers round-trip, the tensor into the checkpoint's
+    ``run_state.safetensors``)."""
     return {
         "rid": r.rid, "prompt_ids": list(r.prompt_ids), "output_ids": list(r.output_ids),
         "output_logprobs": list(r.output_logprobs), "finish_reason": r.finish_reason,
         "matched_stop": r.matched_stop, "prompt_tokens": r.prompt_tokens,
         "completion_tokens": r.completion_tokens, "weight_version": r.weight_version,
         "server_url": r.server_url, "weight_versions": [list(s) for s in r.weight_versions],
-        "routed_experts": None if r.routed_experts is None else r.routed_experts.tolist(),
+        "routed_experts": r.routed_experts,  # a tensor: the checkpoint writes it as one
         "cached_tokens": r.cached_tokens, "output_mask": list(r.output_mask),
         "turns": [{**asdict(t), "errors": list(t.errors)} for t in r.turns],
         "end_reason": r.end_reason.value, "env_reward": r.env_reward,
@@ -176,7 +179,7 @@ def result_from_json(d: dict) -> RolloutResult:
         prompt_tokens=int(d["prompt_tokens"]), completion_tokens=int(d["completion_tokens"]),
         weight_version=_version(d["weight_version"]), server_url=d["server_url"],
         weight_versions=[Span(_version(v), int(a), int(b)) for v, a, b in d["weight_versions"]],
-        routed_experts=None if routed is None else torch.tensor(routed, dtype=torch.int32),
+        routed_experts=None if routed is None else torch.as_tensor(routed, dtype=torch.int32),
         cached_tokens=int(d.get("cached_tokens", 0)),
         output_mask=None if d.get("output_mask") is None else [int(x) for x in d["output_mask"]],
         turns=None if turns is None else [_turn_from_json(t) for t in turns],

@@ -77,8 +77,8 @@ class BatchSource(Protocol):
 
     def state(self) -> dict:
         """Rank 0: the run state a checkpoint of the last finished step holds (the sampler's
-        position and the mode's own part). Cheap to take: a batch stays tensors here
-        (``pipeline.sources.saved.checkpoint_json`` encodes it when it is saved)."""
+        position and the mode's own part). Cheap to take: a batch stays tensors here, and the
+        checkpoint writes them as they are (``run_state.safetensors``)."""
 
     def busy_s(self) -> float:
         """Rank 0: seconds the servers spent on this source's rollouts so far (monotone)."""

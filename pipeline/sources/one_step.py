@@ -36,7 +36,7 @@ from typing import Callable, Optional
 from pipeline.context import LoopContext
 from pipeline.sources.base import BUFFER_KEY, check_resume
 from pipeline.sources.batch import rollout_phase
-from pipeline.sources.saved import decode_batch
+from pipeline.sources.saved import restored_batch
 
 
 class RolloutProducer:
@@ -117,9 +117,8 @@ class RolloutProducer:
     # --- checkpoints
     def state(self, sampler_now: Optional[dict]) -> dict:
         """Rank 0's run state: the sampler position and, when the next step's batch is complete,
-        that batch (its tensors: ``pipeline.sources.saved.checkpoint_json`` makes them JSON text when
-        it is saved) and
-        its metrics."""
+        that batch (tensors: the checkpoint writes them to ``run_state.safetensors``) and its
+        metrics."""
         if self._thread is None and self._result is not None:
             batch, metrics = self._result
             return {"sampler": sampler_now,
@@ -131,7 +130,7 @@ class RolloutProducer:
     def restore(self, buffer: dict) -> None:
         """Take a saved buffer back (a resumed run): ``take(buffer["step"])`` returns it."""
         self._step = int(buffer["step"])
-        self._result = (decode_batch(buffer["batch"]), dict(buffer["metrics"]))
+        self._result = (restored_batch(buffer["batch"]), dict(buffer["metrics"]))
 
 
 class OneStepSource:

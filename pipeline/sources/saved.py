@@ -1,39 +1,34 @@
-"""A batch source's state as ``run_state.json`` holds it: the one tensor part (``rollout.async:
-one_step``'s finished batch, :data:`pipeline.sources.base.BUFFER_KEY`) as base64 safetensors text.
+"""A one_step batch as a checkpoint's run state gives it back (:func:`restored_batch`).
 
-A source's ``state()`` keeps the batch as tensors (the step guard takes one at every step's
-begin); :func:`checkpoint_json` encodes it only when a checkpoint is written.
+A source's ``state()`` keeps its batch as tensors, and so does the checkpoint: the trainer's
+checkpoint writes every tensor of the run state, bit for bit, into ``run_state.safetensors``
+beside ``run_state.json`` (``megatron_gspo.train.checkpoint.run_state``), and a resume reads
+them back into place. Checkpoints written before that held a ``rollout.async: one_step`` batch
+(:data:`pipeline.sources.base.BUFFER_KEY`) as base64 safetensors text inside ``run_state.json``;
+they still resume (:func:`decode_batch`).
 """
 
 from __future__ import annotations
 
 import base64
-from typing import Any
+from typing import Union
 
 import torch
-from safetensors.torch import load, save
-
-from pipeline.sources.base import BUFFER_KEY
+from safetensors.torch import load
 
 
-def checkpoint_json(state: dict) -> dict:
-    """A source's ``BatchSource.state()`` as ``run_state.json`` holds it: a finished batch's
-    tensors as text (:func:`encode_batch`); the rest is JSON-able as it is."""
-    if state.get(BUFFER_KEY) is None:
-        return dict(state)
-    buffer = state[BUFFER_KEY]
-    return {**state, BUFFER_KEY: {**buffer, "batch": encode_batch(buffer["batch"])}}
-
-
-def encode_batch(batch: dict[str, Any]) -> str:
-    """A batch of tensors as base64 safetensors (bit-exact; JSON-safe)."""
-    bad = [k for k, v in batch.items() if not isinstance(v, torch.Tensor)]
+def restored_batch(saved: Union[dict, str]) -> dict[str, torch.Tensor]:
+    """A checkpoint's one_step batch: its tensors (as the checkpoint reads them back), or the
+    base64 text of a checkpoint from before ``run_state.safetensors``."""
+    if isinstance(saved, str):
+        return decode_batch(saved)
+    bad = [k for k, v in saved.items() if not isinstance(v, torch.Tensor)]
     if bad:
-        raise TypeError(f"rollout batch entries {bad} are not tensors")
-    tensors = {k: v.contiguous() for k, v in batch.items()}
-    return base64.b64encode(save(tensors)).decode("ascii")
+        raise TypeError(f"the saved rollout batch's entries {bad} are not tensors (a checkpoint "
+                        "whose run_state.safetensors was not read back)")
+    return dict(saved)
 
 
 def decode_batch(text: str) -> dict[str, torch.Tensor]:
-    """:func:`encode_batch`'s text back to the tensors."""
+    """The base64 safetensors text of an older checkpoint's batch back to its tensors."""
     return load(base64.b64decode(text))

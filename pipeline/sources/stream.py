@@ -276,7 +276,9 @@ class RolloutStream:
         stream's lock: the stream draws on its thread) and the stream's: the complete groups
         (trained as they are on resume), the groups in flight with their output so far
         (continued on resume; the stream is stopped for the snapshot, see the module docstring),
-        the prompts queued (generated on resume) and the admission index. JSON-able."""
+        the prompts queued (generated on resume) and the admission index. JSON-able but for the
+        samples' routed experts (tensors: the checkpoint writes them to
+        ``run_state.safetensors``)."""
         self._suspend()
         try:
             with self._cond:

@@ -12,7 +12,7 @@ from typing import Optional
 from pipeline.context import LoopContext
 from pipeline.sources.base import BUFFER_KEY, check_resume
 from pipeline.sources.batch import rollout_phase
-from pipeline.sources.saved import decode_batch
+from pipeline.sources.saved import restored_batch
 
 
 class SyncSource:
@@ -29,7 +29,7 @@ class SyncSource:
         check_resume(saved, self.mode)
         buffer = saved.get(BUFFER_KEY)
         if buffer is not None:
-            self._buffer = {**buffer, "batch": decode_batch(buffer["batch"])}
+            self._buffer = {**buffer, "batch": restored_batch(buffer["batch"])}
 
     def start(self) -> None:
         """Nothing runs between steps."""

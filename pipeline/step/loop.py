@@ -41,7 +41,6 @@ from megatron_gspo.train.batching import validate_routed_experts
 from pipeline.context import LoopContext, Trainer
 from pipeline.sources.base import BatchSource
 from pipeline.sources.choice import make_source
-from pipeline.sources.saved import checkpoint_json
 from pipeline.step.phases import (check_parity, evaluate, release_servers, resume_servers,
                                   server_metrics, sync_weights)
 from pipeline.step.rank0 import everywhere, on_main, run_on_rank0
@@ -63,8 +62,8 @@ def run(ctx: LoopContext, trainer: Trainer, *, start_step: int,
     history: dict[str, list] = {"eval/reward_mean": []}
 
     def save(step: int, state: Optional[dict]) -> None:
-        # rank 0 writes run_state.json; the others' copy is unused
-        trainer.save(ctx.run_dir, step, checkpoint_json(state) if is_main else {})
+        # rank 0 writes run_state.json (its tensors: run_state.safetensors); the others' is unused
+        trainer.save(ctx.run_dir, step, state if is_main else {})
         ctx.logger.commit(step)  # no resumed run redoes steps <= step: the trackers get them
 
     def data_position() -> Optional[dict]:

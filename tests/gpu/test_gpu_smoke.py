@@ -1,13 +1,17 @@
 """bench/gpu_smoke.py: every check runs on CPU / gloo here (``--device cpu``), and on a CUDA GPU
 with NCCL where there is one.
 
-The CPU run covers every code path of the script except what only a GPU has: bf16 weights with
-Megatron's distributed optimizer (CPU: float32, the plain optimizer), NCCL, and CUDA kernels'
-determinism. The GPU test is skipped, with that reason, on machines without CUDA.
+The CPU run covers every code path of the script except what only a GPU has: bf16 weights (CPU:
+float32, the same distributed optimizer with overlapped gradient reduce and parameter gather),
+NCCL, CUDA-IPC handles in the weight sync (CPU: shared memory), and CUDA kernels' determinism.
+The GPU test is skipped, with that reason, on machines without CUDA. The wheel closure's
+selection (torch's closure out, the optional router only within the carry budget) is tested here
+with a stand-in for pip; the real download and offline install in the extended tier.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +21,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_smoke.py"
-CHECKS = ["environment", "sft_bf16_distributed_optimizer", "rl_train_rollout",
+CHECKS = ["environment", "sft_bf16_distributed_optimizer", "rl_update_and_weight_sync",
           "checkpoint_exact_resume", "converted_checkpoint", "train_command"]
 
 
@@ -50,7 +54,7 @@ def test_lists_missing_dependencies_and_installs_only_from_its_wheel_directory(t
     out = subprocess.run([sys.executable, str(SCRIPT), "--list-missing"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "(nothing missing)"
-    assert gpu_smoke.DEPENDENCIES["megatron.core"] == "megatron-core==0.16.1"
+    assert gpu_smoke.DEPENDENCIES["megatron.core"] == "megatron-core==0.19.2"  # the 3.12 stack
 
 
 @pytest.mark.gpu
@@ -142,13 +146,18 @@ def test_downloaded_closure_installs_offline_into_an_empty_target(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lock = wheels / gpu_smoke.LOCK
     names = _lock_names(lock)
-    assert names["megatron-core"] == "0.16.1"
-    assert H200_LACKS <= set(names), H200_LACKS - set(names)
+    assert names["megatron-core"] == "0.19.2"
+    # everything fits but the router's own closure (29 MiB), left out over the carry budget
+    over_budget = {"sglang-router", "orjson", "setproctitle"}
+    assert H200_LACKS - over_budget <= set(names), H200_LACKS - over_budget - set(names)
+    assert "sglang-router==0.3.2" in next(l for l in lock.read_text().splitlines()
+                                          if l.startswith("# left out (over the carry budget"))
+    assert sum(p.stat().st_size for p in wheels.glob("*.whl")) <= gpu_smoke.carry_budget()
     assert not {n for n in names if n in ("torch", "triton") or n.startswith(("nvidia-", "cuda-"))}
     assert sorted(p.name for p in wheels.glob("*.whl")) and len(list(wheels.glob("*.whl"))) == len(names)
 
     # the device's side: torch's closure without torch and the CUDA wheels (pure Python here)
-    left_out = next(l for l in lock.read_text().splitlines() if l.startswith("# left out"))
+    left_out = next(l for l in lock.read_text().splitlines() if l.startswith("# left out (the"))
     provided = [req for req in left_out.split(": ", 1)[1].split()
                 if not gpu_smoke._canonical(req.split("==")[0]).startswith(("nvidia-", "cuda-"))
                 and gpu_smoke._canonical(req.split("==")[0]) not in ("torch", "triton")]
@@ -201,7 +210,7 @@ for name, d in sorted(have.items()):
 assert not unmet, unmet
 print("requirements met:", len(have))
 '''
-    modules = ",".join(gpu_smoke.DEPENDENCIES)
+    modules = ",".join(gpu_smoke.REQUIRED)
     argv, env = _offline([python312, "-c", check, str(target), str(device), modules])
     out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -218,6 +227,121 @@ print("requirements met:", len(have))
     assert set(_lock_names(small / gpu_smoke.LOCK)) == H200_LACKS
     total = sum(p.stat().st_size for p in small.glob("*.whl"))
     assert total < 64 * 2**20, total
+
+
+# ---- the closure's selection, with a stand-in for pip (issue 37 item 8) --------------------------
+
+# name -> (version, MiB, requires): a resolution as pip's --report gives it, in miniature
+_RESOLVED = {
+    "torch": ("2.11.0", 0, ["filelock", "nvidia-nccl-cu13"]),
+    "filelock": ("3.20.0", 0, []),
+    "nvidia-nccl-cu13": ("2.28.3", 0, []),
+    "megatron-core": ("0.19.2", 2, ["torch", "numpy", "packaging"]),
+    "numpy": ("2.5.5", 15, []),
+    "packaging": ("26.4", 0, []),
+    "transformers": ("5.25.0", 13, ["numpy", "packaging"]),
+    "sglang-router": ("0.3.2", 29, ["setproctitle", "packaging"]),
+    "setproctitle": ("1.3.8", 0, []),
+}
+
+
+def _fake_pip(resolved, roots):
+    def pip(*args, check=True):
+        if args[0] == "install":  # --dry-run --report FILE: the metadata of the closure
+            report = args[args.index("--report") + 1]
+            Path(report).write_text(json.dumps({"install": [
+                {"metadata": {"name": n, "version": v, "requires_dist": list(r)}}
+                for n, (v, _, r) in resolved.items()]}))
+            roots.extend(a for a in args if "==" in a or ">=" in a)
+        elif args[0] == "download":  # --no-deps -d DIR ... name==version ...
+            dest = Path(args[args.index("-d") + 1])
+            for spec in (a for a in args if "==" in a):
+                name, version = spec.split("==")
+                size = resolved[name][1] << 20
+                (dest / f"{name.replace('-', '_')}-{version}-py3-none-any.whl").write_bytes(
+                    b"w" * max(size, 1))
+        return subprocess.CompletedProcess(args, 0, "", "")
+    return pip
+
+
+@pytest.mark.parametrize("budget_mib, router", [(80, True), (40, False)])
+def test_the_closure_leaves_out_torch_and_the_router_only_over_budget(tmp_path, monkeypatch,
+                                                                      budget_mib, router):
+    _smoke_module()
+    smoke_wheels = sys.modules["smoke_wheels"]  # bench/smoke_wheels.py, as gpu_smoke imports it
+    roots = []
+    monkeypatch.setattr(smoke_wheels, "_pip", _fake_pip(_RESOLVED, roots))
+    monkeypatch.setattr(smoke_wheels, "REQUIRED", {"megatron.core": "megatron-core==0.19.2",
+                                                   "transformers": "transformers>=4.57,<6"})
+    monkeypatch.setattr(smoke_wheels, "OPTIONAL", {"sglang_router": "sglang-router==0.3.2"})
+    monkeypatch.setattr(smoke_wheels, "DEPENDENCIES", {**smoke_wheels.REQUIRED,
+                                                       **smoke_wheels.OPTIONAL})
+    kept, left_out = smoke_wheels.download_closure(tmp_path, budget=budget_mib << 20)
+    names = {n for n, _, _ in kept}
+    assert {"torch", "filelock", "nvidia-nccl-cu13"}.isdisjoint(names)  # the machine's torch
+    assert {"megatron-core", "numpy", "packaging", "transformers"} <= names
+    assert ("sglang-router" in names) == router and ("setproctitle" in names) == router
+    assert bool(left_out) != router
+    lock = (tmp_path / smoke_wheels.LOCK).read_text().splitlines()
+    pinned = {line.split("==")[0] for line in lock if not line.startswith("#")}
+    assert pinned == names and all("--hash=sha256:" in l for l in lock if not l.startswith("#"))
+    assert sorted(p.name.split("-")[0] for p in tmp_path.glob("*.whl")) == sorted(
+        n.replace("-", "_") for n in names)
+    with pytest.raises(SystemExit, match="the required wheels take 30.0 MiB, over the 20.0 MiB"):
+        smoke_wheels.download_closure(tmp_path / "small", budget=20 << 20)
+
+
+def test_a_check_that_cannot_run_here_is_skipped_not_failed(monkeypatch, capsys):
+    gpu_smoke = _smoke_module()
+
+    class Fake:
+        def environment(self):
+            return "ok"
+
+        def train_command(self):
+            raise gpu_smoke.Skipped("sglang-router==0.3.2 not installed")
+
+        def converted_checkpoint(self):
+            raise AssertionError("wrong")
+
+    verdicts = gpu_smoke.run_checks(Fake(), ["environment", "train_command"])
+    assert verdicts == ["PASS", "SKIP"]
+    assert "SKIP train_command: sglang-router==0.3.2 not installed" in capsys.readouterr().out
+    assert gpu_smoke.run_checks(Fake(), ["converted_checkpoint"]) == ["FAIL"]
+    # the real check skips where the router does not import
+    monkeypatch.setattr(gpu_smoke, "missing_modules", lambda modules=None: list(modules or []))
+    with pytest.raises(gpu_smoke.Skipped, match=r"sglang-router==0\.3\.2 not installed"):
+        gpu_smoke.Smoke("cpu", Path("/nonexistent")).train_command()
+
+
+def test_the_recorded_stream_keeps_what_this_rank_sends():
+    gpu_smoke = _smoke_module()
+    flat = torch.arange(6, dtype=torch.float32)
+
+    class Bucket:
+        def __init__(self, flat):
+            self.flat = flat
+
+        def named_tensors(self):
+            return [("a", self.flat[:2]), ("b", self.flat[2:].view(2, 2))]
+
+    class Stream:
+        tensor_hook = None
+
+        def __len__(self):
+            return 2
+
+        def __iter__(self):
+            yield Bucket(flat)
+            yield Bucket(None)  # another rank's bucket
+
+    stream = gpu_smoke.RecordedStream(Stream())
+    stream.tensor_hook = "hook"  # what the pusher sets lands on the stream itself
+    assert stream._stream.tensor_hook == "hook" and len(stream) == 2
+    assert len(list(stream)) == 2
+    flat.zero_()  # the buffer is reused for the next bucket: the record is a copy
+    assert stream.sent["a"].tolist() == [0.0, 1.0] and stream.sent["b"].tolist() == [[2.0, 3.0],
+                                                                                     [4.0, 5.0]]
 
 
 def test_optimizer_check_looks_inside_megatrons_chained_optimizer():

@@ -208,6 +208,45 @@ def test_activation_recompute_without_a_cuda_generator():
     assert out.strip() == "True"
 
 
+# DistributedOptimizer's parameter sort, with one fp32 CPU parameter whose shard is [1, 3)
+_DIST_OPT_SORT = """
+    import types, torch
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    p = torch.nn.Parameter(torch.arange(4.0))
+    def sort(build):
+        return build([{torch.float32: [{"param_map": {p: {"param": types.SimpleNamespace(
+            start=1, end=3)}}}]}], {p: (0, torch.float32, 0)},
+            [{"params": [p], "orig_group": {"params": []}}], OptimizerConfig())
+    groups = sort(DistributedOptimizer._build_model_and_main_param_groups)
+    try:  # Megatron's own sort, without the accommodation: still needed
+        sort(DistributedOptimizer._build_model_and_main_param_groups.__func__.__wrapped__
+             .__get__(None, DistributedOptimizer))
+        print("works")
+    except TypeError:
+        print("fails")
+"""
+
+_DIST_OPT = register("distributed_optimizer", textwrap.dedent("""
+    import torch
+    from megatron_gspo import cpu_compat
+    cpu_compat.apply()
+""") + textwrap.dedent(_DIST_OPT_SORT) + textwrap.dedent("""
+    model_fp32, shard_fp32 = groups[1][0], groups[3][0]
+    print(model_fp32[0] is p, shard_fp32[0].tolist(), torch.zeros(1).type(),
+          torch.zeros(1, dtype=torch.bfloat16).type())
+"""))
+
+
+def test_distributed_optimizer_sorts_cpu_float32_parameters():
+    """Accommodation 9: the fp32 parameter takes the fp32 branch (its shard a view of it),
+    ``type()`` is unchanged outside the sort, and Megatron's sort itself still refuses the CPU
+    parameter (the accommodation is still needed)."""
+    out = applied(_DIST_OPT, "")
+    assert out.split() == ["fails", "True", "[1.0,", "2.0]", "torch.FloatTensor",
+                           "torch.BFloat16Tensor"]
+
+
 def test_nothing_is_applied_when_cuda_is_available():
     out = run_py("""
         import torch

@@ -12,7 +12,8 @@ and client of tests/reliability/loop_fakes.py on a world of one. Run A (4 steps,
 
 from __future__ import annotations
 
-import json
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from launch.preflight import check_rollout_resume
 from megatron_gspo.config import ConfigError, config_from_dict
+from megatron_gspo.train.checkpoint.run_state import read_run_state, write_run_state
 from pipeline.scoring.data import PromptSampler
 from pipeline.scoring.tasks import PAD_ID, decode
 from pipeline.sources.base import BUFFER_KEY, STREAM_KEY, RESUMES, saved_mode
@@ -60,7 +62,18 @@ class Trainer:
         return []
 
     def save(self, run_dir, step, run_state):
-        self.states[step] = json.loads(json.dumps(run_state))
+        self.states[step] = _as_a_checkpoint_holds(step, run_state)
+
+
+def _as_a_checkpoint_holds(step: int, run_state: dict) -> dict:
+    """``run_state`` written and read back as a checkpoint's (run_state.json and its tensors in
+    run_state.safetensors: megatron_gspo.train.checkpoint.run_state), without the step."""
+    with tempfile.TemporaryDirectory() as tmp:
+        write_run_state(Path(tmp), step, run_state)
+        back = read_run_state(Path(tmp), {"files": {p.name: {} for p in Path(tmp).iterdir()}},
+                              tensors=True)
+    back.pop("step")
+    return back
 
 
 def _prompt_of(row: list[int]) -> str:
@@ -107,7 +120,7 @@ def test_each_cell_resumes_exactly_or_is_refused_before_the_ranks_start(tmp_path
     ctx = _context(tmp_path / "b", resumed)
     checkpoint = tmp_path / "checkpoint"
     checkpoint.mkdir()
-    (checkpoint / "run_state.json").write_text(json.dumps({"step": SAVED_AT, **state}))
+    write_run_state(checkpoint, SAVED_AT, state)
 
     if resumed not in RESUMES[saved_mode(state)]:
         for refuse in (lambda: check_rollout_resume(ctx.cfg, checkpoint),

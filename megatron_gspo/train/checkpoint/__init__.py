@@ -10,9 +10,12 @@ Layout of ``<run_dir>/checkpoints``::
         scheduler.json      the LR schedule's state (Megatron's OptimizerParamScheduler), rank 0
         run_state.json      the step and what the caller saves of rank 0's data: the sampler's
                             position (RL: also the next step's batch or the stream's groups)
+        run_state.safetensors  the tensors of that run state (the next batch, its routing
+                            replay tensor), run_state.json holding placeholders (``run_state``)
         manifest.json       size and sha256 of every other file, the stack that wrote it
-                            (megatron-core, torch, Python), the parallel layout and the model
-                            config it was written under; written last (rank 0)
+                            (megatron-core, torch, Python), the parallel layout, the model
+                            config and the optimizer (plain / distributed) it was written
+                            under; written last (rank 0)
     latest                  text file: the name of the newest complete checkpoint
 
 A checkpoint is written into ``step_N.tmp``; once every rank has written its part, the ranks
@@ -42,8 +45,12 @@ and the param groups' settings from the checkpoint (``load._load_resharded``). P
 do not map to another world: they start fresh (the seeded initialisation of this run), said in
 one line. Nothing the training computes draws from them: dropout is 0, every sampling order comes
 from a generator seeded by (run.seed, step or epoch), the data position is in ``run_state.json``.
-Under the layout that wrote it a checkpoint loads exactly as before (Megatron's state dict, RNG
-restored, a missing RNG file an error). A changed MODEL cannot resume (``records.model_changes``:
+The distributed optimizer's state is the exception: Megatron's ``dp_reshardable`` format
+(``state.DISTRIBUTED_OPTIMIZER_SHARDING`` says why that one) follows its buffers, so such a
+checkpoint resumes only under the layout that wrote it, and neither optimizer's checkpoint loads
+into the other (``records.optimizer_refusal``: the kind refused before the ranks start, the
+layout when they load). Under the layout that wrote it a checkpoint loads exactly as before
+(Megatron's state dict, RNG restored, a missing RNG file an error). A changed MODEL cannot resume (``records.model_changes``:
 any field that changes the parameters' shapes or meaning; the launcher refuses it before the
 ranks start, launch/preflight.py).
 
@@ -67,7 +74,8 @@ space free, raised on every rank alike. ``keep`` (``run.keep_checkpoints``) dele
 newest ``keep`` checkpoints after each save, never one in ``protect`` (the one this run resumed
 from).
 
-The package: ``manifest`` (manifests, verification, the newest intact checkpoint), ``state``
+The package: ``manifest`` (manifests, verification, the newest intact checkpoint),
+``run_state`` (``run_state.json`` and its tensors), ``state``
 (the sharded model / optimizer state, the RNG states), ``records`` (the layout and model records,
 the resume refusal), ``save`` (the writer, disk-full handling, rotation) and ``load`` (the
 resharded load); the cross-rank collectives are ``megatron_gspo.collectives``.
@@ -82,13 +90,16 @@ from megatron_gspo.train.checkpoint.load import load_checkpoint
 from megatron_gspo.train.checkpoint.manifest import (MANIFEST, MANIFEST_FORMAT, CheckpointError,
                                                      checkpoint_root, latest_checkpoint,
                                                      verify_checkpoint, writer_rank)
-from megatron_gspo.train.checkpoint.records import (model_changes, model_record, resume_candidate,
+from megatron_gspo.train.checkpoint.records import (model_changes, model_record,
+                                                    optimizer_refusal, resume_candidate,
                                                     resume_refusal)
 from megatron_gspo.train.checkpoint.save import CheckpointDiskFull, save_checkpoint
+from megatron_gspo.train.train_step import gather_params
 
 __all__ = ["MANIFEST", "MANIFEST_FORMAT", "CheckpointDiskFull", "CheckpointError",
            "CheckpointedTrainer", "checkpoint_root", "latest_checkpoint", "load_checkpoint",
-           "model_changes", "model_record", "resume_candidate", "resume_refusal",
+           "model_changes", "model_record", "optimizer_refusal", "resume_candidate",
+           "resume_refusal",
            "save_checkpoint", "verify_checkpoint", "writer_rank"]
 
 
@@ -100,8 +111,19 @@ class CheckpointedTrainer:
 
     resumed_from: Optional[Path] = None
 
+    def current_policy(self):
+        """Collective: this rank's policy chunk with every parameter as the last optimizer step
+        left it. Every reader of the weights outside a forward pass takes the model from here
+        (the weight sync's ``hf_buckets``, :meth:`save`, the HF export): with
+        ``parallel.overlap_param_gather`` the parameter shards of other data-parallel ranks
+        are otherwise one step behind until the next forward
+        (``megatron_gspo.train.train_step.gather_params``)."""
+        gather_params(self.state)
+        return self.gpt
+
     def save(self, run_dir: str | Path, step: int, run_state: dict) -> Path:
         """Collective: checkpoint after ``step``."""
+        self.current_policy()
         return save_checkpoint(run_dir, step, self.state.model, self.state.optimizer, run_state,
                                scheduler=self.state.scheduler, keep=self.cfg.run.keep_checkpoints,
                                protect=[self.resumed_from] if self.resumed_from else [],

@@ -23,8 +23,12 @@ from megatron_gspo.collectives import all_gather
 from megatron_gspo.dcp_metadata import UnsafeCheckpointError, check_torch_dist
 from megatron_gspo.train.checkpoint.manifest import (CheckpointError, read_manifest, say,
                                                      verified, verify_checkpoint)
-from megatron_gspo.train.checkpoint.records import describe_layout, layout_of, resume_refusal
-from megatron_gspo.train.checkpoint.state import module_of, set_rng_state, sharded_state
+from megatron_gspo.train.checkpoint.records import (describe_layout, layout_of, optimizer_refusal,
+                                                    resume_refusal)
+from megatron_gspo.train.checkpoint.run_state import RUN_STATE, read_run_state
+from megatron_gspo.train.checkpoint.state import (is_distributed_optimizer, module_of,
+                                                  restore_torch_adam_step, set_rng_state,
+                                                  sharded_state)
 
 
 def _read_json(path: Path) -> dict:
@@ -149,7 +153,9 @@ def _load_resharded(path: Path, state: dict, optimizer, load_kwargs: dict) -> di
         tensors = iter(loaded[_RESHARDED][str(i)] for i in range(len(leaves)))
         optimizer_state = _with_leaves(state["optimizer"], tensors)
         _carry_over(optimizer_state, loaded.get("optimizer"))
-        optimizer.load_state_dict(optimizer_state)
+        with torch.no_grad():  # see load_checkpoint
+            optimizer.load_state_dict(optimizer_state)
+        restore_torch_adam_step(optimizer)
     return loaded
 
 
@@ -192,12 +198,15 @@ def load_checkpoint(path: str | Path, model_chunks: list, optimizer, *,
     if problems:
         raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems[:10]))
     manifest = read_manifest(path)
-    state_path = path / "run_state.json"
-    if "run_state.json" not in manifest["files"]:
-        raise CheckpointError(f"{path}: not a training checkpoint (no run_state.json)")
+    if RUN_STATE not in manifest["files"]:
+        raise CheckpointError(f"{path}: not a training checkpoint (no {RUN_STATE})")
     layout = layout_of(model_chunks)
     if model_config is not None:
         refusal = resume_refusal(path, manifest, model_config, layout["tensor"])
+        if refusal is not None:
+            raise CheckpointError(refusal)
+    if optimizer is not None:
+        refusal = optimizer_refusal(path, manifest, is_distributed_optimizer(optimizer), layout)
         if refusal is not None:
             raise CheckpointError(refusal)
     scheduler_path = path / "scheduler.json"
@@ -247,7 +256,12 @@ def load_checkpoint(path: str | Path, model_chunks: list, optimizer, *,
         key = "model" if len(model_chunks) == 1 else f"model{i}"
         module_of(chunk).load_state_dict(loaded[key], strict=True)
     if optimizer is not None and not resharding:
-        optimizer.load_state_dict(loaded["optimizer"])
+        # no autograd: with float32 parameters the distributed optimizer's main parameters are
+        # views of the model's (leaves that require grad), which Megatron's
+        # load_parameter_state_from_dp_reshardable copies into in place
+        with torch.no_grad():
+            optimizer.load_state_dict(loaded["optimizer"])
+        restore_torch_adam_step(optimizer)
     if scheduler is not None:
         # After the optimizer (whose state restores the param groups' old lr): the scheduler then
         # sets the lr of the restored position. Megatron's load ADDS the saved step count to the
@@ -261,4 +275,4 @@ def load_checkpoint(path: str | Path, model_chunks: list, optimizer, *,
             raise CheckpointError(f"{rank_file}: unreadable RNG states ({type(err).__name__}: "
                                   f"{err})") from None
         set_rng_state(rng)
-    return _read_json(state_path)
+    return read_run_state(path, manifest, tensors=dist.get_rank() == 0)

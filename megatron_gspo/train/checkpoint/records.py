@@ -13,7 +13,8 @@ from megatron_gspo.collectives import rank_world
 from megatron_gspo.config import padded_vocab_size
 from megatron_gspo.train.checkpoint.manifest import (CheckpointError, checkpoint_root, read_manifest,
                                                      step_dirs)
-from megatron_gspo.train.checkpoint.state import module_of
+from megatron_gspo.train.checkpoint.state import (DISTRIBUTED_OPTIMIZER_SHARDING,
+                                                  is_distributed_optimizer, module_of)
 
 
 def layout_of(model_chunks: list) -> dict[str, Any]:
@@ -125,6 +126,36 @@ def resume_refusal(path: str | Path, manifest: dict, model, tensor_parallel: int
             f"(model.make_vocab_size_divisible_by {model.make_vocab_size_divisible_by} x "
             f"parallel.tensor {tensor_parallel}): the embedding and output layer would not fit"
             + hint)
+
+
+def optimizer_record(optimizer) -> dict[str, Any]:
+    """What a manifest records of the optimizer state: the distributed optimizer's follows its
+    buffers (Megatron's ``dp_reshardable``, ``state.DISTRIBUTED_OPTIMIZER_SHARDING``)."""
+    if is_distributed_optimizer(optimizer):
+        return {"distributed": True, "sharding": DISTRIBUTED_OPTIMIZER_SHARDING}
+    return {"distributed": False}
+
+
+def optimizer_refusal(path: str | Path, manifest: dict, distributed: bool,
+                      layout: Optional[dict] = None) -> Optional[str]:
+    """Why this run (``distributed``: ``optim.use_distributed_optimizer``; ``layout``: its
+    parallel layout, None when not known yet) cannot load the optimizer state of checkpoint
+    ``path``, in one message, or None. A manifest without an optimizer record was written by the
+    plain optimizer (the distributed optimizer's state could not be saved before the record)."""
+    record = manifest.get("optimizer") or {"distributed": False}
+    written = bool(record.get("distributed"))
+    if written != distributed:
+        return (f"--resume: checkpoint {path} holds the {'distributed' if written else 'plain'} "
+                f"optimizer's state (optim.use_distributed_optimizer: {str(written).lower()}); "
+                f"this config has {str(distributed).lower()}: the two optimizers' checkpoints do "
+                f"not convert; set optim.use_distributed_optimizer: {str(written).lower()}")
+    written_layout = manifest.get("layout")
+    if written and layout is not None and written_layout != layout:
+        return (f"--resume: checkpoint {path} holds the distributed optimizer's state "
+                f"(Megatron's {record.get('sharding', '?')} format, which follows its buffers) "
+                f"written under layout {describe_layout(written_layout)}; this run has "
+                f"{describe_layout(layout)}: resume it under the layout that wrote it")
+    return None
 
 
 def resume_candidate(run_dir: str | Path) -> Optional[tuple[Path, dict]]:

@@ -28,7 +28,8 @@ from megatron_gspo.lifetime import STOP_SIGNALS, shield_from_stop_signals, shiel
 from megatron_gspo.train.checkpoint.manifest import (MANIFEST, MANIFEST_FORMAT, CheckpointError,
                                                      checkpoint_root, describe_files, list_files,
                                                      step_dirs)
-from megatron_gspo.train.checkpoint.records import layout_of, model_record
+from megatron_gspo.train.checkpoint.records import layout_of, model_record, optimizer_record
+from megatron_gspo.train.checkpoint.run_state import tensor_bytes, write_run_state
 from megatron_gspo.train.checkpoint.state import rng_state, sharded_state, state_bytes
 
 
@@ -169,6 +170,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model_chunks: list, optimize
                     protect: Sequence[str | Path] = (), model_config=None) -> Path:
     """Collective: every rank calls it. Returns the checkpoint directory.
 
+    ``run_state``: rank 0's (the others' is not written): JSON-able values and tensors anywhere
+    in it, the tensors into ``run_state.safetensors`` (``run_state.write_run_state``).
     ``scheduler``: the LR schedule, identical on every rank; rank 0 writes its ``state_dict``
     (plain numbers, exact in JSON). ``model_config`` (the run's ModelConfig): recorded in the
     manifest (:func:`model_record`), so that a resume with a changed model is refused before the
@@ -185,7 +188,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model_chunks: list, optimize
     rank = dist.get_rank()
     layout = layout_of(model_chunks)
     state = sharded_state(model_chunks, optimizer, is_loading=False)
-    needed = sum(all_gather(state_bytes(state), None))
+    mine = state_bytes(state) + (tensor_bytes(run_state) if rank == 0 else 0)
+    needed = sum(all_gather(mine, None))
     # rank 0 prepares; its error is raised on every rank (also the barrier: the directory exists
     # from here on)
     on_rank0(_prepare, root, final, tmp, needed, group=None)
@@ -201,7 +205,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model_chunks: list, optimize
         if rank == 0:
             if scheduler is not None:
                 (tmp / "scheduler.json").write_text(json.dumps(scheduler.state_dict(), indent=1))
-            (tmp / "run_state.json").write_text(json.dumps({"step": step, **run_state}, indent=1))
+            write_run_state(tmp, step, run_state)
     except Exception as err:  # noqa: BLE001 - raised on every rank below, with the path
         error = _write_error(err, final, tmp, needed)
     _raise_on_every_rank(all_gather(error, None), final, tmp)
@@ -215,7 +219,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model_chunks: list, optimize
     if rank == 0:
         try:
             manifest = {"format": MANIFEST_FORMAT, "step": step, "stack": mcore_compat.stack(),
-                        "world_size": dist.get_world_size(), "layout": layout, "files": files}
+                        "world_size": dist.get_world_size(), "layout": layout,
+                        "optimizer": optimizer_record(optimizer), "files": files}
             if model_config is not None:
                 manifest["model"] = model_record(model_config, layout["tensor"])
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))

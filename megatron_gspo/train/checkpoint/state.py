@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from megatron.core.dist_checkpointing.mapping import (ShardedTensor, ShardedTensorFactory,
                                                       is_main_replica)
+from megatron.core.optimizer import distrib_optimizer
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 
@@ -47,6 +48,72 @@ def module_of(chunk):
     return getattr(chunk, "module", chunk)
 
 
+DISTRIBUTED_OPTIMIZER_SHARDING = "dp_reshardable"
+"""How Megatron's distributed optimizer lays out its state in a checkpoint
+(``metadata["distrib_optim_sharding_type"]`` of ``DistributedOptimizer.sharded_state_dict``;
+other optimizers ignore it).
+
+Megatron's default, ``fully_sharded_model_space``, cannot be saved at all: it builds
+``ShardedTensor``\ s with a ``flattened_range``, which ``ShardedTensor.validate_metadata_integrity``
+refuses ("ShardedTensor.flattened_range is not supported"; megatron-core 0.16.1 and 0.19.2,
+``dist_checkpointing/mapping.py``). ``fully_reshardable`` does not load into torch's Adam (the
+optimizer without Apex or Transformer Engine): ``_set_main_param_and_optimizer_states`` asks
+the checkpoint for Adam's ``step`` tensor, which that format leaves out (``KeyError: 'step'``, both
+versions); it also all-gathers the unsharded optimizer state of the data-parallel group at each
+save. ``dp_reshardable`` is Megatron-LM's default: every rank writes its own flat shards, no
+exchange, and it loads on both optimizers; the price is that it follows the optimizer's
+internal buffers, so such a checkpoint resumes only under the layout that wrote it
+(``records.optimizer_refusal``)."""
+
+
+def _prime_fresh_torch_adam(optimizer) -> None:
+    """Megatron's ``DistributedOptimizer.state_dict()`` with torch's Adam reads the step count
+    from every parameter's Adam state (``assert len(steps) == 1``), which torch creates at the
+    first step; loading a checkpoint into a fresh optimizer asks for that state dict first
+    (``sharded_state_dict(is_loading=True)``). Give each parameter the state of an Adam at step 0
+    (zero moments, step 0); the load then overwrites all of it (the step count:
+    :func:`restore_torch_adam_step`)."""
+    for adam in _torch_adams_in_distributed_optimizer(optimizer):
+        if len(adam.state) == 0:
+            for group in adam.param_groups:
+                for p in group["params"]:
+                    adam.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                     "exp_avg_sq": torch.zeros_like(p)}
+
+
+def _torch_adams_in_distributed_optimizer(optimizer) -> list:
+    """The torch ``Adam``\ s inside Megatron's distributed optimizer when neither Apex nor
+    Transformer Engine is installed (``HAVE_APEX_OR_TE`` false: the CPU, a GPU without them);
+    with either, the step count lives in the param groups and nothing here is needed."""
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return []
+    return [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+            if isinstance(opt, distrib_optimizer.DistributedOptimizer)
+            and isinstance(getattr(opt, "optimizer", None), torch.optim.Adam)]
+
+
+def restore_torch_adam_step(optimizer) -> None:
+    """After ``optimizer.load_state_dict``: each parameter's Adam ``step`` from its param group.
+
+    Megatron's ``load_state_dict`` (torch Adam) sets every state's ``step`` from the checkpoint's
+    param groups, then ``load_parameter_state_from_dp_reshardable`` copies the bucket state's
+    ``step`` over it, a ``LocalNonpersistentObject`` that holds the value this rank had when the
+    load was requested (0 in a fresh optimizer): the resumed run's Adam would restart its bias
+    correction. The param groups keep the checkpoint's step (``state_dict`` writes it there)."""
+    for adam in _torch_adams_in_distributed_optimizer(optimizer):
+        for group in adam.param_groups:
+            if "step" in group:
+                for p in group["params"]:
+                    if "step" in adam.state.get(p, {}):
+                        adam.state[p]["step"] = torch.tensor(float(group["step"]))
+
+
+def is_distributed_optimizer(optimizer) -> bool:
+    """Whether ``optimizer`` (Megatron's, possibly a ``ChainedOptimizer``) is the distributed one."""
+    return any(isinstance(opt, distrib_optimizer.DistributedOptimizer)
+               for opt in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
 def sharded_state(model_chunks: list, optimizer, *, is_loading: bool) -> dict:
     model_sd = {}
     for i, chunk in enumerate(model_chunks):
@@ -54,7 +121,11 @@ def sharded_state(model_chunks: list, optimizer, *, is_loading: bool) -> dict:
         model_sd[key] = module_of(chunk).sharded_state_dict()
     state = dict(model_sd)
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        if is_loading:
+            _prime_fresh_torch_adam(optimizer)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading,
+            metadata={"distrib_optim_sharding_type": DISTRIBUTED_OPTIMIZER_SHARDING})
     return state
 
 
