@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 
+from megatron_gspo.train.checkpoint.run_state import join_tensors, split_tensors
 from pipeline.generation.client import SamplingParams
 from pipeline.generation.generator import SingleTurnGenerator
 from pipeline.generation.multiturn import ToolGenerator
@@ -82,11 +83,20 @@ def test_json_round_trips_bit_exact():
                         Turn(start=2, length=1, observation_length=0, finish_reason="length",
                              cached_tokens=3, prompt_tokens=4, server_url="u")])
     for sample in (r, t):
-        back = result_from_json(json.loads(json.dumps(result_to_json(sample))))
+        back = result_from_json(through_run_state(result_to_json(sample)))
         assert back.routed_experts is None or torch.equal(back.routed_experts,
                                                           sample.routed_experts)
-        assert result_to_json(back) == result_to_json(sample)
-    assert result_from_json(json.loads(json.dumps(result_to_json(t)))) == t
+        (got, got_tensors), (want, want_tensors) = (split_tensors(result_to_json(x))
+                                                    for x in (back, sample))
+        assert got == want and got_tensors.keys() == want_tensors.keys()
+        assert all(torch.equal(got_tensors[k], want_tensors[k]) for k in want_tensors)
+    assert result_from_json(through_run_state(result_to_json(t))) == t
+
+
+def through_run_state(state: dict) -> dict:
+    # as a checkpoint keeps it: the tensors apart (run_state.safetensors), the rest as JSON text
+    placeholders, tensors = split_tensors(state)
+    return join_tensors(json.loads(json.dumps(placeholders)), tensors, source="run_state.safetensors")
 
 
 def test_a_checkpoint_written_before_samples_were_typed_is_read():
@@ -106,7 +116,13 @@ def test_a_checkpoint_written_before_samples_were_typed_is_read():
     assert t.turns[1] == Turn(start=4, length=1, observation_length=0, finish_reason="stop",
                               cached_tokens=3, prompt_tokens=5, server_url="http://s1")
     # and written again in today's form, it reads back the same
-    assert result_from_json(json.loads(json.dumps(result_to_json(t)))) == t
+    assert result_from_json(through_run_state(result_to_json(t))) == t
+
+
+def through_run_state(state: dict) -> dict:
+    # as a checkpoint keeps it: the tensors apart (run_state.safetensors), the rest as JSON text
+    placeholders, tensors = split_tensors(state)
+    return join_tensors(json.loads(json.dumps(placeholders)), tensors, source="run_state.safetensors")
 
 
 class FakeClient:
