@@ -54,7 +54,7 @@ DISTRIBUTED_OPTIMIZER_SHARDING = "dp_reshardable"
 other optimizers ignore it).
 
 Megatron's default, ``fully_sharded_model_space``, cannot be saved at all: it builds
-``ShardedTensor``\ s with a ``flattened_range``, which ``ShardedTensor.validate_metadata_integrity``
+ShardedTensors with a ``flattened_range``, which ``ShardedTensor.validate_metadata_integrity``
 refuses ("ShardedTensor.flattened_range is not supported"; megatron-core 0.16.1 and 0.19.2,
 ``dist_checkpointing/mapping.py``). ``fully_reshardable`` does not load into torch's Adam (the
 optimizer without Apex or Transformer Engine): ``_set_main_param_and_optimizer_states`` asks
@@ -82,7 +82,7 @@ def _prime_fresh_torch_adam(optimizer) -> None:
 
 
 def _torch_adams_in_distributed_optimizer(optimizer) -> list:
-    """The torch ``Adam``\ s inside Megatron's distributed optimizer when neither Apex nor
+    """The torch ``Adam`` optimizers inside Megatron's distributed optimizer when neither Apex nor
     Transformer Engine is installed (``HAVE_APEX_OR_TE`` false: the CPU, a GPU without them);
     with either, the step count lives in the param groups and nothing here is needed."""
     if distrib_optimizer.HAVE_APEX_OR_TE:
