@@ -15,7 +15,8 @@ Megatron-Core, transformers) once per test session and nothing else: a rank star
 instead of the ~7 s a spawned interpreter spends importing Megatron-Core on the 2-core machine,
 with the same clean state (no process group, no threads, none of this project's modules; the
 caller's environment is passed along). Measured: 4 calls of a 2-rank all-reduce, spawn 8.7-25 s
-each (load), fork server 5.7 s for the first (the server's imports), 0.1 s after.
+each (load), fork server 5.7 s for the first (the server's imports), 0.1 s after
+(``bench/bench_spawn.py``, both in one run).
 
 The benchmarks' and the tests' harness: it lives in bench/ so that bench/ does not import tests/.
 """
@@ -45,11 +46,13 @@ PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.models.
            "transformers")
 
 
-def _context():
-    """The fork-server start method with :data:`PRELOAD` imported in the server (a fork of a
-    process that has imported but not run anything: no threads, no process group)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))
+def _context(start_method: str):
+    """``forkserver`` (the default): the fork server with :data:`PRELOAD` imported in it (a fork
+    of a process that has imported but not run anything: no threads, no process group);
+    ``spawn``: fresh interpreters (bench/bench_spawn.py's baseline)."""
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
 
 
@@ -94,11 +97,12 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
 
 
 def run_on_ranks(world_size: int, fn: Callable, args: tuple = (), *,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, start_method: str = "forkserver"
+                 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank."""
     if world_size > 4:
         raise ValueError("the test machines have 2 cores: spawn at most 4 ranks")
-    ctx = _context()
+    ctx = _context(start_method)
     with tempfile.TemporaryDirectory(prefix="gspo_spawn_") as out_dir:
         port = _free_port()
         procs = [

@@ -83,7 +83,11 @@ def sync_weights(ctx: LoopContext, trainer: Trainer, version: WeightVersion) -> 
             return stats.metrics()
         # restarted servers into the router, then the router routing to every server again
         # (its health checks may have marked them unhealthy during the pause; bounded)
-        waited = _pool_call(ctx, lambda: (ctx.servers.admit(), ctx.servers.readmitted())[1])
+        def admit_and_wait() -> float:
+            ctx.servers.admit()
+            return ctx.servers.readmitted()
+
+        waited = _pool_call(ctx, admit_and_wait)
         return {**stats.metrics(), "router_readmit_s": waited}
     raise AssertionError("unreachable")
 
