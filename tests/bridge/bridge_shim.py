@@ -10,7 +10,10 @@ Four accommodations (the review behind issue 35 found five; the fifth, ``if __na
    definition (GPU paths only). Megatron-Core's modules that test for Transformer Engine
    (``HAVE_TE``) are imported first, without the placeholder, so they record its absence.
 2. :func:`local_provider`: Bridge's provider builds Bridge's own ``local_layer_spec``
-   (``models/gpt_provider.py``) in fp32 with TE/CUDA fusions off (its default is the TE spec).
+   (``models/gpt_provider.py``) in fp32 with TE/CUDA fusions off (its default is the TE spec);
+   :func:`local_spec_everywhere` applies it where Bridge's own entry points make their provider
+   (``AutoBridge.to_megatron_provider`` for ``import_ckpt``; ``load_model_config``, the provider
+   it instantiates from ``run_config.yaml``, for ``load_megatron_model`` and ``export_ckpt``).
 3. The ranks are gloo ranks made before Bridge sees a process group (``bench.spawn``), with the
    project's CPU accommodations (``megatron_gspo.cpu_compat``: CUDA device calls, the RNG
    tracker); otherwise ``provide_distributed_model`` calls ``init_process_group("nccl")``.
@@ -20,6 +23,7 @@ Four accommodations (the review behind issue 35 found five; the fifth, ``if __na
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import sys
 import types
@@ -81,3 +85,27 @@ def local_provider(provider):
             setattr(provider, flag, False)
     provider.perform_initialization = False
     return provider
+
+
+@contextlib.contextmanager
+def local_spec_everywhere():
+    """Accommodation 2 at Bridge's own entry points, while the context lasts."""
+    from megatron.bridge.models.conversion.auto_bridge import AutoBridge
+    from megatron.bridge.training import model_load_save
+
+    to_provider, load_config = AutoBridge.to_megatron_provider, model_load_save.load_model_config
+
+    def to_megatron_provider(self, *args, **kwargs):
+        return local_provider(to_provider(self, *args, **kwargs))
+
+    def load_model_config(checkpoint_path):
+        model_cfg, mlm_args = load_config(checkpoint_path)
+        return local_provider(model_cfg), mlm_args
+
+    AutoBridge.to_megatron_provider = to_megatron_provider
+    model_load_save.load_model_config = load_model_config
+    try:
+        yield
+    finally:
+        AutoBridge.to_megatron_provider = to_provider
+        model_load_save.load_model_config = load_config
