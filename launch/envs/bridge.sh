@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the pinned Megatron-Bridge environment that the `bridge` test tier runs in
-# (tests/bridge/, pytest -m bridge): Python 3.12, torch 2.13.0, megatron-core 0.19.2,
+# (.venv-bridge/bin/python -m pytest -m bridge tests/bridge): Python 3.12, torch 2.13.0, megatron-core 0.19.2,
 # transformers 5.12.1 and megatron-bridge 0.6.2, with the project installed editable.
 #
 #   launch/envs/bridge.sh [VENV_DIR]        (default: .venv-bridge in the repository root)

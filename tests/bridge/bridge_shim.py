@@ -24,13 +24,11 @@ Four accommodations (the review behind issue 35 found five; the fifth, ``if __na
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.machinery
 import sys
 import types
 
-import megatron.core  # noqa: F401  (before the placeholder: HAVE_TE=False everywhere)
-import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
-import megatron.core.models.hybrid.hybrid_layer_specs  # noqa: F401
 import torch
 
 from megatron_gspo import cpu_compat
@@ -50,6 +48,10 @@ def import_bridge() -> types.ModuleType:
     """``megatron.bridge``, imported with accommodation 1 (the placeholder is gone afterwards)."""
     if "megatron.bridge" in sys.modules:
         return sys.modules["megatron.bridge"]
+    # Megatron-Core's modules that record HAVE_TE, imported before the placeholder exists
+    # (megatron-core 0.19: this tier's environment)
+    importlib.import_module("megatron.core.models.gpt.gpt_layer_specs")
+    importlib.import_module("megatron.core.models.hybrid.hybrid_layer_specs")
     te, te_pytorch = _placeholder(_PLACEHOLDERS[0], True), _placeholder(_PLACEHOLDERS[1], False)
     te.pytorch = te_pytorch
     te_pytorch.ops = types.SimpleNamespace(Sequential=type("Sequential", (), {}))

@@ -14,7 +14,7 @@ def pytest_collection_modifyitems(config, items) -> None:
         return
     skip = pytest.mark.skip(reason="needs Megatron-Bridge 0.6.2: run the bridge tier with the "
                                    "environment launch/envs/bridge.sh builds (.venv-bridge/bin/python "
-                                   "-m pytest -m bridge)")
+                                   "-m pytest -m bridge tests/bridge)")
     for item in items:
         if "tests/bridge/" in item.nodeid:
             item.add_marker(skip)

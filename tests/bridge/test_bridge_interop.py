@@ -1,5 +1,5 @@
 """Checkpoints move between this project and Megatron-Bridge 0.6.2 / Megatron-LM, both ways, with
-the real tools (the ``bridge`` tier: ``.venv-bridge/bin/python -m pytest -m bridge``; the
+the real tools (the ``bridge`` tier: ``.venv-bridge/bin/python -m pytest -m bridge tests/bridge``; the
 environment: launch/envs/bridge.sh; Bridge on the CPU: tests/bridge/bridge_shim.py).
 
 * Bridge -> project: Bridge's ``AutoBridge.import_ckpt`` writes a Megatron checkpoint of a tiny
