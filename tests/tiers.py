@@ -1,7 +1,7 @@
 """The test tiers, in one place (besides the ``bridge`` tier: the modules of tests/bridge/, marked
 ``bridge`` and ``slow`` in them, out of the README's suite and the fast tier, run in their own
-environment by ``.ci/run``: ``.venv-bridge/bin/python -m pytest -q -m bridge tests/bridge``; 18
-tests, 54 s on the 2-core machine beside other work, 2:48 under heavier load, plus 1:44 to build
+environment by ``.ci/run``: ``.venv-bridge/bin/python -m pytest -q -m bridge tests/bridge``; 20
+tests, 1:40 on the 2-core machine beside other work, plus 1:44 to build
 the environment, launch/envs/bridge.sh): what ``pytest -m "not slow"`` (the fast tier, under 5 minutes on
 the 2-core machine) leaves out besides the modules marked ``slow`` themselves.
 

@@ -25,13 +25,15 @@ from megatron_gspo.train.rl_trainer import RLTrainer
 from tests.bridge import bridge_shim
 
 
-def bridge_import(rank, world_size, hf_dir: str, out: str) -> None:
+def bridge_import(rank, world_size, conversions: dict[str, str]) -> None:
+    """``conversions``: HF directory -> Megatron checkpoint root to write."""
     bridge_shim.import_bridge()
     bridge_shim.prepare_rank()
     from megatron.bridge import AutoBridge
 
     with bridge_shim.local_spec_everywhere():
-        AutoBridge.import_ckpt(hf_dir, out, torch_dtype=torch.float32)
+        for hf_dir, out in conversions.items():
+            AutoBridge.import_ckpt(hf_dir, out, torch_dtype=torch.float32)
 
 
 def train_from(rank, world_size, cfg_dict: dict, batch: dict, step: int, save_root: str,
@@ -47,18 +49,19 @@ def train_from(rank, world_size, cfg_dict: dict, batch: dict, step: int, save_ro
     return {"before": before, "weights": after, "metrics": metrics}
 
 
-def bridge_export(rank, world_size, hf_dir: str, checkpoints: dict[str, str]) -> None:
-    """``checkpoints``: Megatron checkpoint root -> HF output directory."""
+def bridge_export(rank, world_size, exports: list[tuple[str, str, str]]) -> None:
+    """``exports``: (HF model directory of the bridge, Megatron checkpoint root, HF output directory)."""
     bridge_shim.import_bridge()
     bridge_shim.prepare_rank()
     from megatron.bridge import AutoBridge
 
-    bridge = AutoBridge.from_hf_pretrained(hf_dir, torch_dtype=torch.float32)
+    bridges = {hf_dir: AutoBridge.from_hf_pretrained(hf_dir, torch_dtype=torch.float32)
+               for hf_dir, _, _ in exports}
     dist.destroy_process_group()
     try:
         with bridge_shim.local_spec_everywhere():
-            for root, out in checkpoints.items():
-                bridge.export_ckpt(root, out, show_progress=False)
+            for hf_dir, root, out in exports:
+                bridges[hf_dir].export_ckpt(root, out, show_progress=False)
     finally:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))

@@ -3,15 +3,18 @@ the real tools (the ``bridge`` tier: ``.venv-bridge/bin/python -m pytest -m brid
 environment: launch/envs/bridge.sh; Bridge on the CPU: tests/bridge/bridge_shim.py).
 
 * Bridge -> project: Bridge's ``AutoBridge.import_ckpt`` writes a Megatron checkpoint of a tiny
-  Qwen3-MoE; ``megatron-gspo convert mcore-to-hf`` of its root (no --hf-config: Bridge records the
-  model's directory) is bit-identical to the original safetensors; ``run.init_from`` of the root
+  Qwen3-MoE (two: GQA 2 with untied embeddings, GQA 4 tied with ``norm_topk_prob`` false and RoPE
+  theta 1e6); ``megatron-gspo convert mcore-to-hf`` of its root (no --hf-config: Bridge records the
+  model's directory) is bit-identical to the original safetensors; for the first model, ``run.init_from`` of the root
   gives the RL trainer exactly the model's weights under layouts 1, TP2, EP2, PP2 and TP2xEP2, and
   one GSPO step (``train_rollout``) from there agrees across the layouts.
 * project -> Bridge: the project's checkpoints (``convert hf-to-mcore``, and ``save_model`` after
   that GSPO step under each layout) are exported by Bridge's own ``AutoBridge.export_ckpt``
   (``load_megatron_model``: the newest ``iter_*``, ``run_config.yaml``, the default strictness),
-  bit-identical to the original model and to the trained weights, and the project's own
-  ``mcore-to-hf`` of them agrees bit for bit.
+  bit-identical to the original model (both models: ``run_config.yaml`` carries the tie, the
+  router's pre-softmax and RoPE theta; Bridge's export of a tied model adds an ``lm_head.weight``
+  equal to the embedding) and to the trained weights, and the project's own ``mcore-to-hf`` of
+  them agrees bit for bit.
 * project -> Megatron-LM: the tracker file, iteration directory, format and common state of the
   converted checkpoint, read with Megatron-LM's own functions (``megatron/training/checkpointing.py``
   as megatron-core 0.19.2 ships it).
@@ -42,6 +45,7 @@ from tests.distributed.test_rl_trainer_layouts import GSPO, RUN, STEP, rollout_b
 pytestmark = [pytest.mark.bridge, pytest.mark.slow]
 
 ORDER = ("1", "TP2", "EP2", "PP2", "TP2xEP2")
+MODELS = ("gqa2_untied", "gqa4_tied")  # bench/hf_tiny.py CASES
 TOLERANCE = 1e-5  # one GSPO step under another layout (tests/distributed/test_rl_trainer_layouts.py)
 FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
           "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "norm_topk_prob", "vocab_size",
@@ -49,16 +53,27 @@ FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups"
 
 
 @pytest.fixture(scope="session")
-def work(tmp_path_factory):
-    """The HF model, Bridge's import of it and the project's conversion of it."""
+def models(tmp_path_factory):
+    """Per model: the HF directory, Bridge's import of it (one launch for both) and the
+    project's conversion of it."""
     root = tmp_path_factory.mktemp("bridge")
-    hf_dir = save_hf_model(build_hf_model("gqa2_untied", seed=4), root / "hf")
-    run_on_ranks(1, bridge_worker.bridge_import, (str(hf_dir), str(root / "bridge")), timeout_s=300)
-    hf_to_mcore(hf_dir, root / "project", progress=False, sync_files=False)
-    model = model_config_from_hf(str(hf_dir))
-    return types.SimpleNamespace(root=root, hf_dir=hf_dir, bridge=root / "bridge",
-                                 project=root / "project", model=model,
-                                 original=load_safetensors_dir(hf_dir))
+    out = {}
+    for case in MODELS:
+        hf_dir = save_hf_model(build_hf_model(case, seed=4), root / case / "hf")
+        hf_to_mcore(hf_dir, root / case / "project", progress=False, sync_files=False)
+        out[case] = types.SimpleNamespace(
+            root=root / case, hf_dir=hf_dir, bridge=root / case / "bridge",
+            project=root / case / "project", model=model_config_from_hf(str(hf_dir)),
+            original=load_safetensors_dir(hf_dir))
+    run_on_ranks(1, bridge_worker.bridge_import, ({str(m.hf_dir): str(m.bridge) for m in out.values()},),
+                 timeout_s=300)
+    return out
+
+
+@pytest.fixture(scope="session")
+def work(models):
+    """The model the layouts train (GQA 2, untied)."""
+    return models[MODELS[0]]
 
 
 @pytest.fixture(scope="session")
@@ -81,15 +96,16 @@ def trained(work):
 
 
 @pytest.fixture(scope="session")
-def bridge_exports(work, trained):
-    """Bridge's export_ckpt of the project's converted checkpoint and of each trained one."""
-    targets = {str(work.project): str(work.root / "bridge_export_project")}
-    targets.update({str(t["root"]): str(work.root / f"bridge_export_{layout}")
-                    for layout, t in trained.items()})
-    run_on_ranks(1, bridge_worker.bridge_export, (str(work.hf_dir), targets), timeout_s=600)
-    return {label: load_safetensors_dir(out) for label, out in
-            [("project", targets[str(work.project)])] +
-            [(layout, targets[str(t["root"])]) for layout, t in trained.items()]}
+def bridge_exports(models, work, trained):
+    """Bridge's export_ckpt of the project's converted checkpoints and of each trained one
+    (one launch): label -> the exported tensors."""
+    exports = {case: (m.hf_dir, m.project) for case, m in models.items()}
+    exports.update({layout: (work.hf_dir, t["root"]) for layout, t in trained.items()})
+    out_root = work.root.parent / "bridge_exports"
+    run_on_ranks(1, bridge_worker.bridge_export,
+                 ([(str(hf), str(root), str(out_root / label)) for label, (hf, root) in exports.items()],),
+                 timeout_s=600)
+    return {label: load_safetensors_dir(out_root / label) for label in exports}
 
 
 def _assert_bit_identical(got: dict, want: dict, what: str) -> None:
@@ -98,11 +114,13 @@ def _assert_bit_identical(got: dict, want: dict, what: str) -> None:
     assert not differ, f"{what}: not bit-identical: {differ[:5]}"
 
 
-def test_bridge_checkpoint_converts_back_bit_exact(work):
-    assert (work.bridge / megatron_layout.TRACKER).read_text().strip() == "0"
-    out = mcore_to_hf(work.bridge, work.root / "bridge_to_hf", progress=False, sync_files=False)
-    _assert_bit_identical(load_safetensors_dir(out.out_dir), work.original,
-                          "Bridge import_ckpt -> project mcore-to-hf")
+@pytest.mark.parametrize("case", MODELS)
+def test_bridge_checkpoint_converts_back_bit_exact(case, models):
+    m = models[case]
+    assert (m.bridge / megatron_layout.TRACKER).read_text().strip() == "0"
+    out = mcore_to_hf(m.bridge, m.root / "bridge_to_hf", progress=False, sync_files=False)
+    _assert_bit_identical(load_safetensors_dir(out.out_dir), m.original,
+                          f"{case}: Bridge import_ckpt -> project mcore-to-hf")
 
 
 @pytest.mark.parametrize("layout", ORDER)
@@ -127,14 +145,17 @@ def test_trained_checkpoint_converts_back_bit_exact(layout, work, trained):
     _assert_bit_identical(load_safetensors_dir(out.out_dir), want, f"save_model under {layout} -> mcore-to-hf")
 
 
-@pytest.mark.parametrize("label", ("project",) + ORDER)
-def test_bridge_exports_the_projects_checkpoint_bit_exact(label, work, trained, bridge_exports):
-    want = work.original if label == "project" else {
+@pytest.mark.parametrize("label", MODELS + ORDER)
+def test_bridge_exports_the_projects_checkpoint_bit_exact(label, models, trained, bridge_exports):
+    want = models[label].original if label in models else {
         n: t.float() for n, t in trained[label]["weights"].items()}
-    _assert_bit_identical(bridge_exports[label], want, f"Bridge export_ckpt of {label}")
+    got = dict(bridge_exports[label])
+    if "lm_head.weight" not in want and "lm_head.weight" in got:  # tied: Bridge writes lm_head too
+        assert torch.equal(got.pop("lm_head.weight"), want["model.embed_tokens.weight"])
+    _assert_bit_identical(got, want, f"Bridge export_ckpt of {label}")
 
 
-def test_megatron_lm_finds_and_reads_the_converted_checkpoint(work, trained):
+def test_megatron_lm_finds_and_reads_the_converted_checkpoint(models, trained):
     """Megatron-LM's ``_load_base_checkpoint`` (megatron/training/checkpointing.py): the tracker
     file (``checkpoint_exists``; without it "will not load any checkpoints and will start from
     random"), ``read_metadata``, ``get_checkpoint_name(..., return_base_dir=True)``,
@@ -144,7 +165,7 @@ def test_megatron_lm_finds_and_reads_the_converted_checkpoint(work, trained):
     from megatron.core import dist_checkpointing
     from megatron.training import checkpointing as mlm
 
-    for root in (work.project, *(t["root"] for t in trained.values())):
+    for root in (*(m.project for m in models.values()), *(t["root"] for t in trained.values())):
         assert mlm.checkpoint_exists(str(root))
         iteration, release = mlm.read_metadata(mlm.get_checkpoint_tracker_filename(str(root)))
         assert (iteration, release) == (0, False)
