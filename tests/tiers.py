@@ -135,7 +135,9 @@ EXTENDED = (
     "tests/e2e/test_sft_demo.py::test_sft_checkpoints_and_resume_from_the_command_line",        # 28 s
     "tests/distributed/test_scoring_layouts.py",                                               # 28 s
     # measured with MGSPO_TEST_TIMES on 2026-12-05 (the suite at 25:36 with the multi-turn tests)
-    "tests/distributed/test_cross_stack_checkpoint.py",                                        # 60 s (2)
+    # 60 s (2); since issue 35 a third interpreter per direction (run.init_from of the other
+    # stack's saves): 4:07 for both, measured beside three other sessions' work on 2026-12-07
+    "tests/distributed/test_cross_stack_checkpoint.py",
     "tests/slurm/test_slurm_jobs.py::test_gspo_job_completes_with_rising_reward",              # 54 s
     "tests/distributed/test_memory_layouts.py::test_uneven_pipeline_stages_match_single_process",  # 22 s
     # moved out of the README's suite on 2026-12-07 (issue 34: the suite under 20 minutes; seconds

@@ -74,8 +74,8 @@ from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, SavePla
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.utils.serialization import config as serialization_config
 
-from megatron_gspo.config import ModelConfig
 from megatron_gspo import mcore_compat
+from megatron_gspo.config import ModelConfig
 from megatron_gspo.dcp_metadata import SafeFileSystemReader, UnsafeCheckpointError
 from megatron_gspo.hf import megatron_layout
 from megatron_gspo.hf.megatron_layout import HF_CONFIG_DIR
