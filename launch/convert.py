@@ -10,9 +10,16 @@ layer-sized chunk (not by the model); a progress bar on stderr.
 hf-to-mcore writes a Megatron torch_dist checkpoint that the trainer loads under ANY later
 TP / PP / EP layout (``megatron_gspo.hf.mcore_checkpoint.load_model``); --tp/--pp/--ep/--etp are
 checked against the model (they must divide heads, KV groups, layers, experts) and --tp sets the
-vocabulary padding. config.json and the tokenizer files are kept in ``OUT/hf_config/``.
+vocabulary padding. OUT is laid out as Megatron-LM and Megatron-Bridge keep checkpoints
+(``megatron_gspo.hf.megatron_layout``): ``OUT/latest_checkpointed_iteration.txt`` and
+``OUT/iter_0000000/`` with the common state Megatron-LM reads, Bridge's ``run_config.yaml`` and
+config.json and the tokenizer files in ``hf_config/``; Megatron-LM loads it with
+``--pretrained-checkpoint OUT`` (or ``--load OUT --finetune``), Bridge with
+``AutoBridge.load_megatron_model(OUT)`` / ``export_ckpt``.
 
-mcore-to-hf reads such a checkpoint, or one the trainer saved (any layout), and writes
+mcore-to-hf reads such a checkpoint, one the trainer saved (any layout), or a Megatron-LM /
+Bridge checkpoint (the root or an ``iter_*`` directory; --hf-config where it records no local
+Hugging Face config), and writes
 safetensors shards, model.safetensors.index.json, config.json and the tokenizer files, which
 ``transformers.AutoModelForCausalLM.from_pretrained`` loads. The vocabulary padding is removed.
 
@@ -66,11 +73,13 @@ def _add_direction_parsers(subparsers) -> None:
                     "trainer under any layout) to a Hugging Face directory that "
                     "transformers.AutoModelForCausalLM.from_pretrained loads.")
     m.add_argument("--mcore", required=True, metavar="DIR",
-                   help="Megatron checkpoint directory (the one holding metadata.json and "
-                        ".metadata)")
+                   help="Megatron checkpoint: a Megatron-LM / Bridge root (its "
+                        "latest_checkpointed_iteration.txt names the iteration), an iter_* "
+                        "directory, or a flat torch_dist directory (metadata.json, .metadata)")
     m.add_argument("--out", required=True, metavar="DIR", help="output Hugging Face directory")
     m.add_argument("--hf-config", default=None, metavar="PATH",
-                   help="config.json or the directory holding it (default: MCORE/hf_config/, "
+                   help="config.json or the directory holding it (default: the checkpoint's hf_config/ or the "
+                        "local hf_model_id of Bridge's run_config.yaml, "
                         "written by hf-to-mcore)")
     m.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="directory with the tokenizer files to copy (default: the config's "

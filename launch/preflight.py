@@ -71,6 +71,8 @@ from launch import local, rank_status, weight_sync_reach
 from launch.rl_session import validate_rl
 from launch.run_lock import check_free
 from megatron_gspo.config import Config, ConfigError, quantization_note, validate_data_parallel
+from megatron_gspo.hf import megatron_layout
+from megatron_gspo.hf.safetensors_io import CheckpointError
 from megatron_gspo.parallel import derive_layout
 from megatron_gspo.train.batching import pack_tokens
 from pipeline.generation.client import RolloutError, http_json, router_workers
@@ -409,6 +411,11 @@ def _check_init_from(cfg: Config) -> None:
     if init is not None and not Path(init).exists():
         raise ConfigError(f"run.init_from: {init} does not exist (a Hugging Face directory or a "
                           "Megatron checkpoint; null starts from random weights)")
+    if init is not None and megatron_layout.is_checkpoint(init):
+        try:  # a Megatron-LM / Bridge root must name a checkpoint that is there
+            megatron_layout.resolve(init)
+        except CheckpointError as err:
+            raise ConfigError(f"run.init_from: {err}") from None
 
 
 def _scan(cfg: Config, *, sft: bool) -> Optional[tuple[int, str]]:

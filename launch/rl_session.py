@@ -17,6 +17,7 @@ import torch.distributed as dist
 from launch.session import Session
 from megatron_gspo.collectives import broadcast
 from megatron_gspo.config import Config, ConfigError
+from megatron_gspo.hf import megatron_layout
 from megatron_gspo.hf.export import export_hf_dir
 from pipeline.context import LoopContext
 from pipeline.generation.client import RolloutClient, router_workers
@@ -277,8 +278,9 @@ def _parity_watchdog(cfg: Config, run_dir: Path, *, eval_set=None, train_set=Non
 def _export_policy(trainer, cfg: Config, out: Path):
     """Collective: the policy as a Hugging Face directory, with the tokenizer files."""
     tokenizer_dir = cfg.data.tokenizer_dir or (cfg.run.init_from if _init_is_hf(cfg) else None)
-    if tokenizer_dir is None and cfg.run.init_from and (Path(cfg.run.init_from) / "hf_config").is_dir():
-        tokenizer_dir = str(Path(cfg.run.init_from) / "hf_config")
+    if tokenizer_dir is None and cfg.run.init_from:  # a Megatron checkpoint's recorded HF config
+        recorded = megatron_layout.find_hf_config(megatron_layout.resolve(cfg.run.init_from))
+        tokenizer_dir = str(recorded) if recorded is not None else None
     path = export_hf_dir(trainer.current_policy(), cfg.model, trainer.pg, out,
                          tokenizer_dir=tokenizer_dir)
     if dist.get_rank() == 0 and tokenizer_dir is None and cfg.data.task is not None:

@@ -69,7 +69,7 @@ from launch import weight_sync_reach
 from launch.common import add_config_args, load_from_args
 from megatron_gspo.config import (Config, ConfigError, dump_config, load_config,
                                   validate_data_parallel)
-from megatron_gspo.hf import fp8
+from megatron_gspo.hf import fp8, megatron_layout
 from pipeline.local.health_env import LAUNCHER_ENV
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "slurm"
@@ -329,7 +329,7 @@ def build_script(cfg: Config, args: argparse.Namespace, layout: JobLayout, run_d
     python = "python" if args.container_image else sys.executable
     model_path = args.model_path or cfg.run.init_from
     if args.model_path is None and cfg.run.init_from and layout.server == "sglang" and (
-            Path(cfg.run.init_from) / ".metadata").is_file():
+            megatron_layout.is_checkpoint(cfg.run.init_from)):
         raise ConfigError("--model-path: required: run.init_from is a Megatron checkpoint, and the "
                           "SGLang servers start from the Hugging Face directory it was converted "
                           "from (the trainer sends them its weights before the first rollout)")

@@ -49,8 +49,9 @@ docstring lists what was read in 0.19.2's source and found to need nothing:
    :func:`dist_load_kwargs` gives ``dist_checkpointing.load`` a common-state reader that does what
    0.19's ``load_common_state_dict`` does (torch DCP reads the object, ``torch.load(...,
    weights_only=True)`` unpickles it). Checkpoints record the stack that wrote them (:func:`stack`);
-   one written by either stack resumes on the other exactly
-   (tests/distributed/test_cross_stack_checkpoint.py).
+   one written by either stack resumes on the other exactly, and starts a run there as
+   ``run.init_from`` (``hf.mcore_checkpoint.load_model`` uses the same reader; so do Megatron-Bridge's
+   and Megatron-LM's checkpoints, written by 0.19) (tests/distributed/test_cross_stack_checkpoint.py).
 8. The CPU accommodations (``megatron_gspo/cpu_compat.py``) patch names that exist in both
    versions; ``tests/unit/test_cpu_compat.py`` runs on both stacks and fails if one stops working
    or stops being needed. One is no longer needed in 0.19: ``moe_utils.te_general_gemm`` is

@@ -50,6 +50,7 @@ from megatron_gspo.config import ConfigError, ModelConfig, ParallelConfig, padde
     validate_model_parallel
 from megatron_gspo.hf.hf_config import (HFConfigError, load_hf_config, model_config_from_checkpoint,
                                         model_config_from_hf, unsupported_features)
+from megatron_gspo.hf import megatron_layout
 from megatron_gspo.hf.mapping import Piece, RankLayout, hf_param_names, hf_param_shapes, pieces_for
 from megatron_gspo.hf.mcore_checkpoint import (HF_CONFIG_DIR, HF_SIDE_FILES, Chunk, Entry,
                                             McoreCheckpoint, TensorWrite, checkpoint_entries,
@@ -165,15 +166,16 @@ def _produce_chunk(chunk: Chunk, pieces: list[Piece], dtype: torch.dtype, hf: HF
     return out.view(chunk.sizes)
 
 
-def _prepare_out_dir(out_dir: Path, overwrite: bool, marker: str) -> Path:
+def _prepare_out_dir(out_dir: Path, overwrite: bool, marker: str | tuple[str, ...]) -> Path:
     out_dir = Path(out_dir)
+    markers = (marker,) if isinstance(marker, str) else marker
     if out_dir.exists() and any(out_dir.iterdir()):
         if not overwrite:
             raise CheckpointError(f"{out_dir}: exists and is not empty (pass --overwrite to replace "
                                   "a previous conversion)")
-        if not (out_dir / marker).exists():
+        if not any((out_dir / m).exists() for m in markers):
             raise CheckpointError(f"{out_dir}: not empty and does not look like a previous "
-                                  f"conversion (no {marker}); refusing to delete it")
+                                  f"conversion (no {' or '.join(markers)}); refusing to delete it")
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     return out_dir
@@ -210,11 +212,15 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tensor: int = 1, pip
                 thread_count: Optional[int] = None, sync_files: bool = True,
                 vocab_block_bytes: int = VOCAB_BLOCK_BYTES
                 ) -> ConversionResult:
-    """Convert a Hugging Face Qwen3-MoE directory to a Megatron torch_dist checkpoint.
+    """Convert a Hugging Face Qwen3-MoE directory to a Megatron torch_dist checkpoint, in the
+    layout Megatron-LM and Megatron-Bridge load (:mod:`megatron_gspo.hf.megatron_layout`):
+    ``out_dir/iter_0000000/`` (the torch_dist files, the common state Megatron-LM reads, Bridge's
+    ``run_config.yaml``, config.json and the tokenizer files in ``hf_config/`` for the way back),
+    then the tracker ``out_dir/latest_checkpointed_iteration.txt``. Every ``_extra_state`` object
+    either layer spec asks for is stored (as None).
 
     ``tensor`` etc. are checked against the model and ``tensor`` sets the vocabulary padding; the
-    result loads under any layout. config.json and the tokenizer files are copied to
-    ``out_dir/hf_config/`` for the way back. ``thread_count``: writer threads, each writing its
+    result loads under any layout. ``thread_count``: writer threads, each writing its
     own data file with one chunk in memory; None: :func:`auto_writer_threads` of the size.
     """
     start_time = time.perf_counter()
@@ -223,7 +229,9 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tensor: int = 1, pip
     with HFCheckpoint(hf_dir) as hf:
         model = model_config_from_checkpoint(hf_dir, hf.shapes())
         parallel = check_parallel(model, tensor, pipeline, expert, expert_tensor)
-        out_dir = _prepare_out_dir(Path(out_dir), overwrite, marker="metadata.json")
+        out_dir = _prepare_out_dir(Path(out_dir), overwrite,
+                                   marker=(megatron_layout.TRACKER, "metadata.json"))
+        ckpt_dir = out_dir / megatron_layout.iteration_dir_name(0)
         layout = RankLayout(padded_vocab_size=padded_vocab_size(model, parallel.tensor))
         entries = checkpoint_entries(model, layout.padded_vocab_size)
         ordered = []
@@ -249,9 +257,14 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tensor: int = 1, pip
             raise ValueError(f"thread_count: must be >= 1, got {thread_count}")
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="hf-to-mcore",
                   disable=not progress, mininterval=0.5) as bar:
-            write_checkpoint(out_dir, writes, objects, thread_count=thread_count,
-                             sync_files=sync_files, on_written=bar.update)
-    copy_hf_files(hf_dir, out_dir / HF_CONFIG_DIR)
+            write_checkpoint(ckpt_dir, writes, objects, thread_count=thread_count,
+                             sync_files=sync_files, on_written=bar.update,
+                             common=megatron_layout.common_state(0))
+    copy_hf_files(hf_dir, ckpt_dir / HF_CONFIG_DIR)
+    bf16 = any(w.dtype == torch.bfloat16 for w in writes)
+    megatron_layout.write_run_config(ckpt_dir, megatron_layout.run_config(
+        model, bf16=bf16, hf_config_dir=ckpt_dir / HF_CONFIG_DIR))
+    megatron_layout.write_tracker(out_dir, 0)
     return ConversionResult(out_dir, len(writes), total, time.perf_counter() - start_time)
 
 
@@ -376,18 +389,23 @@ def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, *, hf_config: Option
     was saved under) to a Hugging Face directory: safetensors shards, index, config.json,
     generation config and tokenizer files.
 
-    ``hf_config``: config.json (or its directory); default ``mcore_dir/hf_config/``.
+    ``mcore_dir``: a Megatron-LM / Bridge root (its tracker file names the iteration), an
+    iteration directory or this project's flat layout (:func:`megatron_layout.resolve`).
+    ``hf_config``: config.json (or its directory); default: where the checkpoint records it
+    (:func:`megatron_layout.find_hf_config`: ``hf_config/``, or the ``hf_model_id`` of Bridge's
+    ``run_config.yaml`` when that is a local directory).
     ``tokenizer``: directory with the tokenizer files; default the config's directory.
     """
     start_time = time.perf_counter()
     target = parse_dtype(dtype)
     max_bytes = parse_size(max_shard_size)
-    mcore_dir = Path(mcore_dir)
+    mcore_dir = megatron_layout.resolve(mcore_dir)
     ckpt = McoreCheckpoint(mcore_dir)
-    config_path = Path(hf_config) if hf_config is not None else mcore_dir / HF_CONFIG_DIR
-    if hf_config is None and not config_path.is_dir():
-        raise CheckpointError(f"{mcore_dir}: no {HF_CONFIG_DIR}/config.json (it was not converted by "
-                              "hf-to-mcore): pass --hf-config with the model's config.json")
+    config_path = Path(hf_config) if hf_config is not None else megatron_layout.find_hf_config(mcore_dir)
+    if config_path is None:
+        raise CheckpointError(f"{mcore_dir}: records no Hugging Face config (no {HF_CONFIG_DIR}/"
+                              f"config.json, no local hf_model_id in {megatron_layout.RUN_CONFIG}): "
+                              "pass --hf-config with the model's config.json")
     config = load_hf_config(config_path)
     config_file = config_path / "config.json" if config_path.is_dir() else config_path
     problems = unsupported_features(config)

@@ -74,15 +74,15 @@ from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, SavePla
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.utils.serialization import config as serialization_config
 
+from megatron_gspo import mcore_compat
 from megatron_gspo.config import ModelConfig
 from megatron_gspo.dcp_metadata import SafeFileSystemReader, UnsafeCheckpointError
+from megatron_gspo.hf import megatron_layout
+from megatron_gspo.hf.megatron_layout import HF_CONFIG_DIR
 from megatron_gspo.hf.safetensors_io import CheckpointError
 
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                  "common_backend": "torch", "common_backend_version": 1}
-HF_CONFIG_DIR = "hf_config"
-"""Sub-directory of a converted checkpoint holding config.json and the tokenizer files."""
-
 # The same tensor under the other layer spec's key (both directions).
 KEY_ALIASES: dict[str, tuple[str, ...]] = {
     "decoder.layers.mlp.linear_fc1.layer_norm_weight": ("decoder.layers.pre_mlp_layernorm.weight",),
@@ -153,11 +153,35 @@ def checkpoint_entries(model: ModelConfig, padded_vocab: int) -> list[Entry]:
     return entries
 
 
-def extra_state_keys(model: ModelConfig) -> list[str]:
-    """Unique keys of the local spec's ``_extra_state`` sharded objects (layout independent:
-    the object grid is the layer axis, and layer x expert for experts)."""
-    L, E = model.num_layers, model.num_experts
+TE_NORMS = ("decoder.layers.self_attention.q_layernorm", "decoder.layers.self_attention.k_layernorm",
+            "decoder.layers.pre_mlp_layernorm", "decoder.final_layernorm")
+"""The norms that are Transformer Engine modules (``TENorm``, whose ``_extra_state`` Megatron
+stores) under the TE layer spec only; the local spec's are torch norms without extra state. The
+TE spec's linears have the same ``_extra_state`` keys as the local spec's. Checked against the TE
+spec megatron-core builds in tests/unit/test_te_spec_extra_state.py."""
+
+
+def te_norm_extra_state_keys(model: ModelConfig) -> list[str]:
+    """Unique keys of the TE spec's norm ``_extra_state`` objects (:data:`TE_NORMS`): per layer on
+    the layer axis, ``shard_{layer}_{L}``; the final norm's one object ``shard_0_1``."""
+    L = model.num_layers
     keys = []
+    for module in TE_NORMS:
+        if module.startswith("decoder.layers."):
+            keys += [f"{module}._extra_state/shard_{layer}_{L}" for layer in range(L)]
+        else:
+            keys.append(f"{module}._extra_state/shard_0_1")
+    return keys
+
+
+def extra_state_keys(model: ModelConfig) -> list[str]:
+    """Unique keys of every ``_extra_state`` sharded object either layer spec asks for (layout
+    independent: the object grid is the layer axis, and layer x expert for experts): the linears'
+    (both specs) and the TE spec's norms (:func:`te_norm_extra_state_keys`). Each is stored as
+    None, as Megatron's local spec stores its own; Megatron-LM and Bridge load with a strictness
+    under which a missing object is an error, and TE takes None as "no FP8 metadata"."""
+    L, E = model.num_layers, model.num_experts
+    keys = te_norm_extra_state_keys(model)
     for layer in range(L):
         for module in ("self_attention.linear_qkv", "self_attention.linear_proj"):
             keys.append(f"decoder.layers.{module}._extra_state/shard_{layer}_{L}")
@@ -334,8 +358,11 @@ def none_object_bytes() -> bytes:
 
 def write_checkpoint(out_dir: str | os.PathLike, tensors: Sequence[TensorWrite],
                      objects: dict[str, bytes], *, thread_count: int = 1, sync_files: bool = True,
-                     on_written: Optional[Callable[[int], None]] = None) -> None:
-    """Write a Megatron torch_dist checkpoint from chunk producers (metadata.json last)."""
+                     on_written: Optional[Callable[[int], None]] = None,
+                     common: Optional[dict] = None) -> None:
+    """Write a Megatron torch_dist checkpoint from chunk producers (metadata.json last);
+    ``common``: its common (non-sharded) state, in ``common.pt`` (both megatron-core versions
+    read it; default ``{}``)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # per_thread_copy_ahead=0: DCP resolves (produces) each chunk only after the previous one of
@@ -355,7 +382,7 @@ def write_checkpoint(out_dir: str | os.PathLike, tensors: Sequence[TensorWrite],
             dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
     finally:
         serialization_config.save.compute_crc32 = compute_crc32
-    torch.save({}, out_dir / "common.pt")
+    torch.save(dict(common or {}), out_dir / "common.pt")
     (out_dir / "metadata.json").write_text(json.dumps(METADATA_JSON))
 
 
@@ -408,14 +435,16 @@ def _with_dest(item, request_index: int):
 
 
 class McoreCheckpoint:
-    """A torch_dist checkpoint opened for reading regions of its global tensors.
+    """A torch_dist checkpoint opened for reading regions of its global tensors (``directory``:
+    any layout :func:`megatron_layout.resolve` reads; ``self.directory`` is the torch_dist one).
 
     ``ckpt.read([(key, offsets, shape), ...])`` returns new tensors (stored dtype). Opening checks
     metadata.json, .metadata and that every data file it references exists and is long enough.
     """
 
     def __init__(self, directory: str | os.PathLike):
-        self.directory = Path(directory)
+        # a Megatron-LM / Bridge root, an iteration directory or the flat layout
+        self.directory = megatron_layout.resolve(directory)
         marker = self.directory / "metadata.json"
         if not marker.is_file():
             raise CheckpointError(f"{self.directory}: not a Megatron distributed checkpoint "
@@ -680,14 +709,20 @@ class _FileSlice(io.RawIOBase):
 def load_model(gpt, ckpt_dir: str | os.PathLike, *, strict: bool = True) -> None:
     """Load a torch_dist checkpoint into this rank's model chunk (any layout, either layer spec).
 
-    Keys missing from the checkpoint are renamed to their :data:`KEY_ALIASES` alias when the
-    checkpoint has it, and ``_extra_state`` objects the checkpoint lacks are left out (set to None).
+    ``ckpt_dir``: any layout :func:`megatron_layout.resolve` reads (a Megatron-LM / Bridge root,
+    an iteration directory, the flat layout), written by either supported megatron-core version
+    (0.19 keeps the common state inside the DCP files: ``mcore_compat.dist_load_kwargs``). Keys
+    missing from the checkpoint are renamed to their :data:`KEY_ALIASES` alias when the checkpoint
+    has it, and ``_extra_state`` objects the checkpoint lacks are left out (set to None). The
+    checkpoint's common state (``iteration``, ``checkpoint_version``, ``args``, ...) is not the
+    model's and is left out of the model's state.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     while hasattr(gpt, "module"):
         gpt = gpt.module
+    ckpt_dir = megatron_layout.resolve(ckpt_dir)
     ckpt = McoreCheckpoint(ckpt_dir)
     stored = set(ckpt.metadata.state_dict_metadata)
     sharded = gpt.sharded_state_dict()
@@ -701,28 +736,70 @@ def load_model(gpt, ckpt_dir: str | os.PathLike, *, strict: bool = True) -> None
             alias = ckpt.present(value.key)
             if alias is not None:
                 value.key = alias
-    state = dist_checkpointing.load(sharded, str(ckpt_dir))
+    state = dist_checkpointing.load(sharded, str(ckpt_dir), **mcore_compat.dist_load_kwargs(ckpt_dir))
+    state = {name: value for name, value in state.items() if name in sharded}
     for name in absent_extra:
         state[name] = None
     gpt.load_state_dict(state, strict=strict)
 
 
-def save_model(gpt, ckpt_dir: str | os.PathLike, *, hf_config_dir: Optional[str | os.PathLike] = None
-               ) -> None:
-    """Save this rank's model chunk with Megatron's dist_checkpointing (collective over all ranks);
-    rank 0 copies config.json and the tokenizer files from ``hf_config_dir`` next to it."""
+def save_model(gpt, ckpt_dir: str | os.PathLike, *, hf_config_dir: Optional[str | os.PathLike] = None,
+               model: Optional[ModelConfig] = None, iteration: int = 0) -> Path:
+    """Save this rank's model chunk with Megatron's dist_checkpointing (collective over all ranks)
+    in the layout Megatron-LM and Bridge load (:mod:`megatron_gspo.hf.megatron_layout`):
+    ``ckpt_dir/iter_%07d/`` with the common state Megatron-LM reads and the TE spec's norm
+    ``_extra_state`` objects (None) the local spec does not have, then the tracker file. Rank 0
+    copies config.json and the tokenizer files from ``hf_config_dir`` into ``hf_config/`` and,
+    given ``model``, writes Bridge's ``run_config.yaml``. Returns the iteration directory."""
     from megatron.core import dist_checkpointing
 
     while hasattr(gpt, "module"):
         gpt = gpt.module
-    ckpt_dir = Path(ckpt_dir)
+    root = Path(ckpt_dir)
+    ckpt_dir = root / megatron_layout.iteration_dir_name(iteration)
     if dist.get_rank() == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(gpt.sharded_state_dict(), str(ckpt_dir))
-    if dist.get_rank() == 0 and hf_config_dir is not None:
-        copy_hf_files(Path(hf_config_dir), ckpt_dir / HF_CONFIG_DIR)
+    state = gpt.sharded_state_dict()
+    state.update(_te_norm_objects(state))
+    state.update(megatron_layout.common_state(iteration))
+    dist_checkpointing.save(state, str(ckpt_dir))
+    if dist.get_rank() == 0:
+        if hf_config_dir is not None:
+            copy_hf_files(Path(hf_config_dir), ckpt_dir / HF_CONFIG_DIR)
+        if model is not None:
+            bf16 = any(p.dtype == torch.bfloat16 for p in gpt.parameters())
+            recorded = ckpt_dir / HF_CONFIG_DIR if hf_config_dir is not None else None
+            megatron_layout.write_run_config(ckpt_dir, megatron_layout.run_config(
+                model, bf16=bf16, hf_config_dir=recorded))
+        megatron_layout.write_tracker(root, iteration)
     dist.barrier()
+    return ckpt_dir
+
+
+def _te_norm_objects(state: dict) -> dict:
+    """None ``_extra_state`` objects for the TE spec's norms (:data:`TE_NORMS`) that ``state`` (a
+    model chunk's sharded state dict) lacks: each takes the layer offset and replica id of a
+    sharded entry of the same layer (the attention's ``linear_qkv`` extra state; the final norm's
+    weight), so exactly one rank writes each, as Megatron's own objects."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    out = {}
+    for name, value in state.items():
+        if isinstance(value, ShardedObject) and value.key == (
+                "decoder.layers.self_attention.linear_qkv._extra_state"):
+            for module in TE_NORMS[:3]:
+                key = f"{module}._extra_state"
+                local = name.replace("self_attention.linear_qkv._extra_state",
+                                     key.removeprefix("decoder.layers."))
+                if local not in state:
+                    out[local] = ShardedObject(key, None, value.global_shape, value.global_offset,
+                                               replica_id=value.replica_id)
+        elif name == "decoder.final_layernorm.weight" and (
+                "decoder.final_layernorm._extra_state" not in state):
+            out["decoder.final_layernorm._extra_state"] = ShardedObject(
+                "decoder.final_layernorm._extra_state", None, (1,), (0,), replica_id=value.replica_id)
+    return out
 
 
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

@@ -1,8 +1,9 @@
 """The initial policy weights of a run (``run.init_from``), shared by the SFT and the RL trainer.
 
 ``run.init_from`` names a Hugging Face directory (e.g. an SFT result) or a Megatron torch_dist
-checkpoint (``megatron-gspo convert hf-to-mcore``, or a trainer checkpoint's ``model_optim``),
-which loads under any parallel layout; unset, the weights are the layout-independent random
+checkpoint (``megatron-gspo convert hf-to-mcore``, a trainer checkpoint's ``model_optim``, a
+Megatron-LM or Megatron-Bridge checkpoint root or one of its ``iter_*`` directories; written by
+either supported megatron-core version), which loads under any parallel layout; unset, the weights are the layout-independent random
 initialisation from ``run.seed``. Either way the model config is checked against the source first.
 """
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_gspo.config import ModelConfig
+from megatron_gspo.hf import megatron_layout
 from megatron_gspo.hf.hf_config import check_model_config
 from megatron_gspo.hf.mcore_checkpoint import load_model
 from megatron_gspo.hf.safetensors_io import HFCheckpoint
@@ -19,8 +21,9 @@ from megatron_gspo.model import gpt as policy
 
 
 def is_mcore_checkpoint(path: str | Path) -> bool:
-    """A torch_dist directory (its ``.metadata`` file) rather than a Hugging Face one."""
-    return (Path(path) / ".metadata").is_file()
+    """A Megatron checkpoint (a torch_dist directory, or a Megatron-LM / Bridge root with its
+    tracker file) rather than a Hugging Face directory."""
+    return megatron_layout.is_checkpoint(path)
 
 
 def load_hf(gpt, model: ModelConfig, pg_collection, hf_dir: str | Path) -> None:
@@ -32,9 +35,11 @@ def load_hf(gpt, model: ModelConfig, pg_collection, hf_dir: str | Path) -> None:
 
 def load_mcore(gpt, model: ModelConfig, ckpt_dir: str | Path) -> None:
     """Load a Megatron torch_dist checkpoint under this run's layout, whatever layout wrote it
-    (its ``hf_config`` directory, when present, is checked against the model config)."""
-    hf_config = Path(ckpt_dir) / "hf_config"
-    if hf_config.is_dir():
+    (the Hugging Face config it records, when it records one, is checked against the model config
+    first: :func:`megatron_layout.find_hf_config`)."""
+    ckpt_dir = megatron_layout.resolve(ckpt_dir)
+    hf_config = megatron_layout.find_hf_config(ckpt_dir)
+    if hf_config is not None:
         check_model_config(model, hf_config)
     load_model(gpt, str(ckpt_dir))
 

@@ -70,7 +70,7 @@ def run_checkpoints(rank, world_size, parallel_section: dict, cases: dict, batch
                 if is_reporter:
                     results[name][label] = {"log_probs": log_probs, "logits": full}
             if i == 0 and name in save_dirs:
-                save_model(gpt, save_dirs[name], hf_config_dir=case["hf_config"])
+                save_model(gpt, save_dirs[name], hf_config_dir=case["hf_config"], model=model_cfg)
         del gpt
     parallel.destroy_model_parallel()
     return results if is_reporter else None

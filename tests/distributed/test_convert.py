@@ -54,7 +54,7 @@ def layout_results(converted):
     results = {}
     for layout in ORDER:
         world, parallel_section = LAYOUTS[layout]
-        checkpoints = {name: {"hf_config": str(c["mcore_dir"] / "hf_config"),
+        checkpoints = {name: {"hf_config": str(c["mcore_dir"] / "iter_0000000" / "hf_config"),
                               "checkpoints": {"converted": str(c["mcore_dir"])}}
                        for name, c in cases.items()}
         save_dirs = {}

@@ -1,4 +1,5 @@
-"""A checkpoint written under one supported stack resumes under the other, exactly.
+"""A checkpoint written under one supported stack resumes under the other, exactly, and starts a
+run there (``run.init_from``).
 
 The stacks (megatron_gspo/mcore_compat.py): Python 3.11 + megatron-core 0.16.1 (``.venv``) and
 Python 3.12 + megatron-core 0.19.2 (``.venv312``; README "Two stacks"). The test runs from either and
@@ -9,7 +10,13 @@ installs both stacks, so CI runs it).
 Each direction: stack A takes a step, checkpoints (torch_dist) and takes two more; stack B resumes
 from the checkpoint into a fresh, perturbed model and takes the same two steps: its weights must
 equal A's uninterrupted run bit for bit (model, Adam moments, LR schedule position and RNG all
-came through).
+came through). Stack B also loads, as ``run.init_from`` does, the model A saved with ``save_model``
+after step 0 (the Megatron-LM / Bridge layout: a root with its tracker file) and the training
+checkpoint's ``model_optim``: both must give A's weights at the checkpoint bit for bit. Under
+megatron-core 0.16 a 0.19-written checkpoint keeps its common state inside the DCP files
+(``mcore_compat.dist_load_kwargs``), and a training checkpoint's common state (the optimizer's
+param groups) is not the model's (``mcore_checkpoint.load_model`` leaves it out): before issue 35
+``init_from`` failed on both.
 """
 
 from __future__ import annotations
@@ -68,6 +75,13 @@ def test_checkpoint_of_one_stack_resumes_exactly_on_the_other(tmp_path, directio
     resumed = _run(reader, "resume", run_dir, tmp_path / "resumed.pt")
     assert {written["megatron_core"], resumed["megatron_core"]} == {
         mcore_compat.stack()["megatron_core"], other_version}
+    started = _run(reader, "init_from", run_dir, tmp_path / "init_from.pt")
+    assert started["megatron_core"] == resumed["megatron_core"]
+    for source in ("model", "model_optim"):
+        for name, tensor in written["at_checkpoint"].items():
+            assert torch.equal(tensor, started[source][name]), (
+                f"run.init_from {source} written by megatron-core {written['megatron_core']}, "
+                f"loaded by {started['megatron_core']}: {name} differs")
     assert written["weights"].keys() == resumed["weights"].keys()
     for name, tensor in written["weights"].items():
         assert torch.equal(tensor, resumed["weights"][name]), (

@@ -1,7 +1,13 @@
-"""``run.init_from`` takes a Hugging Face directory or a converted Megatron checkpoint: under EP2 both
-give the RL trainer exactly the weights of the Hugging Face model."""
+"""``run.init_from`` takes a Hugging Face directory or a converted Megatron checkpoint (the root
+Megatron-LM and Bridge keep, or its iteration directory): under EP2 each gives the RL trainer
+exactly the weights of the Hugging Face model. The checkpoint's common state is Megatron-LM's
+(``checkpoint_version``, ``iteration``, ``content_metadata``, and here also the ``args`` namespace
+Megatron-LM saves): none of it is the model's, and a strict ``load_state_dict`` of it failed
+before issue 35."""
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 
@@ -36,7 +42,12 @@ def test_init_from_hf_and_from_converted_megatron_checkpoint(tmp_path):
     cfg = {"model": {f: getattr(model, f) for f in fields}, "parallel": {"expert": 2}}
     expected = {k: v.double() for k, v in load_safetensors_dir(hf_dir).items()}
     shapes = hf_param_shapes(config_from_dict(cfg).model)
-    for source in (hf_dir, tmp_path / "mcore"):
+    common_file = tmp_path / "mcore" / "iter_0000000" / "common.pt"
+    common = torch.load(common_file, weights_only=True)
+    assert common["iteration"] == 0 and common["checkpoint_version"] == 3.0
+    common["args"] = argparse.Namespace(tensor_model_parallel_size=1, finetune=False)
+    torch.save(common, common_file)
+    for source in (hf_dir, tmp_path / "mcore", tmp_path / "mcore" / "iter_0000000"):
         results = run_on_ranks(2, _worker, (cfg, str(source)), timeout_s=300)
         got = assemble(results, "weights", shapes)
         for name in shapes:

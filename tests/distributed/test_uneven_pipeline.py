@@ -40,7 +40,7 @@ def three_layers(tmp_path_factory):
 @pytest.mark.parametrize("split", list(UNEVEN))
 def test_converted_checkpoint_gives_transformers_log_probs(split, three_layers):
     root, model, hf_dir, batch = three_layers
-    cases = {"c": {"hf_config": str(root / "mcore" / "hf_config"),
+    cases = {"c": {"hf_config": str(root / "mcore" / "iter_0000000" / "hf_config"),
                    "checkpoints": {"converted": str(root / "mcore")}}}
     reports = [r for r in run_on_ranks(2, convert_worker.run_checkpoints,
                                        (UNEVEN[split], cases, batch, {}), timeout_s=300)

@@ -76,6 +76,14 @@ def file_run(path: Path) -> tuple[str, ...]:
 
 
 # (case id, overrides, fragments of the message, the commands that check it)
+def _megatron_root_without_iteration(directory: Path) -> Path:
+    """A Megatron-LM / Bridge root whose tracker file names an iteration that is not there."""
+    root = directory / "megatron_root"
+    root.mkdir(exist_ok=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("5")
+    return root
+
+
 ALL = tuple(COMMANDS)
 RL = ("config", "train", "launch slurm")  # what only GSPO reads (rollout, reward)
 RUNS = tuple(c for c in ALL if c != "config")  # config notes a missing input path (below)
@@ -104,6 +112,9 @@ CASES = [
     ("run.init_from missing", lambda f: (f"run.init_from={f['dir'] / 'no_policy'}",),
      ["run.init_from", "no_policy", "does not exist"], RUNS),
     ("run.init_from empty", lambda f: ("run.init_from=",), ["run.init_from", "empty"], ALL),
+    ("run.init_from a Megatron root whose tracker names nothing",
+     lambda f: (f"run.init_from={_megatron_root_without_iteration(f['dir'])}",),
+     ["run.init_from", "latest_checkpointed_iteration.txt names iter_0000005"], RUNS),
     ("run.output_dir empty", lambda f: ("run.output_dir=",), ["run.output_dir", "empty"], ALL),
     ("optim.lr inf", lambda f: ("optim.lr=.inf",), ["optim.lr", "finite", "inf"], ALL),
     ("optim.lr nan", lambda f: ("optim.lr=.nan",), ["optim.lr", "finite", "nan"], ALL),

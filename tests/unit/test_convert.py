@@ -160,17 +160,18 @@ def test_mcore_to_hf_errors(hf_models, tmp_path):
         mcore_to_hf(mcore, tmp_path / "x", hf_config=tmp_path / "other.json", progress=False)
     assert "router.weight: [2, 4, 64] in the checkpoint, config implies [2, 8, 64]" in str(err.value)
     assert "linear_fc2.weight: [2, 4, 64, 32] in the checkpoint, config implies [2, 8, 64, 48]" in str(err.value)
-    # no config anywhere
+    # no config anywhere (neither hf_config/ nor a run_config.yaml naming a local one)
     bare = _copy(mcore, tmp_path / "bare")
-    shutil.rmtree(bare / "hf_config")
+    shutil.rmtree(bare / "iter_0000000" / "hf_config")
+    (bare / "iter_0000000" / "run_config.yaml").unlink()
     with pytest.raises(CheckpointError, match="--hf-config"):
         mcore_to_hf(bare, tmp_path / "x", progress=False)
     # damaged checkpoints
-    data_file = next(mcore.glob("*.distcp"))
+    data_file = next((mcore / "iter_0000000").glob("*.distcp"))
     data_file.write_bytes(data_file.read_bytes()[:1000])
     with pytest.raises(CheckpointError, match=f"{data_file.name}: truncated"):
         mcore_to_hf(mcore, tmp_path / "x", progress=False)
-    (mcore / "metadata.json").unlink()
+    (mcore / "iter_0000000" / "metadata.json").unlink()
     with pytest.raises(CheckpointError, match="no metadata.json"):
         mcore_to_hf(mcore, tmp_path / "x", progress=False)
 
@@ -233,10 +234,10 @@ def test_writer_threads_write_that_many_files_and_the_cli_takes_auto(hf_models, 
     monkeypatch.setattr("os.cpu_count", lambda: 3)
     assert cli.main(["hf-to-mcore", "--hf", str(hf_dir), "--out", str(tmp_path / "auto"),
                      "--no-progress", "--no-fsync"]) == 0  # the default is auto
-    assert len(list((tmp_path / "auto").glob("*.distcp"))) == 3  # min(8, CPUs, size / 20 kB)
+    assert len(list((tmp_path / "auto" / "iter_0000000").glob("*.distcp"))) == 3  # min(8, CPUs, size / 20 kB)
     assert cli.main(["hf-to-mcore", "--hf", str(hf_dir), "--out", str(tmp_path / "two"),
                      "--threads", "2", "--no-progress", "--no-fsync"]) == 0
-    assert len(list((tmp_path / "two").glob("*.distcp"))) == 2
+    assert len(list((tmp_path / "two" / "iter_0000000").glob("*.distcp"))) == 2
     original = load_safetensors_dir(hf_dir)
     for directory in ("auto", "two"):  # either converts back to the same tensors
         mcore_to_hf(tmp_path / directory, tmp_path / f"hf_{directory}", progress=False)
