@@ -287,6 +287,8 @@ def test_megatron_checkpoint_init_needs_the_hf_model_path(capsys, tmp_path):
     assert "--model-path: required: run.init_from is a Megatron checkpoint" in capsys.readouterr().err
     # a Megatron-LM / Bridge root (its tracker file; hf-to-mcore's layout) is one too
     (tmp_path / "inputs" / "mcore" / ".metadata").unlink()
+    (tmp_path / "inputs" / "mcore" / "iter_0000000").mkdir()
+    (tmp_path / "inputs" / "mcore" / "iter_0000000" / ".metadata").write_bytes(b"")
     (tmp_path / "inputs" / "mcore" / "latest_checkpointed_iteration.txt").write_text("0")
     assert main(argv) == 2
     assert "--model-path: required: run.init_from is a Megatron checkpoint" in capsys.readouterr().err
