@@ -38,11 +38,16 @@ thread and rank 0's training step".
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import json
+import multiprocessing
+import os
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import threading
 import time
 import tracemalloc
@@ -54,14 +59,24 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from aiohttp import web  # noqa: E402
+
 from bench.bench_packing import make_batch  # noqa: E402
 from bench.spawn import run_on_ranks  # noqa: E402
 from megatron_gspo import parallel  # noqa: E402
 from megatron_gspo.config import config_from_dict  # noqa: E402
 from megatron_gspo.train.rl_trainer import RLTrainer  # noqa: E402
+from pipeline.context import LoopContext  # noqa: E402
 from pipeline.generation.client import answer_result, parse_generate_text  # noqa: E402
+from pipeline.generation.factory import ClientSpec, build_client  # noqa: E402
 from pipeline.generation.parse_pool import ParsePool  # noqa: E402
 from pipeline.local.bodies import render_json  # noqa: E402
+from pipeline.observe.metrics import MetricsLogger  # noqa: E402
+from pipeline.scoring.data import PromptSampler, TaskPromptDataset  # noqa: E402
+from pipeline.scoring.rewards import build_reward  # noqa: E402
+from pipeline.scoring.tasks import AdditionTask  # noqa: E402
+from pipeline.signals import StopFlag  # noqa: E402
+from pipeline.sources.choice import make_source  # noqa: E402
 
 MODEL = dict(num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2,
              head_dim=32, num_experts=16, moe_router_topk=2, moe_ffn_hidden_size=128,
@@ -108,12 +123,71 @@ def parse_in_process(pool: ParsePool, bodies: list[bytes]) -> list:
     return [answer_result(f.result(), f"b{i}", prompt, URL) for i, f in enumerate(futures)]
 
 
-ARMS = ("idle", "thread", "process")
-"""idle: the rollout thread waits; thread: it parses the batch itself (the client before issue
-37); process: it hands the batch to the parse process (the client now)."""
+def serve_answers(samples: int, tokens: int, seed: int, ready) -> None:
+    """A process answering every ``/generate`` with one of ``samples`` pre-rendered 30B-sized
+    answers, in turn (what the producer arms' clients read; serving them costs this process,
+    not the training process); ``ready`` gets its URL."""
+    bodies = make_bodies(samples, tokens, seed)
+    count = iter(range(10**9))
+
+    async def generate(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=bodies[next(count) % len(bodies)],
+                            content_type="application/json")
+
+    async def other(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def main() -> None:
+        app = web.Application(client_max_size=1 << 26)
+        app.router.add_post("/generate", generate)
+        app.router.add_post("/abort_request", other)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        ready.put(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+        await asyncio.Event().wait()
+    asyncio.run(main())
 
 
-def _step_worker(rank, world, cfg_dict, batch, bodies, repeats):
+def producer_config(samples: int, tokens: int) -> dict:
+    """The producer's run: ``samples`` samples of up to ``tokens`` output tokens per step."""
+    return {"gspo": {"group_size": 8},
+            "rollout": {"async": "one_step", "max_new_tokens": tokens, "max_concurrency": 64},
+            "run": {"global_batch_size": samples, "micro_batch_size": 8, "num_steps": 10**6,
+                    "seq_length": tokens + 64, "eval_interval": 0}}
+
+
+def producer_source(cfg_dict: dict, url: str, run_dir: str, *, in_process: bool):
+    """Rank 0's ``rollout.async: one_step`` source over ``url``: on a thread of this process (the
+    client before issue 37 item 6) or in the producer process (``RemoteSource``, now)."""
+    cfg = config_from_dict(cfg_dict)
+    spec = ClientSpec(router_url=None, server_urls=(url,), max_concurrency=64)
+    dataset = TaskPromptDataset(AdditionTask(digits=3, seed=0))
+    ctx = LoopContext(cfg=cfg, run_dir=run_dir, sampler=PromptSampler(dataset, seed=0),
+                      reward_fn=build_reward(cfg.reward, cfg.data), client=build_client(spec),
+                      decode=dataset.encoder.decode, stop_token_ids=[dataset.encoder.eos_id],
+                      logger=MetricsLogger(run_dir, enabled=False), stop=StopFlag(),
+                      engine=None if in_process else spec)
+    return make_source(ctx, 0)
+
+
+ARMS = ("idle", "thread", "process", "producer thread", "producer process")
+"""idle: no rollout; thread / process: only the parsing of one batch, on a thread, itself or
+handed to the parse process; producer thread / process: rank 0's whole one_step rollout (HTTP,
+parsing, rewards, the batch) over the answer server, on a thread of the training process (the
+client before issue 37 item 6, with its parse process) or in the producer process (now)."""
+
+
+def _vm_hwm_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _step_worker(rank, world, cfg_dict, batch, bodies, repeats, producer_cfg, url, run_dir):
     torch.set_num_threads(1)
     cfg = config_from_dict(cfg_dict)
     pg = parallel.initialize(cfg.parallel, seed=cfg.run.seed)
@@ -121,8 +195,16 @@ def _step_worker(rank, world, cfg_dict, batch, bodies, repeats):
     pool = ParsePool()
     parsers = {"thread": lambda: parse_in_thread(bodies),
                "process": lambda: parse_in_process(pool, bodies)}
+    sources = {"producer thread": producer_source(producer_cfg, url, run_dir, in_process=True),
+               "producer process": producer_source(producer_cfg, url, run_dir, in_process=False)}
+    taken = {name: 0 for name in sources}  # the step each source made last
     steps = iter(range(10**6))
     trainer.train_rollout(batch, next(steps))  # warm-up: allocator, kernels, the parse process
+    for name, source in sources.items():  # warm-up: the producer started, its first batch made
+        source.restore({})
+        source.next(1)
+        source.before_weights_change()
+        taken[name] = 1
     alone = {}
     for name, parse in parsers.items():  # each parse alone, nothing else running
         parse()
@@ -133,11 +215,23 @@ def _step_worker(rank, world, cfg_dict, batch, bodies, repeats):
             runs.append((time.perf_counter() - t0, time.process_time() - c0))
         alone[name] = min(runs)
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}
-    parse_s: dict[str, list[float]] = {"thread": [], "process": []}
+    busy_s: dict[str, list[float]] = {arm: [] for arm in ARMS[1:]}
+    take_s: dict[str, list[float]] = {arm: [] for arm in sources}
     for r in range(repeats):
-        order = ARMS[r % 3:] + ARMS[:r % 3]  # each arm first, second and third in turn
+        order = ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]  # each arm in each place in turn
         for arm in order:
             gc.collect()
+            if arm in sources:  # the batch made last time; the next rollout starts now
+                t0 = time.perf_counter()
+                sources[arm].next(taken[arm] + 1)
+                take_s[arm].append(time.perf_counter() - t0)
+                taken[arm] += 1
+                t0 = time.perf_counter()
+                trainer.train_rollout(batch, next(steps))
+                times[arm].append(time.perf_counter() - t0)
+                sources[arm].before_weights_change()  # the rollout that ran beside the step
+                busy_s[arm].append(time.perf_counter() - t0)
+                continue
             done = threading.Event()
             box: dict = {}
 
@@ -156,11 +250,25 @@ def _step_worker(rank, world, cfg_dict, batch, bodies, repeats):
             done.set()
             thread.join()
             if arm != "idle":
-                parse_s[arm].append(box["seconds"])
+                busy_s[arm].append(box["seconds"])
     memory = {name: _memory(parse) for name, parse in parsers.items()}
+    for name, source in sources.items():
+        memory[name] = _memory(lambda s=source, n=name: _one_rollout(s, n, taken))
+    memory["producer process"]["producer_hwm_mb"] = _vm_hwm_mb(sources["producer process"].pid)
+    for source in sources.values():
+        source.close()
     pool.close()
     parallel.destroy_model_parallel()
-    return {"times": times, "parse_in_step_s": parse_s, "alone": alone, "memory": memory}
+    return {"times": times, "busy_s": busy_s, "take_s": take_s, "alone": alone,
+            "memory": memory, "rss_hwm_mb": _vm_hwm_mb(os.getpid())}
+
+
+def _one_rollout(source, name: str, taken: dict) -> list:
+    """One whole rollout of ``source`` as rank 0 sees it: the batch taken, the next made."""
+    batch, _ = source.next(taken[name] + 1)
+    taken[name] += 1
+    source.before_weights_change()
+    return [batch]
 
 
 def _memory(parse) -> dict:
@@ -171,8 +279,46 @@ def _memory(parse) -> dict:
     results = parse()
     kept, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    tokens = sum(len(r.output_ids) for r in results)
+    tokens = sum(len(r.output_ids) if hasattr(r, "output_ids") else int(r["response_mask"].sum())
+                 for r in results)
     return {"peak_mb": (peak - base) / 1e6, "kept_mb": (kept - base) / 1e6, "tokens": tokens}
+
+
+LABELS = {"idle": "idle", "thread": "parsing on a thread", "process": "parsing in the parse process",
+          "producer thread": "one_step producer on a thread (before)",
+          "producer process": "one_step producer in its process (now)"}
+
+
+def report(out: dict, args) -> None:
+    """The table (markdown) and the ratio line."""
+    idle = statistics.median(out["times"]["idle"])
+    print("| rank 0 beside the step | step (s, median) | vs idle | alone: wall / CPU of the "
+          "training process (s) | its work during the step (s) | batch taken (s) | training "
+          "process memory: peak / kept (MB) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for arm in ARMS:
+        step = statistics.median(out["times"][arm])
+        if arm == "idle":
+            print(f"| idle | {step:.2f} | 1.000 | - | - | - | - |")
+            continue
+        alone = out["alone"].get(arm)
+        alone_text = f"{alone[0]:.2f} / {alone[1]:.2f}" if alone else "-"
+        take = out["take_s"].get(arm)
+        mem = out["memory"][arm]
+        extra = (f" (producer: {mem['producer_hwm_mb']:.0f} peak RSS)"
+                 if "producer_hwm_mb" in mem else "")
+        print(f"| {LABELS[arm]} | {step:.2f} | {step / idle:.3f} | {alone_text} | "
+              f"{statistics.median(out['busy_s'][arm]):.2f} | "
+              f"{statistics.median(take):.3f} | " if take else
+              f"| {LABELS[arm]} | {step:.2f} | {step / idle:.3f} | {alone_text} | "
+              f"{statistics.median(out['busy_s'][arm]):.2f} | - | ", end="")
+        print(f"{mem['peak_mb']:.0f} / {mem['kept_mb']:.0f}{extra} |")
+    print("# steps: " + "; ".join(f"{arm} {[round(x, 2) for x in out['times'][arm]]}"
+                                  for arm in ARMS))
+    print(f"# training process peak RSS {out['rss_hwm_mb']:.0f} MB")
+    print("rank 0's step vs idle: " + ", ".join(
+        f"{arm} {statistics.median(out['times'][arm]) / idle:.3f}x" for arm in ARMS[1:])
+        + f" ({args.samples} x {args.tokens} tokens per step)")
 
 
 def main() -> None:
@@ -199,27 +345,21 @@ def main() -> None:
     print(f"# {args.samples} answers x {args.tokens} tokens: {size / 1e6:.1f} MB of JSON "
           f"({size / args.samples / 1e3:.0f} kB each), built in {time.perf_counter() - t0:.1f} s",
           flush=True)
-    out = run_on_ranks(1, _step_worker, (cfg, batch, bodies, args.repeats), timeout_s=3600)[0]
-    idle = statistics.median(out["times"]["idle"])
-    print("| rollout thread | step (s, median) | vs idle | parse alone: wall / CPU of the "
-          "training process (s) | parse during the step (s) | training process memory while "
-          "parsing: peak / kept (MB) |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for arm in ARMS:
-        step = statistics.median(out["times"][arm])
-        if arm == "idle":
-            print(f"| idle | {step:.2f} | 1.000 | - | - | - |")
-            continue
-        wall, cpu = out["alone"][arm]
-        mem = out["memory"][arm]
-        print(f"| parsing in the {arm} | {step:.2f} | {step / idle:.3f} | {wall:.2f} / {cpu:.2f} | "
-              f"{statistics.median(out['parse_in_step_s'][arm]):.2f} | "
-              f"{mem['peak_mb']:.0f} / {mem['kept_mb']:.0f} |")
-    print("# steps: " + "; ".join(f"{arm} {[round(x, 2) for x in out['times'][arm]]}"
-                                  for arm in ARMS))
-    print("rollout thread vs idle: " + ", ".join(
-        f"parsing in the {arm} {statistics.median(out['times'][arm]) / idle:.3f}x"
-        for arm in ARMS[1:]) + f" the step ({args.samples} x {args.tokens} tokens per step)")
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Queue()
+    server = ctx.Process(target=serve_answers, args=(args.samples, args.tokens, args.seed, ready),
+                         daemon=True)
+    server.start()
+    url = ready.get(timeout=600)
+    run_dir = tempfile.mkdtemp(prefix="bench_rollout_thread_")
+    try:
+        out = run_on_ranks(1, _step_worker, (cfg, batch, bodies, args.repeats,
+                                             producer_config(args.samples, args.tokens), url,
+                                             run_dir), timeout_s=3600)[0]
+    finally:
+        server.kill()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    report(out, args)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), **out}, indent=1))
 

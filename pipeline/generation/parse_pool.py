@@ -1,8 +1,10 @@
 """The rollout client's parse process: large ``/generate`` answers are read outside the training
 process.
 
-Under ``rollout.async: one_step`` / ``full`` rank 0's rollout thread shares the training process
-with the main thread that runs (on GPUs: launches) the training step, and one interpreter lock.
+A rollout thread that shares a process with other work (before issue 37 item 6: rank 0's
+rollout thread under ``rollout.async: one_step`` / ``full``, beside the main thread that runs -
+on GPUs: launches - the training step; now that rollout runs in a producer process of its own,
+``pipeline.sources.remote``, and this pool serves it there) shares one interpreter lock with it.
 Reading an answer in Python (``json.loads`` of ``[log-prob, token id, text]`` per output token,
 then the checks and lists of ``pipeline.generation.answers``) holds that lock: a 30B step's ~2M
 tokens took 2.6 s of CPU here, and the training step that ran beside it 1.6-2.3x as long
