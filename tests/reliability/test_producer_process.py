@@ -3,10 +3,12 @@
 
 * it makes exactly the batches, metrics and checkpoint state the in-process source (the rollout
   thread) makes, in another process; a checkpoint's batch resumes through a new producer; a
-  SIGTERM that reaches it (a job-wide stop) changes nothing;
+  stop signal that reaches it (SIGTERM, SIGINT, SIGUSR1, SIGHUP: a job-wide stop) changes
+  nothing;
 * ``full``: the stream runs there (batches, metrics, the stream's state);
 * an error in it (a server refusing the request) reaches rank 0 as the error it raised, naming
   the server, at once; its death while rank 0 waits as one line naming its exit, not a hang;
+* a stop signal on rank 0 reaches it: a reward call in flight is abandoned;
 * it never outlives rank 0: SIGKILL of the process that started it ends it within seconds.
 
 The server is a scripted ``/generate`` endpoint answering in SGLang 0.5.23's format
@@ -37,13 +39,14 @@ import pytest
 import torch
 
 from megatron_gspo.config import config_from_dict
+from megatron_gspo.lifetime import STOP_SIGNALS
 from pipeline.context import LoopContext
 from pipeline.generation.client import RolloutError
 from pipeline.generation.factory import ClientSpec, build_client
 from pipeline.local.bodies import render_json
 from pipeline.observe.metrics import MetricsLogger
 from pipeline.scoring.data import PromptSampler, TaskPromptDataset
-from pipeline.scoring.rewards import build_reward
+from pipeline.scoring.rewards import RewardInterrupted, build_reward
 from pipeline.scoring.tasks import AdditionTask
 from pipeline.signals import StopFlag
 from pipeline.sources.base import BUFFER_KEY, STREAM_KEY
@@ -115,10 +118,11 @@ def server():
     s.close()
 
 
-def context(tmp_path, url: str, mode: str, *, engine: bool = True) -> LoopContext:
+def context(tmp_path, url: str, mode: str, *, engine: bool = True,
+            reward: dict | None = None) -> LoopContext:
     """Rank 0's context in a run (``engine``: the client's spec, as the session sets it)."""
     cfg = config_from_dict({
-        "gspo": {"group_size": 4},
+        "gspo": {"group_size": 4}, "reward": reward or {},
         "rollout": {"async": mode, "max_new_tokens": 8},
         "run": {"num_steps": 3, "global_batch_size": 8, "micro_batch_size": 4,
                 "seq_length": 32, "eval_interval": 0}})
@@ -163,7 +167,8 @@ def test_one_step_in_its_process_makes_the_threads_batches_and_state(server, tmp
     try:
         remote.restore({})
         assert remote.pid is not None and remote.pid != os.getpid()
-        os.kill(remote.pid, signal.SIGTERM)  # a job-wide stop signal: rank 0's to act on
+        for sig in STOP_SIGNALS:  # a job-wide stop signal reaches it too: rank 0's to act on
+            os.kill(remote.pid, sig)
         got, want = one_step_run(remote, server), None
         server.version = 0
         want = one_step_run(thread, server)
@@ -243,6 +248,26 @@ def test_the_producers_death_while_rank0_waits_is_one_line_not_a_hang(server, tm
             source.next(1)
     finally:
         server.delay_s = 0.0
+        source.close()
+
+
+def test_a_stop_signal_on_rank0_abandons_the_producers_reward_call(server, tmp_path):
+    """Rank 0's stop flag reaches the producer (the note ``interrupt``): a user reward that
+    blocks is abandoned at once, as it was on rank 0's own rollout thread, and the step sees
+    ``RewardInterrupted``."""
+    slow = tmp_path / "slow_reward.py"
+    slow.write_text("import time\n\ndef reward(prompt, ids, text):\n    time.sleep(600)\n")
+    ctx = context(tmp_path, server.url, "one_step",
+                  reward={"kind": "function", "function": f"{slow}:reward", "timeout_s": 600.0})
+    source = make_source(ctx, 0)
+    try:
+        source.restore({})
+        threading.Timer(2.0, lambda: setattr(ctx.stop, "signum", signal.SIGTERM)).start()
+        t0 = time.monotonic()
+        with pytest.raises(RewardInterrupted, match="a stop signal came while"):
+            source.next(1)
+        assert time.monotonic() - t0 < 30
+    finally:
         source.close()
 
 
