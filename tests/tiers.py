@@ -83,6 +83,7 @@ SLOW = (
     "tests/reliability/test_producer_process.py::test_one_step_in_its_process_makes_the_threads_batches_and_state",
     "tests/reliability/test_producer_process.py::test_full_streams_in_its_process",
     "tests/reliability/test_producer_process.py::test_the_producer_dies_with_the_process_that_started_it",
+    "tests/reliability/test_producer_process.py::test_a_stop_signal_on_rank0_abandons_the_producers_reward_call",
     "tests/reliability/test_dead_server.py::test_a_rollout_waits_for_its_only_server_to_come_back_synced",
     "tests/reliability/test_dead_server.py::test_a_rollout_whose_server_cannot_come_back_names_it_and_the_wait",
     "tests/reliability/test_dead_server.py::test_below_min_servers_the_error_names_the_server",
