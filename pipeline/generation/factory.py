@@ -12,7 +12,7 @@ engine is swapped in here, once, for both.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -39,9 +39,12 @@ class ClientSpec:
     """``rollout.request_timeout_s``."""
 
 
-def client_spec(cfg: Config, router_url: Optional[str]) -> ClientSpec:
-    """The run's client spec: through ``router_url``, with the config's bounds."""
-    return ClientSpec(router_url=router_url, max_concurrency=cfg.rollout.max_concurrency,
+def client_spec(cfg: Config, router_url: Optional[str],
+                server_urls: Sequence[str] = ()) -> ClientSpec:
+    """The run's client spec: through ``router_url`` (or to ``server_urls`` directly), with the
+    config's bounds."""
+    return ClientSpec(router_url=router_url, server_urls=tuple(server_urls),
+                      max_concurrency=cfg.rollout.max_concurrency,
                       request_timeout_s=cfg.rollout.request_timeout_s)
 
 

@@ -18,10 +18,14 @@ from multiprocessing.connection import Connection
 import pytest
 import torch
 
+from megatron_gspo.config import config_from_dict
 from megatron_gspo.errors import RemoteError
 from pipeline.generation.client import RolloutError
+from pipeline.generation.factory import ClientSpec, client_spec
 from pipeline.producer.endpoint import Endpoint, PeerGone
-from pipeline.producer.spec import PoolHooks
+from pipeline.producer.spec import PoolHooks, ProducerSpec
+from pipeline.scoring.data import PromptSampler, TaskPromptDataset
+from pipeline.scoring.tasks import AdditionTask
 from pipeline.producer.wire import Channel, dumps, loads
 
 
@@ -181,3 +185,22 @@ def test_serving_ends_after_close_in_order():
         assert not sides.server.is_alive() and order == ["a", "close"]
     finally:
         sides.close()
+
+
+def test_the_producer_spec_crosses_the_pipe_with_the_samplers_position():
+    """What rank 0 sends the producer once: the config, the engine's client spec (the config's
+    bounds) and the prompt sampler at its position (the producer draws every prompt after)."""
+    cfg = config_from_dict({"rollout": {"async": "one_step", "max_concurrency": 7,
+                                        "request_timeout_s": 42.0}})
+    sampler = PromptSampler(TaskPromptDataset(AdditionTask(digits=2, seed=0)), seed=3)
+    sampler.next_batch(5)
+    spec = ProducerSpec(mode="one_step", cfg=cfg, run_dir="/tmp/run", start_step=4,
+                        client=client_spec(cfg, "http://router:30000"), sampler=sampler,
+                        has_pool=True)
+    data, buffers = dumps(("call", 0, "build", (spec,)))
+    back = loads(data, [bytearray(b.raw()) for b in buffers])[3][0]
+    assert back.client == ClientSpec(router_url="http://router:30000", max_concurrency=7,
+                                     request_timeout_s=42.0)
+    assert back.cfg == cfg and back.start_step == 4
+    assert back.sampler.state_dict() == sampler.state_dict()
+    assert back.sampler.next_batch(3) == sampler.next_batch(3)  # the same prompts next
