@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
+import os
 import threading
 from typing import Optional
 
-from megatron_gspo.lifetime import shielded_helper
+from megatron_gspo.lifetime import on_a_lasting_thread, shielded_helper
 from pipeline.generation.answers import Answer, read_answer
 
 MIN_BYTES = 64 << 10
@@ -53,11 +54,22 @@ class ParsePool:
     def _pool(self) -> concurrent.futures.ProcessPoolExecutor:
         with self._lock:
             if self._executor is None:
-                self._executor = concurrent.futures.ProcessPoolExecutor(
-                    max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
-                    initializer=shielded_helper)
+                # its processes die with this process (PR_SET_PDEATHSIG), so they are started
+                # from a thread that lasts as long: started from the caller's (a one_step
+                # rollout's thread, one per step), they died when that rollout ended and the
+                # next step's answers met a BrokenProcessPool
+                self._executor = on_a_lasting_thread(self._start)
             self.answers += 1
             return self._executor
+
+    def _start(self) -> concurrent.futures.ProcessPoolExecutor:
+        """The executor with its worker processes started (on this thread)."""
+        executor = concurrent.futures.ProcessPoolExecutor(
+            max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
+            initializer=shielded_helper)
+        for ready in [executor.submit(os.getpid) for _ in range(self.workers)]:
+            ready.result()
+        return executor
 
     def submit(self, raw: bytes, rid: str, prompt_len: int,
                routed_experts: Optional[tuple[int, int]] = None

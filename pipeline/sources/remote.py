@@ -67,6 +67,8 @@ class RemoteSource:
         self._proc: Optional[subprocess.Popen] = None
         self._endpoint: Optional[Endpoint] = None
         self._interrupt_sent = False
+        self._deferred: Optional[BaseException] = None
+        self._busy_s = 0.0
         self.pid: Optional[int] = None
         """The producer's process id (None before it starts)."""
 
@@ -93,6 +95,9 @@ class RemoteSource:
         return self._endpoint
 
     def _call(self, name: str, *args: Any) -> Any:
+        if self._deferred is not None:  # what failed outside a phase fails the next one
+            error, self._deferred = self._deferred, None
+            raise error
         try:
             return self._endpoint.call(name, *args)
         except PeerGone as err:
@@ -136,9 +141,20 @@ class RemoteSource:
         self._producer()
         self._call("restore", saved)
 
+    def _outside_a_phase(self, name: str, *args: Any, default: Any = None) -> Any:
+        """A call the step makes on rank 0 alone, outside ``on_main`` (``start``,
+        ``weights_changed``, ``busy_s``): raising there would leave the other ranks waiting in
+        their next collective, so its error is kept and raised by the next call, inside a phase
+        (the thread's versions of these never raised)."""
+        try:
+            self._producer()
+            return self._call(name, *args)
+        except Exception as err:  # noqa: BLE001 - raised by the next call, on every rank
+            self._deferred = self._deferred or err
+            return default
+
     def start(self) -> None:
-        self._producer()
-        self._call("start")
+        self._outside_a_phase("start")
 
     def next(self, step: int) -> tuple[dict, dict]:
         self._producer()
@@ -149,16 +165,18 @@ class RemoteSource:
         return self._call("before_weights_change")
 
     def weights_changed(self, version: int) -> None:
-        self._producer()
-        self._call("weights_changed", version)
+        self._outside_a_phase("weights_changed", version)
 
     def state(self) -> dict:
         self._producer()
         return self._call("state")
 
     def busy_s(self) -> float:
-        """0 before the producer starts (every rank asks; only rank 0's starts it)."""
-        return self._call("busy_s") if self._endpoint is not None else 0.0
+        """0 before the producer starts (every rank asks; only rank 0's starts it); the last
+        value when the producer cannot answer (its error then fails the next phase)."""
+        if self._endpoint is not None:
+            self._busy_s = self._outside_a_phase("busy_s", default=self._busy_s)
+        return self._busy_s
 
     def close(self) -> None:
         """The producer stops its rollouts and exits (killed if it does not within

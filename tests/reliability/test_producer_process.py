@@ -246,6 +246,12 @@ def test_the_producers_death_while_rank0_waits_is_one_line_not_a_hang(server, tm
                                                r"rollout.async: one_step\) ended \(killed by "
                                                r"SIGKILL.*while waiting for next"):
             source.next(1)
+        # the calls rank 0 makes outside a phase do not raise there (the other ranks would
+        # wait in their next collective): the next phase's call does, on every rank
+        source.weights_changed(1)
+        assert source.busy_s() == 0.0
+        with pytest.raises(ProducerGone, match="killed by SIGKILL"):
+            source.before_weights_change()
     finally:
         server.delay_s = 0.0
         source.close()
