@@ -69,7 +69,7 @@ from megatron_gspo.train.rl_trainer import RLTrainer  # noqa: E402
 from pipeline.context import LoopContext  # noqa: E402
 from pipeline.generation.client import answer_result, parse_generate_text  # noqa: E402
 from pipeline.generation.factory import ClientSpec, build_client  # noqa: E402
-from pipeline.generation.parse_pool import ParsePool  # noqa: E402
+from pipeline.generation.parse_pool import ParsePool, shared_pool  # noqa: E402
 from pipeline.local.bodies import render_json  # noqa: E402
 from pipeline.observe.metrics import MetricsLogger  # noqa: E402
 from pipeline.scoring.data import PromptSampler, TaskPromptDataset  # noqa: E402
@@ -123,10 +123,12 @@ def parse_in_process(pool: ParsePool, bodies: list[bytes]) -> list:
     return [answer_result(f.result(), f"b{i}", prompt, URL) for i, f in enumerate(futures)]
 
 
-def serve_answers(samples: int, tokens: int, seed: int, ready) -> None:
+def serve_answers(samples: int, tokens: int, seed: int, ready, cores) -> None:
     """A process answering every ``/generate`` with one of ``samples`` pre-rendered 30B-sized
     answers, in turn (what the producer arms' clients read; serving them costs this process,
-    not the training process); ``ready`` gets its URL."""
+    not the training process), on ``cores`` (None: any); ``ready`` gets its URL."""
+    if cores:
+        os.sched_setaffinity(0, cores)
     bodies = make_bodies(samples, tokens, seed)
     count = iter(range(10**9))
 
@@ -187,8 +189,32 @@ def _vm_hwm_mb(pid: int) -> float:
     return float("nan")
 
 
-def _step_worker(rank, world, cfg_dict, batch, bodies, repeats, producer_cfg, url, run_dir):
+class Cores:
+    """``--pin``: the training step's thread on the first core, everything else (the rollout
+    thread, the producer and parse processes, the answer server) on the others, as on a GPU
+    node's host, where rank 0's training thread has a core of its own: what remains of the arms'
+    difference is the interpreter lock, not two processes sharing this machine's 2 cores.
+    Linux's affinity is per thread and inherited by the threads and processes a thread starts."""
+
+    def __init__(self, pin: bool):
+        cores = sorted(os.sched_getaffinity(0))
+        self.active = pin and len(cores) >= 2
+        self.train, self.rollout = {cores[0]}, set(cores[1:])
+
+    def rollout_side(self) -> None:
+        if self.active:
+            os.sched_setaffinity(0, self.rollout)
+
+    def training(self) -> None:
+        if self.active:
+            os.sched_setaffinity(0, self.train)
+
+
+def _step_worker(rank, world, cfg_dict, batch, bodies, repeats, producer_cfg, url, run_dir,
+                 pin):
     torch.set_num_threads(1)
+    cores = Cores(pin)
+    cores.rollout_side()  # what starts from here runs beside the step
     cfg = config_from_dict(cfg_dict)
     pg = parallel.initialize(cfg.parallel, seed=cfg.run.seed)
     trainer = RLTrainer(cfg, pg)
@@ -226,9 +252,11 @@ def _step_worker(rank, world, cfg_dict, batch, bodies, repeats, producer_cfg, ur
                 sources[arm].next(taken[arm] + 1)
                 take_s[arm].append(time.perf_counter() - t0)
                 taken[arm] += 1
+                cores.training()
                 t0 = time.perf_counter()
                 trainer.train_rollout(batch, next(steps))
                 times[arm].append(time.perf_counter() - t0)
+                cores.rollout_side()
                 sources[arm].before_weights_change()  # the rollout that ran beside the step
                 busy_s[arm].append(time.perf_counter() - t0)
                 continue
@@ -244,9 +272,11 @@ def _step_worker(rank, world, cfg_dict, batch, bodies, repeats, producer_cfg, ur
 
             thread = threading.Thread(target=rollout_thread, daemon=True)
             thread.start()
+            cores.training()
             t0 = time.perf_counter()
             trainer.train_rollout(batch, next(steps))
             times[arm].append(time.perf_counter() - t0)
+            cores.rollout_side()
             done.set()
             thread.join()
             if arm != "idle":
@@ -258,6 +288,7 @@ def _step_worker(rank, world, cfg_dict, batch, bodies, repeats, producer_cfg, ur
     for source in sources.values():
         source.close()
     pool.close()
+    shared_pool().close()  # the thread arm's client's (a process left would block this one's exit)
     parallel.destroy_model_parallel()
     return {"times": times, "busy_s": busy_s, "take_s": take_s, "alone": alone,
             "memory": memory, "rss_hwm_mb": _vm_hwm_mb(os.getpid())}
@@ -328,6 +359,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=6, help="steps per arm (default 6)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the raw numbers here")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                    help="the step on core 0, everything beside it on the others (default; "
+                         "Cores)")
     args = ap.parse_args()
 
     rng = random.Random(args.seed)
@@ -347,15 +381,17 @@ def main() -> None:
           flush=True)
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Queue()
-    server = ctx.Process(target=serve_answers, args=(args.samples, args.tokens, args.seed, ready),
-                         daemon=True)
+    cores = Cores(args.pin)
+    server = ctx.Process(target=serve_answers, daemon=True,
+                         args=(args.samples, args.tokens, args.seed, ready,
+                               cores.rollout if cores.active else None))
     server.start()
     url = ready.get(timeout=600)
     run_dir = tempfile.mkdtemp(prefix="bench_rollout_thread_")
     try:
         out = run_on_ranks(1, _step_worker, (cfg, batch, bodies, args.repeats,
                                              producer_config(args.samples, args.tokens), url,
-                                             run_dir), timeout_s=3600)[0]
+                                             run_dir, args.pin), timeout_s=3600)[0]
     finally:
         server.kill()
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -34,6 +34,7 @@ add the batch's trip through the pipe.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -46,6 +47,8 @@ from pipeline.producer.spec import IN_PROCESS, ProducerSpec
 from pipeline.producer.wire import Channel
 from pipeline.scoring.rewards import start_piped_worker
 
+PIPE_BYTES = 1 << 20
+"""The producer's pipes' capacity (Linux's default is 64 kB; 1 MB is the unprivileged bound)."""
 CLOSE_TIMEOUT_S = 60.0
 """How long :meth:`RemoteSource.close` waits for the producer to stop its rollouts and exit."""
 
@@ -83,6 +86,8 @@ class RemoteSource:
         pool = ctx.servers
         handlers = {} if pool is None else {"wait_for_live": pool.wait_for_live,
                                             "wait_for_router": pool.wait_for_router}
+        for conn in (inbox, outbox):  # a batch is tens of MB: fewer, larger pipe writes
+            _widen_pipe(conn.fileno())
         self._endpoint = Endpoint(Channel(inbox, outbox), handlers=handlers,
                                   notes={"requests_retried": self._count_retried},
                                   on_idle=self._forward_stop, describe_gone=self._describe_end)
@@ -196,3 +201,12 @@ class RemoteSource:
             os.killpg(proc.pid, signal.SIGKILL)  # its own session: it and what it started
             proc.wait()
         endpoint.close()
+
+
+def _widen_pipe(fd: int) -> None:
+    """Give the pipe ``fd`` :data:`PIPE_BYTES` of buffer where the system allows (a 60 MB batch
+    then crosses in ~60 writes instead of ~1,000 hand-offs between the two processes)."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    except (OSError, AttributeError):  # a lower pipe-max-size, or not Linux: the default
+        pass
