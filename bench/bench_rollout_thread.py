@@ -1,38 +1,46 @@
-"""What rank 0's rollout thread costs rank 0's training step (issue 37, item 6).
+"""What rank 0's rollout costs rank 0's training step (issue 37, item 6).
 
-Under ``rollout.async: one_step`` and ``full`` rank 0 runs the rollout client on a thread of the
-training process while its main thread trains (and, on GPUs, launches the kernels every pipeline
-and expert peer waits on). The client turns every ``/generate`` answer into a ``RolloutResult``
-in Python: the JSON text of ``output_token_logprobs`` (``[logprob, token id, null]`` per token)
-and the checks and lists of ``pipeline.generation.client.parse_generate_response``. This bench
-times the same training step with that thread idle, parsing one 30B-sized batch of answers
-itself (the client before issue 37), and handing it to the client's parse process (the client
-now), in one process, the three arms interleaved (each first, second and third in turn):
+Under ``rollout.async: one_step`` and ``full`` rank 0's rollout runs while its training step runs
+(on GPUs: rank 0's main thread launches the kernels every pipeline and expert peer waits on).
+It used to run on a thread of the training process: its client turns every ``/generate`` answer
+into a ``RolloutResult`` in Python (the JSON of ``output_token_logprobs``, ``[logprob, token id,
+null]`` per token, the checks and the sample's lists) under the training thread's interpreter
+lock. Now it runs in a producer process of its own (``pipeline.sources.remote.RemoteSource``).
+This bench times the same training step with, beside it, in one process, the arms interleaved
+(each in each place in turn):
 
-* the step: ``RLTrainer.train_rollout`` (recompute of log pi_old + 2 GSPO updates) of a Qwen3-MoE
-  of hidden 128, 4 layers, 16 experts top-2 on real Megatron-Core (gloo, world 1), a packed batch
-  of 64 sequences of 60-290 tokens, one torch thread (``bench/bench_kernels.py``'s step);
-* the answers: ``--samples`` x ``--tokens`` (default 512 x 4096: the 30B recipe's 256 samples of
-  up to 8,192 tokens, ~2M tokens per step) in SGLang 0.5.23's ``/generate`` format (``text``,
-  ``output_ids``, ``meta_info`` with ``output_token_logprobs`` of float32 values, weight-version
-  spans, ...), rendered as SGLang renders them (``pipeline.local.bodies.render_json``), as the
-  bytes the client reads off its sockets;
-* parsing in the thread: the client's own code on every answer (``parse_generate_text``:
-  ``json.loads`` of the bytes, the checks, the sample's lists), started with the step; parsing in
-  the process: the bytes to the parse process (``pipeline.generation.parse_pool``), the sample's
-  lists built from its compact answers (``answer_result``), as ``read_generate_answer`` does.
+* ``idle``: nothing;
+* ``thread`` / ``process``: only the parsing of one 30B-sized batch of answers, on a thread
+  (``parse_generate_text``: the client before issue 37) or handed to the parse process
+  (``pipeline.generation.parse_pool``, as ``read_generate_answer`` does);
+* ``producer thread`` / ``producer process``: rank 0's whole ``one_step`` rollout through the
+  batch source the step uses (``next(n)``: batch n taken, n+1's rollout started; the step;
+  ``before_weights_change()``: n+1's rollout waited for): HTTP to a server process that answers
+  every request with one of the 30B-sized answers, the parsing, the rewards, the batch; on a
+  thread of the training process (``OneStepSource``, before) or in the producer process
+  (``RemoteSource``, now). ``batch taken`` is ``next``'s time on rank 0 (the batch through the
+  pipe, for the process).
 
-Also reported: each parse alone (no step: wall seconds, and CPU seconds of the training process:
-the parse process's own are not in it), and the training process's memory for one batch
-(tracemalloc: its peak while parsing, what the samples keep).
+The step: ``RLTrainer.train_rollout`` (recompute of log pi_old + 2 GSPO updates) of a Qwen3-MoE
+of hidden 128, 4 layers, 16 experts top-2 on real Megatron-Core (gloo, world 1), a packed batch
+of 64 sequences of 60-290 tokens, one torch thread (``bench/bench_kernels.py``'s step). The
+answers: ``--samples`` x ``--tokens`` (default 512 x 4096: the 30B recipe's 256 samples of up to
+8,192 tokens, ~2M tokens per step) in SGLang 0.5.23's ``/generate`` format, rendered as SGLang
+renders them (``pipeline.local.bodies.render_json``).
 
-Run (about 6 minutes on the 2-core machine)::
+``--pin`` (default): the step's thread on core 0 and everything beside it (the rollout thread,
+the producer and parse processes, the answer server) on the other cores, as on a GPU node's host
+where the training thread has a core of its own; without it the arms also share this machine's
+2 cores (``--no-pin``). Also reported: each parse alone (wall, and CPU of the training
+process), and memory: tracemalloc of the training process over one batch (peak / kept), the
+producer's peak RSS.
+
+Run (about 12 minutes on the 2-core machine)::
 
     nice -n 19 .venv/bin/python bench/bench_rollout_thread.py --repeats 6
 
-The arms run under the same conditions (one process, interleaved), so the ratios are fair even
-on a loaded machine; the absolute seconds are this CPU's. Numbers: docs/performance.md, "The rollout
-thread and rank 0's training step".
+The ratios are against the idle step of the same run; the absolute seconds are this CPU's.
+Numbers: docs/performance.md, "The rollout thread and rank 0's training step".
 """
 
 from __future__ import annotations

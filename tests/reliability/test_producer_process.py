@@ -1,8 +1,8 @@
 """The rollout producer of ``rollout.async: one_step`` / ``full`` in its own process (issue 37, item
 6): ``pipeline.sources.remote.RemoteSource`` and a real ``python -m pipeline.producer.worker``.
 
-* it makes exactly the batches, metrics and checkpoint state the in-process source (the rollout
-  thread) makes, in another process; a checkpoint's batch resumes through a new producer; a
+* it makes exactly the batches (routed experts included), metrics and checkpoint state the
+  in-process source (the rollout thread) makes, in another process; a checkpoint's batch resumes through a new producer; a
   stop signal that reaches it (SIGTERM, SIGINT, SIGUSR1, SIGHUP: a job-wide stop) changes
   nothing;
 * ``full``: the stream runs there (batches, metrics, the stream's state);
@@ -43,6 +43,7 @@ from megatron_gspo.lifetime import STOP_SIGNALS
 from pipeline.context import LoopContext
 from pipeline.generation.client import RolloutError
 from pipeline.generation.factory import ClientSpec, build_client
+from pipeline.generation.routed_experts import encode, expected_rows
 from pipeline.local.bodies import render_json
 from pipeline.observe.metrics import MetricsLogger
 from pipeline.scoring.data import PromptSampler, TaskPromptDataset
@@ -104,6 +105,10 @@ class ScriptedServer:
                 "weight_version": version,
                 "weight_versions": [{"version": version, "start": 0, "end": n}],
                 "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, out)]}
+        if body.get("return_routed_experts"):  # routing replay: int32 [rows, layers, top_k]
+            rows = expected_rows(len(ids), n)
+            meta["routed_experts"] = encode(torch.tensor(
+                [rng.randrange(4) for _ in range(rows * 2 * 2)]).reshape(rows, 2, 2))
         return 200, {"text": "".join(chr(t) for t in out), "output_ids": out, "meta_info": meta}
 
     def close(self):
@@ -118,11 +123,12 @@ def server():
     s.close()
 
 
-def context(tmp_path, url: str, mode: str, *, engine: bool = True,
-            reward: dict | None = None) -> LoopContext:
-    """Rank 0's context in a run (``engine``: the client's spec, as the session sets it)."""
+def context(tmp_path, url: str, mode: str, *, engine: bool = True, reward: dict | None = None,
+            routing_replay: str = "off") -> LoopContext:
+    """Rank 0's context in a run (``engine``: the client's spec, as the session sets it); the
+    default model: 2 layers, top-2 of 4 experts."""
     cfg = config_from_dict({
-        "gspo": {"group_size": 4}, "reward": reward or {},
+        "gspo": {"group_size": 4, "routing_replay": routing_replay}, "reward": reward or {},
         "rollout": {"async": mode, "max_new_tokens": 8},
         "run": {"num_steps": 3, "global_batch_size": 8, "micro_batch_size": 4,
                 "seq_length": 32, "eval_interval": 0}})
@@ -160,9 +166,12 @@ def one_step_run(source, server, steps=(1, 2)) -> list:
 
 
 def test_one_step_in_its_process_makes_the_threads_batches_and_state(server, tmp_path):
-    remote = make_source(context(tmp_path / "p", server.url, "one_step"), 0)
+    # with routing replay: each batch carries the routed experts (a checkpoint's largest tensor)
+    remote = make_source(context(tmp_path / "p", server.url, "one_step",
+                                 routing_replay="rollout"), 0)
     assert isinstance(remote, RemoteSource)
-    thread = make_source(context(tmp_path / "t", server.url, "one_step", engine=False), 0)
+    thread = make_source(context(tmp_path / "t", server.url, "one_step", engine=False,
+                                 routing_replay="rollout"), 0)
     assert isinstance(thread, OneStepSource)
     try:
         remote.restore({})
@@ -173,6 +182,7 @@ def test_one_step_in_its_process_makes_the_threads_batches_and_state(server, tmp
         server.version = 0
         want = one_step_run(thread, server)
         for (gb, gm), (wb, wm) in zip(got, want):
+            assert gb["routed_experts"].dtype == torch.int16 and gb["routed_experts"].any()
             same_batch(gb, wb)
             same_metrics(gm, wm)
         saved, expected = remote.state(), thread.state()  # step 3's batch, complete
@@ -184,7 +194,8 @@ def test_one_step_in_its_process_makes_the_threads_batches_and_state(server, tmp
         remote.close()
         thread.close()
     assert not _alive(remote.pid)
-    resumed = make_source(context(tmp_path / "r", server.url, "one_step"), 2)
+    resumed = make_source(context(tmp_path / "r", server.url, "one_step",
+                                  routing_replay="rollout"), 2)
     try:  # a resumed run: the checkpoint's batch goes to a new producer and comes back
         resumed.restore(saved)
         batch, metrics = resumed.next(3)
