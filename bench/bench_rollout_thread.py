@@ -31,7 +31,10 @@ renders them (``pipeline.local.bodies.render_json``).
 ``--pin`` (default): the step's thread on core 0 and everything beside it (the rollout thread,
 the producer and parse processes, the answer server) on the other cores, as on a GPU node's host
 where the training thread has a core of its own; without it the arms also share this machine's
-2 cores (``--no-pin``). Also reported: each parse alone (wall, and CPU of the training
+2 cores (``--no-pin``). Each step is timed twice: its wall time, and its time on a core of its
+own (the wall less the time its thread waited for a CPU: ``/proc/thread-self/schedstat``; what
+the machine's other work takes, which a GPU node's host does not; waiting for the interpreter lock
+stays in). Also reported: each parse alone (wall, and CPU of the training
 process), and memory: tracemalloc of the training process over one batch (peak / kept), the
 producer's peak RSS.
 
@@ -197,6 +200,25 @@ def _vm_hwm_mb(pid: int) -> float:
     return float("nan")
 
 
+def _sched() -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for one) of the calling thread so far
+    (Linux's ``/proc/thread-self/schedstat``)."""
+    on_cpu, waiting, _ = Path("/proc/thread-self/schedstat").read_text().split()
+    return int(on_cpu) / 1e9, int(waiting) / 1e9
+
+
+def timed_step(trainer, batch, step: int) -> tuple[float, float]:
+    """The step's wall seconds, and its seconds on a core of its own: the wall less the time
+    its thread was runnable but waited for a CPU (what other processes on this loaded 2-core
+    machine take; a GPU node's host gives rank 0's training thread a core). Waiting for the
+    interpreter lock is not a wait for a CPU (the thread sleeps on the lock): it stays in."""
+    _, wait0 = _sched()
+    t0 = time.perf_counter()
+    trainer.train_rollout(batch, step)
+    wall = time.perf_counter() - t0
+    return wall, wall - (_sched()[1] - wait0)
+
+
 class Cores:
     """``--pin``: the training step's thread on the first core, everything else (the rollout
     thread, the producer and parse processes, the answer server) on the others, as on a GPU
@@ -249,6 +271,7 @@ def _step_worker(rank, world, cfg_dict, batch, bodies, repeats, producer_cfg, ur
             runs.append((time.perf_counter() - t0, time.process_time() - c0))
         alone[name] = min(runs)
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    own_core: dict[str, list[float]] = {arm: [] for arm in ARMS}
     busy_s: dict[str, list[float]] = {arm: [] for arm in ARMS[1:]}
     take_s: dict[str, list[float]] = {arm: [] for arm in sources}
     for r in range(repeats):
@@ -262,8 +285,9 @@ def _step_worker(rank, world, cfg_dict, batch, bodies, repeats, producer_cfg, ur
                 taken[arm] += 1
                 cores.training()
                 t0 = time.perf_counter()
-                trainer.train_rollout(batch, next(steps))
-                times[arm].append(time.perf_counter() - t0)
+                wall, own = timed_step(trainer, batch, next(steps))
+                times[arm].append(wall)
+                own_core[arm].append(own)
                 cores.rollout_side()
                 sources[arm].before_weights_change()  # the rollout that ran beside the step
                 busy_s[arm].append(time.perf_counter() - t0)
@@ -281,9 +305,9 @@ def _step_worker(rank, world, cfg_dict, batch, bodies, repeats, producer_cfg, ur
             thread = threading.Thread(target=rollout_thread, daemon=True)
             thread.start()
             cores.training()
-            t0 = time.perf_counter()
-            trainer.train_rollout(batch, next(steps))
-            times[arm].append(time.perf_counter() - t0)
+            wall, own = timed_step(trainer, batch, next(steps))
+            times[arm].append(wall)
+            own_core[arm].append(own)
             cores.rollout_side()
             done.set()
             thread.join()
@@ -298,7 +322,7 @@ def _step_worker(rank, world, cfg_dict, batch, bodies, repeats, producer_cfg, ur
     pool.close()
     shared_pool().close()  # the thread arm's client's (a process left would block this one's exit)
     parallel.destroy_model_parallel()
-    return {"times": times, "busy_s": busy_s, "take_s": take_s, "alone": alone,
+    return {"times": times, "own_core": own_core, "busy_s": busy_s, "take_s": take_s, "alone": alone,
             "memory": memory, "rss_hwm_mb": _vm_hwm_mb(os.getpid())}
 
 
@@ -331,33 +355,37 @@ LABELS = {"idle": "idle", "thread": "parsing on a thread", "process": "parsing i
 def report(out: dict, args) -> None:
     """The table (markdown) and the ratio line."""
     idle = statistics.median(out["times"]["idle"])
-    print("| rank 0 beside the step | step (s, median) | vs idle | alone: wall / CPU of the "
-          "training process (s) | its work during the step (s) | batch taken (s) | training "
-          "process memory: peak / kept (MB) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    idle_own = statistics.median(out["own_core"]["idle"])
+    print("| rank 0 beside the step | step on its own core (s, median) | vs idle | step wall "
+          "(s, median) | vs idle | alone: wall / CPU of the training process (s) | its work "
+          "during the step (s) | batch taken (s) | training process memory: peak / kept (MB) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for arm in ARMS:
         step = statistics.median(out["times"][arm])
+        own = statistics.median(out["own_core"][arm])
+        head = (f"| {LABELS[arm]} | {own:.2f} | {own / idle_own:.3f} | {step:.2f} | "
+                f"{step / idle:.3f}")
         if arm == "idle":
-            print(f"| idle | {step:.2f} | 1.000 | - | - | - | - |")
+            print(f"{head} | - | - | - | - |")
             continue
         alone = out["alone"].get(arm)
         alone_text = f"{alone[0]:.2f} / {alone[1]:.2f}" if alone else "-"
         take = out["take_s"].get(arm)
+        take_text = f"{statistics.median(take):.3f}" if take else "-"
         mem = out["memory"][arm]
         extra = (f" (producer: {mem['producer_hwm_mb']:.0f} peak RSS)"
                  if "producer_hwm_mb" in mem else "")
-        print(f"| {LABELS[arm]} | {step:.2f} | {step / idle:.3f} | {alone_text} | "
-              f"{statistics.median(out['busy_s'][arm]):.2f} | "
-              f"{statistics.median(take):.3f} | " if take else
-              f"| {LABELS[arm]} | {step:.2f} | {step / idle:.3f} | {alone_text} | "
-              f"{statistics.median(out['busy_s'][arm]):.2f} | - | ", end="")
-        print(f"{mem['peak_mb']:.0f} / {mem['kept_mb']:.0f}{extra} |")
-    print("# steps: " + "; ".join(f"{arm} {[round(x, 2) for x in out['times'][arm]]}"
-                                  for arm in ARMS))
+        print(f"{head} | {alone_text} | {statistics.median(out['busy_s'][arm]):.2f} | "
+              f"{take_text} | {mem['peak_mb']:.0f} / {mem['kept_mb']:.0f}{extra} |")
+    for key in ("times", "own_core"):
+        print(f"# {key}: " + "; ".join(f"{arm} {[round(x, 2) for x in out[key][arm]]}"
+                                      for arm in ARMS))
     print(f"# training process peak RSS {out['rss_hwm_mb']:.0f} MB")
-    print("rank 0's step vs idle: " + ", ".join(
-        f"{arm} {statistics.median(out['times'][arm]) / idle:.3f}x" for arm in ARMS[1:])
-        + f" ({args.samples} x {args.tokens} tokens per step)")
+    print("rank 0's step on its own core vs idle: " + ", ".join(
+        f"{arm} {statistics.median(out['own_core'][arm]) / idle_own:.3f}x" for arm in ARMS[1:])
+        + f" ({args.samples} x {args.tokens} tokens per step; wall: " + ", ".join(
+            f"{arm} {statistics.median(out['times'][arm]) / idle:.3f}x" for arm in ARMS[1:])
+        + ")")
 
 
 def main() -> None:
