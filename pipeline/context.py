@@ -101,7 +101,7 @@ class LoopContext:
     :func:`pipeline.step.rank0.run_on_rank0`)."""
     weights_version: WeightVersion = 0
     """Rank 0, set by ``pipeline.step.loop.run``: the version of the weights the trainer holds
-    now (read on a rollout thread by the resync channel)."""
+    now (read by the resync channel on the thread that waits for a live server)."""
 
     def __post_init__(self) -> None:
         if self.generator is None and self.client is not None:
