@@ -124,7 +124,7 @@ def server():
 
 
 def context(tmp_path, url: str, mode: str, *, engine: bool = True, reward: dict | None = None,
-            routing_replay: str = "off") -> LoopContext:
+            routing_replay: str = "none") -> LoopContext:
     """Rank 0's context in a run (``engine``: the client's spec, as the session sets it); the
     default model: 2 layers, top-2 of 4 experts."""
     cfg = config_from_dict({
