@@ -78,9 +78,9 @@ SLOW = (
     "tests/e2e/test_sft_demo.py",
     "tests/e2e/test_tools_demo.py",
     "tests/reliability/test_dead_server.py::test_a_killed_server_is_restarted_out_of_the_router_until_admitted",
-    # the rollout producer process (issue 37 item 6): 2.7-3.7 s each on the quiet machine, 3.5-16 s
-    # under load (a producer started per
-    # test); its error and death tests (~2.3 s) stay in the fast tier
+    # the rollout producer process (issue 37 item 6): 2.7-3.7 s each on the quiet machine,
+    # 3.5-16 s under load (a producer started per test); its error and death tests (~2.3 s)
+    # stay in the fast tier
     "tests/reliability/test_producer_process.py::test_one_step_in_its_process_makes_the_threads_batches_and_state",
     "tests/reliability/test_producer_process.py::test_full_streams_in_its_process",
     "tests/reliability/test_producer_process.py::test_the_producer_dies_with_the_process_that_started_it",
