@@ -20,9 +20,8 @@ from megatron_gspo.config import Config, ConfigError
 from megatron_gspo.hf import megatron_layout
 from megatron_gspo.hf.export import export_hf_dir
 from pipeline.context import LoopContext
-from pipeline.generation.client import RolloutClient, router_workers
-from pipeline.generation.generator import SingleTurnGenerator
-from pipeline.generation.multiturn import ToolGenerator
+from pipeline.generation.client import router_workers
+from pipeline.generation.factory import build_client, build_generator, client_spec
 from pipeline.observe.metrics import MetricsLogger
 from pipeline.scoring.data import PromptSampler, build_datasets
 from pipeline.scoring.rewards import build_reward
@@ -147,8 +146,8 @@ class RLSession(Session):
             router_url, server_urls = cluster.router_url, list(cluster.server_urls)
         else:
             router_url, server_urls = cfg.rollout.router_url, None
-        client = RolloutClient(router_url=router_url, max_concurrency=cfg.rollout.max_concurrency,
-                               request_timeout_s=cfg.rollout.request_timeout_s)
+        engine = client_spec(cfg, router_url)  # the producer process builds its own from it
+        client = build_client(engine)
         if server_urls is None:  # external: wait for the router, then ask it for its workers
             client.wait_healthy()
             server_urls = _server_urls_from_router(router_url)
@@ -163,15 +162,12 @@ class RLSession(Session):
         logger = MetricsLogger.from_config(cfg, run_dir)
         self.resources.callback(logger.close)
         encoder = train_set.encoder
-        if cfg.tools.enabled():  # multi-turn trajectories: the sandbox's workers live for the run
-            generator = ToolGenerator(cfg, client, encode_text=encoder.encode_text,
-                                      decode=encoder.decode,
-                                      interrupted=lambda: self.stop.signum is not None)
+        generator = build_generator(cfg, client, encoder,
+                                    interrupted=lambda: self.stop.signum is not None)
+        if hasattr(generator, "close"):  # multi-turn: the sandbox's workers live for the run
             self.resources.callback(generator.close)
-        else:
-            generator = SingleTurnGenerator(client)
         return LoopContext(
-            generator=generator,
+            generator=generator, engine=engine,
             **common, logger=logger, sampler=sampler,
             eval_prompts=eval_prompts if cfg.run.eval_interval else [],
             # a stop signal abandons a user reward's call at once: the rank saves and stops
@@ -187,6 +183,7 @@ class RLSession(Session):
         cannot resume exactly (``pipeline.sources.base.resume_refusal``: a ConfigError naming both
         modes; the launcher refused it already, before the ranks started)."""
         source = make_source(ctx, start_step)
+        self.resources.callback(source.close)  # a producer process stops with the session
         if self.is_main:
             source.restore(run_state)
         return source

@@ -6,6 +6,11 @@ parent's stdout). ``die_with_parent`` (for ``preexec_fn`` / process initialisers
 deliver a signal (SIGKILL by default) to the child when its parent dies
 (``prctl(PR_SET_PDEATHSIG)``); elsewhere it does nothing.
 
+PR_SET_PDEATHSIG fires when the THREAD that started the child ends, not its process: a helper
+started from a thread that ends (a rollout's thread, one per step under ``rollout.async:
+one_step``) is killed with it. ``on_a_lasting_thread`` runs the start on the main thread or on one
+daemon thread kept for the purpose.
+
 The opposite danger: a stop signal that reaches EVERY process of a job at once (torchrun's
 ``killpg`` of a rank's process group, Slurm's ``scancel`` / requeue / preemption, systemd's stop of
 a cgroup) would kill a rank's helpers - the checkpoint writer's queue server, the rollout servers
@@ -18,8 +23,13 @@ shutdown request), and ``die_with_parent`` still ends it if the owner dies first
 from __future__ import annotations
 
 import ctypes
+import queue
 import signal
 import sys
+import threading
+from typing import Callable, Optional, TypeVar
+
+T = TypeVar("T")
 
 PR_SET_PDEATHSIG = 1
 
@@ -50,3 +60,35 @@ def shielded_helper() -> None:
     survives the stop signals that reach the whole job."""
     die_with_parent()
     shield_from_stop_signals()
+
+
+_starts: "queue.SimpleQueue" = queue.SimpleQueue()
+_starter: Optional[threading.Thread] = None
+_starter_lock = threading.Lock()
+
+
+def on_a_lasting_thread(fn: Callable[[], T]) -> T:
+    """``fn()`` (which starts child processes that die with this one) on a thread that lives as
+    long as this process: the caller's if it is the main thread, else one daemon thread kept for
+    the purpose (the children's PR_SET_PDEATHSIG then fires with the process, not with the
+    caller's thread). Its value, or its error raised here."""
+    global _starter
+    if threading.current_thread() is threading.main_thread():
+        return fn()
+    with _starter_lock:
+        if _starter is None:
+            def serve() -> None:
+                while True:
+                    call, answer = _starts.get()
+                    try:
+                        answer.put((True, call()))
+                    except BaseException as err:  # noqa: BLE001 - raised in the caller
+                        answer.put((False, err))
+            _starter = threading.Thread(target=serve, name="helper-starter", daemon=True)
+            _starter.start()
+    answer: "queue.SimpleQueue" = queue.SimpleQueue()
+    _starts.put((fn, answer))
+    ok, value = answer.get()
+    if not ok:
+        raise value
+    return value

@@ -22,6 +22,7 @@ from pipeline.signals import StopFlag
 
 if TYPE_CHECKING:
     from pipeline.generation.client import RolloutClient
+    from pipeline.generation.factory import ClientSpec
     from pipeline.scoring.data import Prompt, PromptSampler
     from pipeline.scoring.rewards import RewardFn
     from pipeline.servers.pool import ServerPool
@@ -83,6 +84,11 @@ class LoopContext:
     """Rank 0: the run's generator of every training and evaluation sample
     (``pipeline.generation.generator``; with ``tools`` configured, multi-turn trajectories);
     left out: a ``SingleTurnGenerator`` over ``client``."""
+    engine: Optional[ClientSpec] = None
+    """Rank 0: how ``client`` was built (``pipeline.generation.factory``), so that another
+    process can build its own: the rollout producer of ``rollout.async: one_step`` / ``full``
+    (``pipeline.sources.remote``). None: those modes run their producer on a thread of this
+    process (``pipeline.sources.choice.make_source``; the tests' in-process fakes)."""
 
     # --- the run's mutable state
     server_urls: list[str] = field(default_factory=list)
@@ -95,7 +101,7 @@ class LoopContext:
     :func:`pipeline.step.rank0.run_on_rank0`)."""
     weights_version: WeightVersion = 0
     """Rank 0, set by ``pipeline.step.loop.run``: the version of the weights the trainer holds
-    now (read on a rollout thread by the resync channel)."""
+    now (read by the resync channel on the thread that waits for a live server)."""
 
     def __post_init__(self) -> None:
         if self.generator is None and self.client is not None:

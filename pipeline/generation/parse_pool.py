@@ -1,8 +1,10 @@
 """The rollout client's parse process: large ``/generate`` answers are read outside the training
 process.
 
-Under ``rollout.async: one_step`` / ``full`` rank 0's rollout thread shares the training process
-with the main thread that runs (on GPUs: launches) the training step, and one interpreter lock.
+A rollout thread that shares a process with other work (before issue 37 item 6: rank 0's
+rollout thread under ``rollout.async: one_step`` / ``full``, beside the main thread that runs -
+on GPUs: launches - the training step; now that rollout runs in a producer process of its own,
+``pipeline.sources.remote``, and this pool serves it there) shares one interpreter lock with it.
 Reading an answer in Python (``json.loads`` of ``[log-prob, token id, text]`` per output token,
 then the checks and lists of ``pipeline.generation.answers``) holds that lock: a 30B step's ~2M
 tokens took 2.6 s of CPU here, and the training step that ran beside it 1.6-2.3x as long
@@ -23,10 +25,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
+import os
 import threading
 from typing import Optional
 
-from megatron_gspo.lifetime import shielded_helper
+from megatron_gspo.lifetime import on_a_lasting_thread, shielded_helper
 from pipeline.generation.answers import Answer, read_answer
 
 MIN_BYTES = 64 << 10
@@ -51,11 +54,22 @@ class ParsePool:
     def _pool(self) -> concurrent.futures.ProcessPoolExecutor:
         with self._lock:
             if self._executor is None:
-                self._executor = concurrent.futures.ProcessPoolExecutor(
-                    max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
-                    initializer=shielded_helper)
+                # its processes die with this process (PR_SET_PDEATHSIG), so they are started
+                # from a thread that lasts as long: started from the caller's (a one_step
+                # rollout's thread, one per step), they died when that rollout ended and the
+                # next step's answers met a BrokenProcessPool
+                self._executor = on_a_lasting_thread(self._start)
             self.answers += 1
             return self._executor
+
+    def _start(self) -> concurrent.futures.ProcessPoolExecutor:
+        """The executor with its worker processes started (on this thread)."""
+        executor = concurrent.futures.ProcessPoolExecutor(
+            max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
+            initializer=shielded_helper)
+        for ready in [executor.submit(os.getpid) for _ in range(self.workers)]:
+            ready.result()
+        return executor
 
     def submit(self, raw: bytes, rid: str, prompt_len: int,
                routed_experts: Optional[tuple[int, int]] = None

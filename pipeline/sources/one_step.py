@@ -1,6 +1,8 @@
 """The rollout producer of ``rollout.async: one_step``: step n+1's rollout runs while step n trains.
 
-Rank 0 only. The step (``pipeline.step.loop.run``) drives :class:`OneStepSource` once per step::
+Rank 0 only; in a run, in rank 0's rollout producer process (``pipeline.sources.remote``
+forwards the step's calls there), not in the training process. The step
+(``pipeline.step.loop.run``) drives :class:`OneStepSource` once per step::
 
     source.next(n)                   # producer.take(n): the batch made during step n-1 (or now,
                                      # at the start); producer.start(n + 1): a thread, prompts ->

@@ -1,6 +1,7 @@
 """The rollout stream of ``rollout.async: full``: generation never stops for training.
 
-Rank 0 only. A thread runs an event loop that keeps prompt groups (G samples of one prompt) in
+Rank 0 only (in a run: in rank 0's rollout producer process, ``pipeline.sources.remote``). A
+thread runs an event loop that keeps prompt groups (G samples of one prompt) in
 flight on the rollout servers, scores each group as it completes and holds it in a buffer; the
 step (``pipeline.step.loop.run``, through :class:`StreamSource`) takes the batch of each step from
 the buffer and pushes the new weights after every update without waiting for anything::

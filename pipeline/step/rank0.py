@@ -56,7 +56,7 @@ def _resync_channel(ctx: Any):
         return nullcontext()
     device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
-    def request() -> None:  # on the rollout's thread
+    def request() -> None:  # on the thread waiting for a live server (a call of the producer)
         if device is not None:
             torch.cuda.set_device(device)
         version = ctx.weights_version

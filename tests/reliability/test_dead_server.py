@@ -767,11 +767,15 @@ def test_train_survives_its_only_server_dying_in_an_async_mode(tmp_path, mode):
     after step 1 (the next rollout under way, or the stream generating while the trainer
     trains): the server is restarted and synced to the current weights, its samples in flight
     are generated again, and the run finishes (exit 0) instead of stopping after
-    ``rollout.outage_timeout_s`` with ``no live server ... waiting for a weight sync``."""
+    ``rollout.outage_timeout_s`` with ``no live server ... waiting for a weight sync``. The
+    rollout runs in the producer process (issue 37 item 6): its client's wait for a live server
+    is the pool's on rank 0, whose resync has every rank take part."""
     code, out, records = _kill_the_only_server_after_step_1(tmp_path, "run.num_steps=4",
                                                              f"rollout.async={mode}")
     assert code == 0, out[-4000:]
     assert "no live server" in out, out[-4000:]
+    # the rollout ran in the producer process; the pool it asked, and the sync, on rank 0
+    assert "rollout producer: process" in out and f"(rollout.async: {mode})" in out
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert records[-1]["rollout/server_restarts"] == 1.0
     assert records[-1]["rollout/servers_alive"] == 1.0

@@ -11,6 +11,7 @@ import http.server
 import json
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -119,3 +120,25 @@ def test_the_client_reads_large_answers_in_its_parse_process(monkeypatch, pool):
     assert [len(r.output_ids) for r in groups[0]] == [3000, 3000]
     workers = pool._executor._processes  # the parse process is another process than this one
     assert workers and os.getpid() not in workers
+
+
+def test_the_parse_process_outlives_the_thread_that_first_used_it():
+    """``rollout.async: one_step`` makes each rollout on a thread of its own: the first large
+    answer started the parse process from that thread, and its parent-death signal (SIGKILL when
+    the starting THREAD ends) killed it with the rollout; the next step's answers met a
+    ``BrokenProcessPool``. Now it is started from a thread that lasts as long as the process."""
+    pool = parse_pool.ParsePool()
+    try:
+        box = {}
+
+        def first_rollout():
+            box["answer"] = pool.submit(answer(2000), "r0", len(PROMPT)).result(timeout=120)
+        rollout = threading.Thread(target=first_rollout)
+        rollout.start()
+        rollout.join(180)
+        assert box["answer"].output_ids.shape == (2000,)
+        time.sleep(1.0)  # the thread has ended: a parent-death signal would have fired by now
+        again = pool.submit(answer(2000), "r1", len(PROMPT)).result(timeout=120)
+        assert again.output_ids.shape == (2000,) and again.kind == "length"
+    finally:
+        pool.close()
