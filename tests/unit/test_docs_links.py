@@ -36,7 +36,9 @@ MD_NAME = re.compile(r"(?<![\w./'\"-])([\w-]+\.md)\b(?!['\"])")
 def repository_files() -> tuple[Path, ...]:
     files = []
     for directory, subdirs, names in os.walk(ROOT):
-        subdirs[:] = sorted(d for d in subdirs if d not in SKIPPED_DIRS and not d.endswith(".egg-info"))
+        # any virtual environment (.venv-vllm, .venv-bridge, ...) is someone else's files
+        subdirs[:] = sorted(d for d in subdirs if d not in SKIPPED_DIRS and not d.endswith(".egg-info")
+                            and not (Path(directory) / d / "pyvenv.cfg").exists())
         for name in sorted(names):
             path = Path(directory) / name
             if path.suffix in SCANNED_SUFFIXES or name in SCANNED_NAMES:
