@@ -77,6 +77,8 @@ ENGINE_SETTINGS = {
     "vllm": ("rollout.engine=vllm", "rollout.num_servers=1"),
 }
 """``--engine`` -> the GSPO settings it adds (before ``--set``, which can override them)."""
+OUT_SUFFIX = {"sglang": "", "vllm": "_vllm"}
+"""``--engine`` -> the default output directory's suffix (runs/demo_vllm)."""
 
 FORWARDED = {signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGINT,
              signal.SIGUSR1: signal.SIGUSR1, signal.SIGHUP: signal.SIGTERM}
@@ -143,9 +145,7 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     config, sft_config, default_out = TASK_CONFIGS[args.task]
     config = args.config or str(CONFIGS / config)
     sft_config = args.sft_config or str(CONFIGS / sft_config)
-    if args.engine != "sglang" and args.out is None:
-        default_out += f"_{args.engine}"
-    out = Path(args.out or default_out)
+    out = Path(args.out or default_out + OUT_SUFFIX[args.engine])
     if (out / "gspo" / "checkpoints").exists() or (out / "sft").exists():
         raise SystemExit(f"{out} already holds a demo run: choose another --out or remove it")
     sft = ["sft", "--config", sft_config, "--set", f"run.output_dir={out / 'sft'}"]

@@ -125,7 +125,7 @@ class RolloutConfig:
     embedded mode starts vLLM servers from the environment ``launch/envs/vllm_cpu.sh`` builds,
     ``$MGSPO_VLLM_PYTHON`` or ``.venv-vllm``, one per rollout.num_servers, no router). With vllm:
     top_p 1 and top_k -1 (vLLM's log-probs renormalise over the tokens top-p/top-k keep; the
-    trainer's do not), no parity watchdog and no routing replay from the servers' routes."""
+    trainer's do not), not colocated, no delta sync, no parity watchdog (all refused)."""
     router_url: Optional[str] = None
     num_servers: int = 2
     tp_size: int = 1
@@ -274,6 +274,13 @@ class RolloutConfig:
                 f"rollout.engine: vllm with rollout.top_p {self.top_p} / top_k {self.top_k}: "
                 "vLLM's log-probs are renormalised over the tokens top-p/top-k keep, the "
                 "trainer's are not; use top_p 1 and top_k -1 with vLLM")
+        require(self.engine != "vllm" or not self.colocated,
+                "rollout.colocated: not with rollout.engine vllm (the memory release around "
+                "training is SGLang's release/resume_memory_occupation; vLLM's /sleep does "
+                "nothing on the CPU)")
+        require(self.engine != "vllm" or not self.weight_sync.delta,
+                "rollout.weight_sync.delta: vLLM has no delta format; set it to false with "
+                "rollout.engine vllm")
         require(self.engine != "vllm" or self.weight_sync.transport != "tensor",
                 "rollout.engine: vllm has no 'tensor' weight sync (vLLM's is CUDA IPC); set "
                 "rollout.weight_sync.transport to distributed or disk")
