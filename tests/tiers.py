@@ -20,7 +20,7 @@ area keeps other cases in the suite.
 
 The ``vllm`` tier (marked in its modules, tests/engines): the pipeline against real vLLM 0.32 from
 its own environment (launch/envs/vllm_cpu.sh), out of the README's suite (pyproject.toml's
-addopts) and run by ``.ci/run`` last, ``pytest -m vllm tests/engines`` (docs/vllm.md).
+addopts) and run by ``.ci/run`` last, ``pytest -m vllm`` (docs/vllm.md).
 """
 
 SLOW = (
