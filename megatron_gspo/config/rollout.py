@@ -117,8 +117,21 @@ class RolloutConfig:
     """Sampling parameters and where the rollout servers are."""
 
     mode: Literal["embedded", "external"] = "embedded"
-    """embedded: the run starts local rollout servers and the router; external: use router_url."""
+    """embedded: the run starts local rollout servers and the router; external: the servers run
+    already, reached through ``router_url`` or ``server_urls``."""
+    engine: Literal["sglang", "vllm"] = "sglang"
+    """The inference engine of the rollout servers: SGLang (the mission's engine; the project's
+    local server speaks its protocol) or vLLM 0.32 (``pipeline.engines.vllm``; ``launch slurm``
+    starts vLLM servers with it, ``pipeline/engines/vllm/server_args.py``)."""
     router_url: Optional[str] = None
+    """External mode: the router in front of the servers (sglang-router, or another that lists
+    its workers at ``GET /workers``); the weight sync reaches every worker it lists. With
+    ``engine: vllm`` only that list is used: sglang-router 0.3.2 answers 404 to vLLM's
+    ``/inference/v1/generate`` and 422 to a token-id prompt on ``/v1/completions``, so the client
+    sends every request to the listed servers itself (docs/rollout.md, "vLLM servers")."""
+    server_urls: Optional[list[str]] = None
+    """External mode without a router: the rollout servers' base URLs (``http://host:port``);
+    the client routes over them itself (what ``launch slurm`` passes for vLLM servers)."""
     num_servers: int = 2
     tp_size: int = 1
     """Tensor-parallel size of one SGLang server (its --tp-size); a server larger than a node spans
@@ -244,8 +257,18 @@ class RolloutConfig:
         require(self.async_ == "off" or not self.colocated,
                 f"rollout.async: {self.async_} needs the rollout servers on their own devices; "
                 "rollout.colocated servers release their memory while the trainer runs")
-        require(self.mode != "external" or bool(self.router_url),
-                "rollout.router_url: required when rollout.mode is 'external'")
+        require(self.mode != "external" or bool(self.router_url) != bool(self.server_urls),
+                "rollout.router_url: external mode needs exactly one of rollout.router_url (a "
+                "router listing its workers) and rollout.server_urls (the servers themselves), "
+                f"got {'both' if self.router_url else 'neither'}")
+        require(self.mode == "external" or not self.server_urls,
+                "rollout.server_urls: only with rollout.mode external (an embedded run starts "
+                "its own servers)")
+        for url in self.server_urls or []:
+            require(re.fullmatch(r"https?://[^/\s:]+:\d+/?", url) is not None,
+                    f"rollout.server_urls: {url!r} is not a server's base URL http://host:port")
+        require(len(set(self.server_urls or [])) == len(self.server_urls or []),
+                "rollout.server_urls: a server is listed twice")
         require(self.num_servers >= 1, f"rollout.num_servers: must be >= 1, got {self.num_servers}")
         require(self.tp_size >= 1, f"rollout.tp_size: must be >= 1, got {self.tp_size}")
         require(re.fullmatch(r"cpu|cuda(:\d+)?", self.local_server_device) is not None,
