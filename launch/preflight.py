@@ -25,8 +25,6 @@ external router reachable (5 s)           note    yes     -       - (the job sta
 external servers usable by the engine     -       yes     -       - (the job starts its own)
 (``rollout.server_urls``, vLLM: the
 router's workers; 5 s each)
-vLLM: what it cannot serve on the CPU     yes     yes     -       yes (its servers'
-(routing replay ``rollout``, head size)                           command lines)
 run directory writable (probed)           -       yes     yes     yes
 run directory not locked by a live run    -       yes     yes     yes
 ``--resume``: the checkpoint's model       -       yes     yes     -
@@ -79,7 +77,6 @@ from megatron_gspo.config import Config, ConfigError, quantization_note, validat
 from megatron_gspo.parallel import derive_layout
 from megatron_gspo.train.batching import pack_tokens
 from pipeline.engines.vllm import probe as vllm_probe
-from pipeline.engines.vllm import server_args as vllm_server_args
 from pipeline.generation.client import RolloutError, http_json, router_workers
 from pipeline.generation.multiturn import check_tools
 from pipeline.observe.trackers import (MLflowTracker, WandbTracker, build_trackers,
@@ -152,10 +149,6 @@ def check(cfg: Config, *, program: Program, world_size: Optional[int],
             raise ConfigError(str(err)) from err
     if program == "train" and cfg.rollout.mode == "external":
         check_external(cfg)
-    if program in ("config", "train") and cfg.rollout.mode == "embedded":
-        embedded_check = EMBEDDED_CHECKS[cfg.rollout.engine]
-        if embedded_check is not None:
-            embedded_check(cfg)  # what the engine cannot serve here, before a server starts
 
 
 def before_ranks(cfg: Config, *, program: Program, world_size: int, resume: bool) -> None:
@@ -510,10 +503,6 @@ def check_reachable(urls: list[str], cfg: Config, *, field: str) -> Optional[str
 SERVER_CHECKS = {"sglang": (check_reachable, False), "vllm": (vllm_probe.check_servers, True)}
 """Per ``rollout.engine``: what an external run checks of each server, and whether it also checks
 the workers a router lists (vLLM's are used directly: ``pipeline.engines.vllm.probe``)."""
-
-EMBEDDED_CHECKS = {"sglang": None, "vllm": vllm_server_args.check_embedded}
-"""Per ``rollout.engine``: what an embedded run refuses before it starts its servers."""
-
 
 def check_external(cfg: Config) -> None:
     """``rollout.mode: external``: the router answers; the servers (``rollout.server_urls``, or

@@ -120,9 +120,14 @@ class RolloutConfig:
     """embedded: the run starts local rollout servers and the router; external: the servers run
     already, reached through ``router_url`` or ``server_urls``."""
     engine: Literal["sglang", "vllm"] = "sglang"
-    """The inference engine of the rollout servers: SGLang (the mission's engine; the project's
-    local server speaks its protocol) or vLLM 0.32 (``pipeline.engines.vllm``; ``launch slurm``
-    starts vLLM servers with it, ``pipeline/engines/vllm/server_args.py``)."""
+    """The rollout servers' inference engine (``pipeline.engines``, chosen once where the session
+    is built): ``sglang`` (SGLang's protocol; embedded mode starts the project's own server, which
+    speaks it, behind the sglang-router) or ``vllm`` (vLLM 0.32's API, ``docs/vllm.md``;
+    embedded mode starts vLLM servers from the environment ``launch/envs/vllm_cpu.sh`` builds,
+    ``$MGSPO_VLLM_PYTHON`` or ``.venv-vllm``, one per rollout.num_servers, no router). With vllm:
+    top_p 1 and top_k -1 (vLLM's log-probs renormalise over the tokens top-p/top-k keep; the
+    trainer's do not), no parity watchdog; routing replay ``rollout`` from GPU servers only
+    (vLLM's routed experts need Model Runner V2, i.e. Triton: refused on the CPU)."""
     router_url: Optional[str] = None
     """External mode: the router in front of the servers (sglang-router, or another that lists
     its workers at ``GET /workers``); the weight sync reaches every worker it lists. With
@@ -283,6 +288,15 @@ class RolloutConfig:
         require(self.temperature > 0, f"rollout.temperature: must be > 0, got {self.temperature}")
         require(0 < self.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {self.top_p}")
         require(self.top_k == -1 or self.top_k >= 1, f"rollout.top_k: must be -1 or >= 1, got {self.top_k}")
+        require(self.engine in ("sglang", "vllm"),
+                f"rollout.engine: {self.engine!r} is not sglang or vllm")
+        require(self.engine != "vllm" or (self.top_p == 1 and self.top_k == -1),
+                f"rollout.engine: vllm with rollout.top_p {self.top_p} / top_k {self.top_k}: "
+                "vLLM's log-probs are renormalised over the tokens top-p/top-k keep, the "
+                "trainer's are not; use top_p 1 and top_k -1 with vLLM")
+        require(self.engine != "vllm" or self.weight_sync.transport != "tensor",
+                "rollout.engine: vllm has no 'tensor' weight sync (vLLM's is CUDA IPC); set "
+                "rollout.weight_sync.transport to distributed or disk")
         require(self.eval_samples_per_prompt >= 1,
                 f"rollout.eval_samples_per_prompt: must be >= 1, got {self.eval_samples_per_prompt}")
         require(self.max_new_tokens >= 1,

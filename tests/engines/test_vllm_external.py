@@ -4,7 +4,8 @@ rank starts (exit 2, one line naming the field), servers it cannot use: not vLLM
 release, no development endpoints (``VLLM_SERVER_DEV_MODE``), no scale-out generate, another
 worker extension, no routed experts for routing replay (``pipeline.engines.vllm.probe``). An
 embedded vLLM run on the CPU refuses routing replay ``rollout`` and head sizes vLLM's CPU attention
-lacks before it starts a server.
+lacks before it starts a server (``train``'s check, ``VllmEngine.check``); an external run
+leaves that to the probe of its servers, which may be GPUs.
 
 The servers here replay the answers a real vLLM 0.32 server gave (tests/engines/recorded/,
 recorded from servers started by ``pipeline.engines.vllm.server_args``); the router is a stub
@@ -21,6 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from launch import cli, local, preflight
 from launch.rl_session import external_endpoints
@@ -194,7 +196,8 @@ def test_train_refuses_unusable_vllm_servers_before_the_ranks(servers, capfd, mo
 def test_an_embedded_cpu_vllm_run_refuses_what_vllm_cannot_serve_before_starting(
         sets, message, capfd, monkeypatch, tmp_path):
     monkeypatch.setattr(local, "ensure_ranks", lambda *a, **k: pytest.fail("ranks started"))
-    argv = ["config", "--config", CONFIG, "--set", "rollout.engine=vllm"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU, on any machine
+    argv = ["train", "--config", CONFIG, "--set", "rollout.engine=vllm"]
     for item in [f"run.output_dir={tmp_path / 'run'}", *sets]:
         argv += ["--set", item]
     assert cli.main(argv) == 2

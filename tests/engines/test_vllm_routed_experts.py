@@ -7,6 +7,7 @@ importing vLLM)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -18,7 +19,9 @@ import pytest
 import torch
 
 from pipeline.engines.vllm import routed_experts as vre
+from pipeline.engines.vllm.client import VllmWire
 from pipeline.generation import routed_experts as project
+from pipeline.generation.client import RolloutError, SamplingParams
 from tests.engines import vllm_env
 
 PROMPT, OUTPUT, LAYERS, TOP_K, EXPERTS = 5, 3, 2, 2, 4
@@ -107,3 +110,32 @@ def test_a_choice_made_by_vllms_own_serving_code():
     got = vre.from_choice(choice, prompt_len=PROMPT, output_len=len(choice["token_ids"]),
                           num_layers=LAYERS, top_k=TOP_K, num_experts=EXPERTS)
     assert np.array_equal(got, experts.astype(np.int32))
+
+
+def test_the_vllm_wire_reads_routed_experts_into_the_sample():
+    """``VllmWire.read(..., routed_experts=(L, K))``: the rollout's sample carries vLLM's rows
+    as the project's int32 tensor (what the training batch of routing replay reads)."""
+    experts = sample(seed=5)
+    body = {"choices": [{"index": 0, "finish_reason": "length", "token_ids": [7, 8, 9],
+                         "logprobs": {"content": [{"token_id": t, "logprob": -1.0}
+                                                  for t in (7, 8, 9)]},
+                         "weight_versions": [{"version": "3", "start": 0, "end": 3}],
+                         "routed_experts": npy_b64(experts)}],
+            "usage": {"prompt_tokens": PROMPT}}
+    wire = VllmWire()
+    assert wire.payload("r", list(range(PROMPT)), _sampling(),
+                        return_routed_experts=True)["sampling_params"][
+        "routed_experts_prompt_start"] == 0
+    result = asyncio.run(wire.read(json.dumps(body).encode(), "r", list(range(PROMPT)), "u",
+                                   routed_experts=(LAYERS, TOP_K)))
+    assert torch.equal(result.routed_experts, torch.from_numpy(experts.astype(np.int32)))
+    plain = asyncio.run(wire.read(json.dumps(body).encode(), "r", list(range(PROMPT)), "u"))
+    assert plain.routed_experts is None
+    body["choices"][0]["routed_experts"] = None  # a server without the flag: named
+    with pytest.raises(RolloutError, match="--enable-return-routed-experts"):
+        asyncio.run(wire.read(json.dumps(body).encode(), "r", list(range(PROMPT)), "u",
+                              routed_experts=(LAYERS, TOP_K)))
+
+
+def _sampling():
+    return SamplingParams(max_new_tokens=OUTPUT)

@@ -47,11 +47,11 @@ SERVER_FLAG = "--enable-return-routed-experts"
 
 
 def decode(text: Any, *, prompt_len: int, output_len: int, num_layers: int, top_k: int,
-           num_experts: int, prompt_start: int = 0) -> np.ndarray:
+           num_experts: Optional[int] = None, prompt_start: int = 0) -> np.ndarray:
     """One choice's ``routed_experts`` -> int32 ``[rows, num_layers, top_k]``, rows = positions
     ``[prompt_start, prompt_len + output_len - 1)``. ValueError naming what is wrong when the
     payload is not base64 ``.npy`` of that shape, of vLLM's dtypes, with ids below
-    ``num_experts``."""
+    ``num_experts`` (when given; the training batch checks the ids again)."""
     if not isinstance(text, str):
         raise ValueError(f"routed_experts must be a base64 string, got {type(text).__name__}")
     try:
@@ -71,14 +71,14 @@ def decode(text: Any, *, prompt_len: int, output_len: int, num_layers: int, top_
                          f"{num_layers}, {top_k}] (prompt {prompt_len} + response {output_len} "
                          f"tokens - 1 - {prompt_start} skipped, model.num_layers, "
                          "model.moe_router_topk)")
-    if array.size and int(array.max()) >= num_experts:
+    if num_experts is not None and array.size and int(array.max()) >= num_experts:
         raise ValueError(f"routed_experts names expert {int(array.max())}; the model has "
                          f"{num_experts} (model.num_experts)")
     return array.astype(np.int32)
 
 
 def from_choice(choice: dict, *, prompt_len: int, output_len: int, num_layers: int, top_k: int,
-                num_experts: int) -> Optional[np.ndarray]:
+                num_experts: Optional[int] = None) -> Optional[np.ndarray]:
     """:func:`decode` of ``choice["routed_experts"]`` (rows from position 0, what the client asks
     for); None when the choice has none: the request was aborted before its first forward pass.
     A finished choice without them means the server does not record them: ValueError naming

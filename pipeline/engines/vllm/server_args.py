@@ -131,12 +131,6 @@ def check_supported(cfg: Config, device: Device) -> None:
             "output (gspo.routing_replay: rollout) requires")
 
 
-def check_embedded(cfg: Config) -> None:
-    """:func:`check_supported` for the servers an embedded run starts, on
-    ``rollout.local_server_device``."""
-    check_supported(cfg, "cpu" if cfg.rollout.local_server_device == "cpu" else "cuda")
-
-
 def server_argv(cfg: Config, *, model_path: Word, port: Union[int, Word], seed: Union[int, Word],
                 device: Device, host: Word = "0.0.0.0", dtype: Optional[str] = None,
                 max_model_len: Optional[int] = None,
