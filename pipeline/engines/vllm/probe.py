@@ -30,8 +30,10 @@ from megatron_gspo.config import Config
 from pipeline.engines.vllm.server_args import VLLM_VERSION, WORKER_EXTENSION
 from pipeline.generation.client import RolloutError, http_json
 
-PROBE_TIMEOUT_S = 5.0
-"""Each probe's bound: a server that does not answer within it is reported as unreachable."""
+PROBE_TIMEOUT_S = 30.0
+"""Each probe's bound: a server that does not answer within it is reported as unreachable. Not
+the router's 5 s: vLLM's first ``/server_info`` collects the machine's environment (its
+``collect_env``, subprocesses included): 5 s ran out on a loaded 2-core machine."""
 
 
 def _get(url: str, path: str, timeout_s: float) -> tuple[int, Any]:
