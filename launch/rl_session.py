@@ -73,6 +73,22 @@ def _server_urls_from_router(router_url: str) -> list[str]:
     return [w["url"] for w in router_workers(router_url)]
 
 
+ROUTES_THROUGH_ROUTER = {"sglang": True, "vllm": False}
+"""Per ``rollout.engine``: whether an external router routes the rollouts (sglang-router does for
+SGLang servers) or only names the servers the client then routes over itself (vLLM's: the
+router answers 404 to ``/inference/v1/generate`` and 422 to token-id completions)."""
+
+
+def external_endpoints(rollout) -> tuple[Optional[str], Optional[list[str]]]:
+    """External mode: (the router the client sends every request through, or None; the servers,
+    or None while the router is to be asked for them once it is healthy)."""
+    if rollout.server_urls:
+        return None, list(rollout.server_urls)
+    if ROUTES_THROUGH_ROUTER[rollout.engine]:
+        return rollout.router_url, None
+    return None, _server_urls_from_router(rollout.router_url)
+
+
 def run_training(cfg: Config, *, resume: bool) -> int:
     """``megatron-gspo train`` on this rank; returns the exit status (0 finished, 75 preempted)."""
     with RLSession(cfg, resume=resume) as session:
@@ -155,7 +171,7 @@ class RLSession(Session):
             cluster = self._start_local_servers(server_model)
             router_url, server_urls = cluster.router_url, list(cluster.server_urls)
         else:
-            router_url, server_urls = cfg.rollout.router_url, None
+            router_url, server_urls = external_endpoints(cfg.rollout)
         client = RolloutClient(router_url=router_url,
                                server_urls=server_urls if router_url is None else None,
                                max_concurrency=cfg.rollout.max_concurrency,

@@ -83,6 +83,7 @@ def test_cpu_server_argv_is_vllms_own(vllm_parser):
     assert got["max_model_len"] == cfg.model.max_position_embeddings
     assert got["tensor_parallel_size"] == 1
     assert got["enable_scale_out"] is True and got["enforce_eager"] is True
+    assert got["enable_chunked_prefill"] is False  # seeded + chunked kills the CPU engine
     assert got["worker_extension_cls"] == sa.WORKER_EXTENSION
     assert "weight_transfer_config" not in got and "enable_return_routed_experts" not in got
     bf16 = vllm_parser.accepts(sa.server_argv(cfg, model_path="/m", port=1, seed=0, device="cpu",

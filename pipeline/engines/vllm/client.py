@@ -34,6 +34,9 @@ import json
 from collections.abc import Sequence
 from typing import Optional
 
+import torch
+
+from pipeline.engines.vllm import routed_experts as vllm_routed
 from pipeline.generation import client as rollout
 from pipeline.generation.answers import Malformed
 from pipeline.generation.trajectory import RolloutResult, Span
@@ -132,17 +135,27 @@ class VllmWire:
 
     def payload(self, rid: str, input_ids: Sequence[int], sampling, *,
                 return_routed_experts: bool = False) -> dict:
-        if return_routed_experts:
-            raise ValueError("routed experts from vLLM servers are not wired: gspo.routing_"
-                             "replay 'rollout' needs SGLang servers (rollout.engine: sglang)")
+        params = sampling_json(sampling)
+        if return_routed_experts:  # a server with --enable-return-routed-experts sends them on
+            params["routed_experts_prompt_start"] = 0  # every answer; rows from position 0
         return {"request_id": rid, "token_ids": [int(t) for t in input_ids],
-                "sampling_params": sampling_json(sampling), "output_mode": "tokens",
-                "stream": False}
+                "sampling_params": params, "output_mode": "tokens", "stream": False}
 
     async def read(self, raw: bytes, rid: str, prompt_ids: Sequence[int], url: str, *,
                    routed_experts: Optional[tuple[int, int]] = None) -> RolloutResult:
+        """``routed_experts=(num_layers, top_k)``: the choice's routed experts (routing replay
+        ``rollout``, GPU servers: ``pipeline.engines.vllm.routed_experts``) into
+        ``RolloutResult.routed_experts``, int32 ``[prompt + output - 1, L, K]``."""
         try:
-            return parse_answer(json.loads(raw), rid, prompt_ids, url)
+            body = json.loads(raw)
+            result = parse_answer(body, rid, prompt_ids, url)
+            if routed_experts is not None:
+                routed = vllm_routed.from_choice(
+                    body["choices"][0], prompt_len=len(prompt_ids),
+                    output_len=len(result.output_ids), num_layers=routed_experts[0],
+                    top_k=routed_experts[1])
+                result.routed_experts = None if routed is None else torch.from_numpy(routed)
+            return result
         except (Malformed, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
             raise rollout.RolloutError(url, 200, f"malformed answer: {err}") from None
 

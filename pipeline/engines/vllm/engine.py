@@ -83,10 +83,12 @@ class VllmEngine:
     control = VllmControl()
 
     def check(self, cfg: Config, *, on_gpu: bool) -> None:
-        """vLLM 0.32's refusals (``server_args.check_supported``); embedded servers need the
-        vLLM environment."""
-        sa.check_supported(cfg, "cuda" if on_gpu else "cpu")
+        """Embedded servers (on this machine's device): vLLM 0.32's refusals
+        (``server_args.check_supported``: routing replay ``rollout`` on the CPU, ...) and the vLLM
+        environment. External servers run elsewhere: ``launch.preflight`` probes each one
+        (``pipeline.engines.vllm.probe``: routed experts recorded, ...)."""
         if cfg.rollout.mode == "embedded":
+            sa.check_supported(cfg, "cuda" if on_gpu else "cpu")
             vllm_python()
 
     def make_transport(self, pusher, transport: str, **options: Any):

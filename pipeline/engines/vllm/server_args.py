@@ -45,7 +45,8 @@ module is the same server on every build.
   ``rollout.deterministic`` -> one sequence at a time, no prefix cache and
   ``VLLM_BATCH_INVARIANT=1``);
 * on the CPU: ``--enforce-eager`` (no compilation; vLLM's CPU start is 60-120 s of imports
-  already), ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache; vLLM's default is 4) and
+  already), ``--no-enable-chunked-prefill`` (with it, a seeded request whose prefill is split
+  over two steps kills the CPU engine: :func:`server_argv`), ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache; vLLM's default is 4) and
   ``VLLM_HOST_IP`` = the bind address (vLLM otherwise advertises the machine's first interface
   to its own engine processes).
 
@@ -158,7 +159,12 @@ def server_argv(cfg: Config, *, model_path: Word, port: Union[int, Word], seed: 
     if rollout.deterministic:  # one sequence at a time and no prefix cache, as the local server
         argv += ["--max-num-seqs", "1", "--no-enable-prefix-caching"]
     if device == "cpu":
-        argv.append("--enforce-eager")
+        # eager: no compilation. No chunked prefill: vLLM 0.32 rewinds the sampling generator of
+        # a request whose prefill a step cut short (gpu_model_runner._bookkeeping_sync:
+        # gen.set_offset(gen.get_offset() - 4)), which a CPU generator refuses ("CPU Generator
+        # does not use offset"): the first seeded batch over the step's token budget (e.g. 128
+        # requests of 32 tokens > 2048) kills the engine. Unchunked, a prompt waits whole.
+        argv += ["--enforce-eager", "--no-enable-chunked-prefill"]
     else:
         if rollout.mem_fraction_static is not None:
             argv += ["--gpu-memory-utilization", f"{rollout.mem_fraction_static:g}"]
