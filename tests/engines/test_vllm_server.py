@@ -27,10 +27,12 @@ the dead server's restart ~40-90 s.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import threading
 import time
 
+import aiohttp
 import pytest
 import torch
 from transformers import Qwen3MoeForCausalLM
@@ -48,6 +50,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 PROMPTS = [[5, 6, 7, 8], [30, 31, 32], [100, 7, 200, 9, 40, 41]]
 LONG = SamplingParams(temperature=1.0, max_new_tokens=240)
+BATCH = 96
+"""Long requests in a batch that must be mid-way when a pause, abort or kill arrives: 24 waves of
+the server's 4 sequences (~5 s). vLLM's API process answers control calls late while it streams a
+batch's outputs on a loaded machine: a batch of 32 could finish before the pause was read."""
 
 
 def generated_tokens(url: str) -> float:
@@ -108,7 +114,7 @@ def test_groups_seeds_and_logprobs_match_transformers(vllm_url, hf_model, temper
 def test_abort_returns_partial_samples_that_continue(vllm_url):
     client = client_of(vllm_url)
     control = VLLM.control
-    requests = [(f"ab{i}", [5 + i % 50, 6, 7], LONG) for i in range(64)]
+    requests = [(f"ab{i}", [5 + i % 50, 6, 7], LONG) for i in range(BATCH)]
 
     async def scenario():
         since = await asyncio.to_thread(generated_tokens, vllm_url)
@@ -139,70 +145,137 @@ def test_abort_returns_partial_samples_that_continue(vllm_url):
     assert sum(s.end - s.start for s in joined.weight_versions) == len(joined.output_ids)
 
 
+class Probe:
+    """One streamed request (vLLM's ``stream: true``, ``ignore_eos``: it runs its 240 tokens)
+    next to the batch: the test sees its tokens arrive, so a pause is sent once it is provably
+    mid-decode, whatever the machine's load; its last chunk carries the version spans."""
+
+    def __init__(self, url: str, rid: str):
+        self.url, self.rid = url, rid
+        self.tokens: list[int] = []
+        self.finish: str | None = None
+        self.spans: list = []
+        self.started = asyncio.Event()
+
+    async def run(self) -> None:
+        body = {"request_id": self.rid, "token_ids": [4, 5, 6], "stream": True,
+                "sampling_params": {"max_tokens": LONG.max_new_tokens, "ignore_eos": True,
+                                    "temperature": 1.0, "seed": 1, "detokenize": False}}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(self.url + "/inference/v1/generate", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                async for raw in resp.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    for choice in json.loads(line[6:])["choices"]:
+                        self.tokens += choice.get("token_ids") or []
+                        self.finish = choice.get("finish_reason") or self.finish
+                        self.spans = choice.get("weight_versions") or self.spans
+                    if self.tokens:  # its first token: mid-decode from here on
+                        self.started.set()
+
+
 def _pause_scenario(url: str, mode: str, version: str | None = None):
-    """A batch of 32 long requests; pause in ``mode`` once they decode; what it saw; with
-    ``version``: label it, then the cache reset of the update; resume; the results."""
+    """A batch of long requests and a streamed :class:`Probe`; the pause in ``mode`` once the
+    probe has its first token; what the pause left (``seen``); with ``version``: label it, then the
+    cache reset of the update; resume. Returns the batch's results, ``seen`` and the probe."""
     client, control = client_of(url), VLLM.control
-    requests = [(f"{mode}{i}", [9 + i, 6, 7], LONG) for i in range(32)]
-    seen: dict = {}
+    requests = [(f"{mode}{i}", [9 + i % 200, 6, 7], LONG) for i in range(BATCH)]
+    probe, seen = Probe(url, f"probe-{mode}"), {}
 
     async def scenario():
-        since = await asyncio.to_thread(generated_tokens, url)
         batch = asyncio.create_task(client.generate(requests))
-        await decoding(url, since)
-        seen["tokens_asked"] = await asyncio.to_thread(generated_tokens, url)
+        streamed = asyncio.create_task(probe.run())
+        started = asyncio.create_task(probe.started.wait())
+        await asyncio.wait([started, streamed], timeout=120, return_when=asyncio.FIRST_COMPLETED)
+        assert probe.started.is_set(), (streamed.done() and streamed.exception(), probe.tokens)
+        seen["probe_at_pause"] = len(probe.tokens)
         await asyncio.to_thread(control.pause, url, mode, timeout_s=60)
-        seen["tokens_paused"] = await asyncio.to_thread(generated_tokens, url)
-        seen["done_at_pause"] = batch.done()
+        seen["probe_paused"] = len(probe.tokens)
+        seen["probe_done_at_pause"] = probe.finish is not None
         seen["paused"] = await asyncio.to_thread(control.is_paused, url)
         late = asyncio.create_task(client.generate([(f"{mode}-late", [3, 4], SamplingParams(
             max_new_tokens=4))]))
+        if mode == "abort":  # what was in flight comes back without a resume
+            await asyncio.wait_for(asyncio.shield(streamed), 60)
         await asyncio.sleep(1.0)
-        seen["tokens_later"] = await asyncio.to_thread(generated_tokens, url)
-        seen["frozen"] = not batch.done() and not late.done()
+        seen["late_done_while_paused"] = late.done()
+        seen["probe_while_paused"] = len(probe.tokens)
+        seen["probe_frozen"] = probe.finish is None
         if version is not None:
             await asyncio.to_thread(control.set_version, url, version, timeout_s=30)
             await asyncio.to_thread(control.after_update, url, mode, timeout_s=30)
         await asyncio.to_thread(control.resume, url, timeout_s=30)
         seen["late"] = (await late)[0]
+        await streamed
         return await batch
 
-    return asyncio.run(scenario()), seen
+    try:
+        return asyncio.run(scenario()), seen, probe
+    finally:  # a failed scenario leaves the shared server generating
+        control.resume(url, timeout_s=30)
+
+
+def pause_scenario(url: str, mode: str, version: str | None = None, tries: int = 3):
+    """:func:`_pause_scenario` until the probe was mid-decode when the pause took hold: on a
+    loaded machine vLLM's API process streams in bursts and reads the pause late, and the
+    probe's 240 tokens (~1 s) can all be made first (at most ``tries`` times)."""
+    for _ in range(tries):
+        results, seen, probe = _pause_scenario(url, mode, version)
+        # the probe ran its 240 tokens before the pause held (aborted or frozen mid-way: not)
+        raced = seen["probe_at_pause"] == LONG.max_new_tokens or (
+            mode != "wait" and probe.finish == "length" and seen["probe_done_at_pause"])
+        if not raced:
+            return results, seen, probe
+    pytest.fail(f"the probe finished before the pause {tries} times: {seen}")
 
 
 def test_pause_abort_aborts_in_flight_and_holds_new_requests(vllm_url):
-    results, seen = _pause_scenario(vllm_url, "abort")
-    assert seen["paused"] and seen["done_at_pause"]  # in flight came back at once
-    assert any(r.finish_reason == "abort" for r in results)
-    assert seen["late"].finish_reason in ("stop", "length")  # held while paused, ran after
+    results, seen, probe = pause_scenario(vllm_url, "abort")
+    assert seen["paused"] and probe.finish == "abort", seen  # came back, no resume needed
+    assert seen["probe_at_pause"] <= len(probe.tokens) < LONG.max_new_tokens
+    for r in results:  # the batch: aborted where it was in flight, held and run where not
+        assert r.finish_reason in ("abort", "stop", "length")
+        assert len(r.output_logprobs) == len(r.output_ids)
+    assert not seen["late_done_while_paused"]  # a request sent while paused waits ...
+    assert seen["late"].finish_reason in ("stop", "length")  # ... and runs after the resume
 
 
 def test_pause_keep_freezes_in_flight_until_resume(vllm_url):
-    results, seen = _pause_scenario(vllm_url, "keep")
-    assert seen["paused"] and seen["frozen"]
+    results, seen, probe = pause_scenario(vllm_url, "keep")
+    assert seen["paused"] and seen["probe_frozen"], seen
+    assert seen["probe_while_paused"] == seen["probe_paused"] < LONG.max_new_tokens, seen
+    assert not seen["late_done_while_paused"]
+    assert probe.finish == "length" and len(probe.tokens) == LONG.max_new_tokens  # resumed
     assert {r.finish_reason for r in results} <= {"stop", "length"}
-    assert any(len(r.output_ids) == LONG.max_new_tokens for r in results)
 
 
 def test_pause_wait_returns_once_in_flight_finished(vllm_url):
-    """``wait`` drains the requests running (4 at a time here), then holds the queued ones."""
-    results, seen = _pause_scenario(vllm_url, "wait")
-    assert seen["paused"] and seen["frozen"], seen
-    assert seen["tokens_paused"] > seen["tokens_asked"], seen  # decoded on until they finished
+    """``wait`` lets the requests running finish before it returns (the probe among them)."""
+    results, seen, probe = pause_scenario(vllm_url, "wait")
+    assert seen["paused"] and seen["probe_done_at_pause"], seen
+    assert seen["probe_paused"] == LONG.max_new_tokens and probe.finish == "length"
+    assert not seen["late_done_while_paused"]
     assert {r.finish_reason for r in results} <= {"stop", "length"}
 
 
 def test_pause_retract_continues_in_flight_under_the_new_version(vllm_url):
-    """The pipeline's ``retract`` (rollout.async full): the spans name both versions."""
-    results, seen = _pause_scenario(vllm_url, "retract", version="41")
-    assert seen["frozen"]
+    """The pipeline's ``retract`` (rollout.async full): ``keep``, the new version's label, the
+    cache reset that preempts the frozen requests, the resume: the probe's tokens before the
+    pause carry the old label, those after it the new one."""
+    current = VLLM.control.weight_version(vllm_url, timeout_s=30)
+    label = str(int(current) + 1) if current.isdigit() else "41"  # a label the server lacks
+    results, seen, probe = pause_scenario(vllm_url, "retract", version=label)
+    assert seen["probe_frozen"], seen
+    assert probe.finish == "length" and len(probe.tokens) == LONG.max_new_tokens
+    (old, s0, e0), (new, s1, e1) = [(s["version"], s["start"], s["end"]) for s in probe.spans]
+    assert old == current and new == label, probe.spans
+    assert s0 == 0 and e0 == s1 == seen["probe_paused"] and e1 == LONG.max_new_tokens
     assert {r.finish_reason for r in results} <= {"stop", "length"}
-    spanned = [r for r in results if len(r.weight_versions) == 2]
-    assert spanned, [r.weight_versions for r in results]
-    for r in spanned:
-        (old, s0, e0), (new, s1, e1) = r.weight_versions
-        assert new == 41 and old != 41 and s0 == 0 and e0 == s1 and e1 == len(r.output_ids)
-    assert seen["late"].weight_versions[-1].version == 41
+    for r in results:  # the batch's spans tile their outputs, the last one is the new version's
+        assert sum(e - s for _, s, e in r.weight_versions) == len(r.output_ids)
+    assert seen["late"].weight_versions[-1].version == int(label)
 
 
 def test_weight_sync_by_each_cpu_path_matches_megatron_after_every_sync(vllm_url, vllm_model,
@@ -252,7 +325,7 @@ def test_dead_server_mid_rollout_is_restarted_and_the_batch_completes(vllm_clust
 
     syncer = threading.Thread(target=sync_when_asked, daemon=True)
     syncer.start()
-    requests = [(f"dead{i}", [11 + i, 6, 7], LONG) for i in range(48)]
+    requests = [(f"dead{i}", [11 + i % 200, 6, 7], LONG) for i in range(BATCH)]
 
     async def scenario():
         since = await asyncio.to_thread(generated_tokens, vllm_url)
