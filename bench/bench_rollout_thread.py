@@ -79,7 +79,7 @@ from megatron_gspo.config import config_from_dict  # noqa: E402
 from megatron_gspo.train.rl_trainer import RLTrainer  # noqa: E402
 from pipeline.context import LoopContext  # noqa: E402
 from pipeline.generation.client import answer_result, parse_generate_text  # noqa: E402
-from pipeline.generation.factory import ClientSpec, build_client  # noqa: E402
+from pipeline.engines.factory import ClientSpec, build_client  # noqa: E402
 from pipeline.generation.parse_pool import ParsePool, shared_pool  # noqa: E402
 from pipeline.local.bodies import render_json  # noqa: E402
 from pipeline.observe.metrics import MetricsLogger  # noqa: E402

@@ -22,6 +22,9 @@ import
 ``tools.isolation``: one sandbox worker    yes     yes     -       - (the job's ``train``
 starts shut in                                                    checks it on its node)
 external router reachable (5 s)           note    yes     -       - (the job starts its own)
+external servers usable by the engine     -       yes     -       - (the job starts its own)
+(``rollout.server_urls``, vLLM: the
+router's workers; 5-30 s each)
 run directory writable (probed)           -       yes     yes     yes
 run directory not locked by a live run    -       yes     yes     yes
 ``--resume``: the checkpoint's model       -       yes     yes     -
@@ -75,6 +78,7 @@ from megatron_gspo.hf import megatron_layout
 from megatron_gspo.hf.safetensors_io import CheckpointError
 from megatron_gspo.parallel import derive_layout
 from megatron_gspo.train.batching import pack_tokens
+from pipeline.engines.vllm import probe as vllm_probe
 from pipeline.generation.client import RolloutError, http_json, router_workers
 from pipeline.generation.multiturn import check_tools
 from pipeline.observe.trackers import (MLflowTracker, WandbTracker, build_trackers,
@@ -146,15 +150,7 @@ def check(cfg: Config, *, program: Program, world_size: Optional[int],
         except ValueError as err:
             raise ConfigError(str(err)) from err
     if program == "train" and cfg.rollout.mode == "external":
-        check_router(cfg.rollout.router_url)
-        if cfg.rollout.weight_sync.transport == "tensor":
-            try:
-                urls = [w["url"] for w in router_workers(cfg.rollout.router_url)]
-            except RolloutError as err:
-                raise ConfigError(f"rollout.router_url: {cfg.rollout.router_url} does not list "
-                                  f"its workers ({err.message}), which rollout.weight_sync."
-                                  "transport: tensor needs on this node") from None
-            weight_sync_reach.check_servers(cfg, urls)
+        check_external(cfg)
 
 
 def before_ranks(cfg: Config, *, program: Program, world_size: int, resume: bool) -> None:
@@ -497,6 +493,54 @@ def _check_sft_lengths(cfg: Config) -> None:
             f"run.seq_length: the longest SFT example ({where}: prompt + response + end token = "
             f"{tokens} tokens) does not fit a training row of run.seq_length {length} + 1 "
             f"tokens; raise run.seq_length to {tokens - 1}")
+
+
+def check_reachable(urls: list[str], cfg: Config, *, field: str) -> Optional[str]:
+    """SGLang servers named by ``rollout.server_urls``: each answers ``/health`` (any HTTP
+    status) within :data:`ROUTER_TIMEOUT_S`; the message naming ``field``, or None."""
+    for url in urls:
+        try:
+            http_json("GET", url.rstrip("/") + "/health", timeout_s=ROUTER_TIMEOUT_S)
+        except RolloutError as err:
+            return (f"{field}: {url} is not reachable within {ROUTER_TIMEOUT_S:.0f} s "
+                    f"({err.message}); start the server first, or fix the URL")
+    return None
+
+
+SERVER_CHECKS = {"sglang": (check_reachable, False), "vllm": (vllm_probe.check_servers, True)}
+"""Per ``rollout.engine``: what an external run checks of each server, and whether it also checks
+the workers a router lists (vLLM's are used directly: ``pipeline.engines.vllm.probe``)."""
+
+def check_external(cfg: Config) -> None:
+    """``rollout.mode: external``: the router answers; the servers (``rollout.server_urls``, or
+    the router's workers where the engine's check or the ``tensor`` transport needs them) pass
+    the engine's check (:data:`SERVER_CHECKS`) and, with ``tensor``, share this node."""
+    rollout = cfg.rollout
+    if rollout.router_url:
+        check_router(rollout.router_url)
+    check, of_router_workers = SERVER_CHECKS[rollout.engine]
+    tensor = rollout.weight_sync.transport == "tensor"
+    if rollout.server_urls:
+        field, urls = "rollout.server_urls", list(rollout.server_urls)
+    elif of_router_workers or tensor:
+        field = "rollout.router_url"
+        try:
+            urls = [w["url"] for w in router_workers(rollout.router_url)]
+        except RolloutError as err:
+            raise ConfigError(f"rollout.router_url: {rollout.router_url} does not list its "
+                              f"workers ({err.message}), which rollout.engine "
+                              f"{rollout.engine} / rollout.weight_sync.transport "
+                              f"{rollout.weight_sync.transport} need") from None
+        if not urls:
+            raise ConfigError(f"rollout.router_url: {rollout.router_url} lists no workers")
+    else:
+        return
+    if rollout.server_urls or of_router_workers:
+        problem = check(urls, cfg, field=field)
+        if problem:
+            raise ConfigError(problem)
+    if tensor:
+        weight_sync_reach.check_servers(cfg, urls)
 
 
 def check_router(url: str) -> None:

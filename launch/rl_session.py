@@ -20,8 +20,10 @@ from megatron_gspo.config import Config, ConfigError
 from megatron_gspo.hf import megatron_layout
 from megatron_gspo.hf.export import export_hf_dir
 from pipeline.context import LoopContext
+from pipeline.engines.base import Engine
+from pipeline.engines.choice import engine as choose_engine
+from pipeline.engines.factory import build_client, build_generator, client_spec
 from pipeline.generation.client import router_workers
-from pipeline.generation.factory import build_client, build_generator, client_spec
 from pipeline.observe.metrics import MetricsLogger
 from pipeline.scoring.data import PromptSampler, build_datasets
 from pipeline.scoring.rewards import build_reward
@@ -41,7 +43,8 @@ if TYPE_CHECKING:
 
 def weight_pusher_options(r, run_dir: Path) -> dict:
     """``WeightPusher``'s settings from the config's rollout section: every HTTP call of a sync is
-    bounded by ``rollout.request_timeout_s`` (a 235B disk reload can take many minutes)."""
+    bounded by ``rollout.request_timeout_s`` (a 235B disk reload can take many minutes). The
+    engine (``rollout.engine``) is the session's (:attr:`RLSession.engine`)."""
     sync = r.weight_sync
     return dict(transport=sync.transport, shared_dir=sync.dir or str(Path(run_dir) / "weights"),
                 master_address=sync.master_address, verify=sync.verify,
@@ -55,7 +58,9 @@ def validate_rl(cfg: Config, *, on_gpu: Optional[bool] = None) -> None:
     """What depends on this machine, not on the file (errors name the fields); ``on_gpu``
     defaults to whether this machine has CUDA. Every check the file alone decides (batch splits,
     context parallelism, ...) runs in ``megatron_gspo.config`` when the file is loaded."""
-    if cfg.rollout.colocated and (torch.cuda.is_available() if on_gpu is None else on_gpu):
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    choose_engine(cfg.rollout.engine).check(cfg, on_gpu=on_gpu)
+    if cfg.rollout.colocated and on_gpu:
         raise ConfigError(
             "rollout.colocated: not supported on GPUs yet: the trainer keeps its weights, "
             "gradients and optimizer state resident while the servers generate (no offload), and "
@@ -66,6 +71,22 @@ def validate_rl(cfg: Config, *, on_gpu: Optional[bool] = None) -> None:
 
 def _server_urls_from_router(router_url: str) -> list[str]:
     return [w["url"] for w in router_workers(router_url)]
+
+
+ROUTES_THROUGH_ROUTER = {"sglang": True, "vllm": False}
+"""Per ``rollout.engine``: whether an external router routes the rollouts (sglang-router does for
+SGLang servers) or only names the servers the client then routes over itself (vLLM's: the
+router answers 404 to ``/inference/v1/generate`` and 422 to token-id completions)."""
+
+
+def external_endpoints(rollout) -> tuple[Optional[str], Optional[list[str]]]:
+    """External mode: (the router the client sends every request through, or None; the servers,
+    or None while the router is to be asked for them once it is healthy)."""
+    if rollout.server_urls:
+        return None, list(rollout.server_urls)
+    if ROUTES_THROUGH_ROUTER[rollout.engine]:
+        return rollout.router_url, None
+    return None, _server_urls_from_router(rollout.router_url)
 
 
 def run_training(cfg: Config, *, resume: bool) -> int:
@@ -87,12 +108,17 @@ class RLSession(Session):
     registered on are :class:`launch.session.Session`'s (shared with ``sft``).
     """
 
+    engine: Engine
+    """The rollout servers' engine (``rollout.engine``), chosen once here: its client wire,
+    control calls, weight transports and embedded servers (``pipeline.engines``)."""
+
     pool: Optional[ServerPool] = None
     """Rank 0's server pool (:meth:`build_rollout`); the weight sync gives it its record of the
     servers it paused (:meth:`build_weight_sync`)."""
 
     def validate(self) -> None:
         validate_rl(self.cfg)
+        self.engine = choose_engine(self.cfg.rollout.engine)
 
     # ---------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -145,8 +171,9 @@ class RLSession(Session):
             cluster = self._start_local_servers(server_model)
             router_url, server_urls = cluster.router_url, list(cluster.server_urls)
         else:
-            router_url, server_urls = cfg.rollout.router_url, None
-        engine = client_spec(cfg, router_url)  # the producer process builds its own from it
+            router_url, server_urls = external_endpoints(cfg.rollout)
+        # the producer process of the async modes builds its own client from the same spec
+        engine = client_spec(cfg, router_url, server_urls if router_url is None else ())
         client = build_client(engine)
         if server_urls is None:  # external: wait for the router, then ask it for its workers
             client.wait_healthy()
@@ -156,7 +183,8 @@ class RLSession(Session):
                           min_servers=cfg.rollout.min_servers,
                           outage_timeout_s=cfg.rollout.outage_timeout_s,
                           readmit_timeout_s=cfg.rollout.router.readmit_timeout_s,
-                          interrupted=lambda: self.stop.signum is not None)
+                          interrupted=lambda: self.stop.signum is not None,
+                          liveness_path=self.engine.control.liveness_path)
         client.servers = pool  # a request with no live server waits for one (wait_for_live)
         self.pool = pool  # the weight sync tells it which servers it paused
         logger = MetricsLogger.from_config(cfg, run_dir)
@@ -198,27 +226,14 @@ class RLSession(Session):
         return _export_initial_weights(trainer, self.run_dir)
 
     def _start_local_servers(self, model_path: str):
-        """Rank 0, embedded mode: the local rollout servers and the router, stopped on exit;
-        returns the started ``LocalRolloutCluster``."""
-        r = self.cfg.rollout
-        # deterministic: one request at a time, and no prefix cache (which server cached what
-        # depends on the history of the run; a resumed run starts with empty caches)
-        server_args = (["--max-running-requests", "1", "--disable-radix-cache"]
-                       if r.deterministic else [])
-        server_args += ["--device", r.local_server_device]
-        if r.weight_sync.transport == "tensor":  # SGLang's pickled payloads, loopback
-            server_args.append("--allow-pickled-tensors")
-        if r.quantization:  # FP8 rollouts: the servers compute with FP8 weights
-            server_args += ["--quantization", r.quantization]
-        if self.cfg.gspo.routing_replay == "rollout":  # the rollouts ask for routed experts
-            server_args.append("--enable-return-routed-experts")
+        """Rank 0, embedded mode: the engine's local rollout servers (and, for SGLang, the
+        router), stopped on exit; returns the started cluster."""
         # update_weights_from_disk reads only the disk sync's directory (and the served model);
         # made here, before the servers check their --weight-roots
-        roots = Path(r.weight_sync.dir or self.run_dir / "weights")
+        roots = Path(self.cfg.rollout.weight_sync.dir or self.run_dir / "weights")
         roots.mkdir(parents=True, exist_ok=True)
-        server_args += ["--weight-roots", str(roots)]
-        cluster = LocalRolloutCluster(model_path, r.num_servers, log_dir=self.run_dir / "logs",
-                                      random_seed=self.cfg.run.seed, server_args=server_args)
+        cluster = self.engine.cluster(self.cfg, model_path, log_dir=self.run_dir / "logs",
+                                      weights_dir=roots)
         self.resources.callback(cluster.stop)  # also after a start that failed half-way
         cluster.start()
         return cluster
@@ -232,7 +247,7 @@ class RLSession(Session):
 
         urls = broadcast(server_urls if self.is_main else None, group=self.control)
         pusher = WeightPusher(urls, **weight_pusher_options(self.cfg.rollout, self.run_dir),
-                              group=self.control)
+                              group=self.control, engine=self.engine)
         self.resources.callback(pusher.close)
         if self.pool is not None:  # rank 0: a server the sync paused is not a dead one
             self.pool.paused = pusher.paused

@@ -23,10 +23,12 @@ environment only. The run's configuration, with the ``--set`` overrides applied 
 ``run.output_dir`` made absolute, is written to ``<run dir>/slurm/config.yaml`` and is the only
 place with hyperparameters. The job:
 
-* starts the rollout servers (SGLang with ``--gpus-per-node`` > 0, else ``megatron-gspo serve``),
-  the router on the rollout component's first node, waits for every server's ``/health`` (bounded
-  by ``--health-timeout-s``; an error names the server and shows the end of its log), and
-  registers the servers with the router (``POST /workers``);
+* starts the rollout servers (SGLang with ``--gpus-per-node`` > 0, else ``megatron-gspo serve``;
+  vLLM 0.32 with ``rollout.engine: vllm``, ``launch.slurm_vllm``), the router on the rollout
+  component's first node, waits for every server's ``/health`` (bounded by
+  ``--health-timeout-s``; an error names the server and shows the end of its log), and registers
+  the servers with the router (``POST /workers``); vLLM servers get no router: the trainer gets
+  their list (``rollout.server_urls``) and its client routes over them;
 * runs ``megatron-gspo train --resume`` on every training rank (``srun``; ranks from
   SLURM_PROCID / SLURM_LOCALID, MASTER_ADDR = the training component's first node) against the
   router, then stops the servers; it exits non-zero if any component failed;
@@ -65,7 +67,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from launch import weight_sync_reach
+from launch import slurm_vllm, weight_sync_reach
 from launch.common import add_config_args, load_from_args
 from megatron_gspo.config import (Config, ConfigError, dump_config, load_config,
                                   validate_data_parallel)
@@ -89,7 +91,8 @@ class JobLayout:
     """Nodes that host rollout servers (the training nodes themselves when colocated)."""
     gpus_per_node: int
     server: str
-    """"sglang" (GPU) or "local" (``megatron-gspo serve``, CPU)."""
+    """"sglang" (GPU), "vllm" (``rollout.engine: vllm``: GPU, or vLLM's CPU build;
+    ``launch.slurm_vllm``) or "local" (``megatron-gspo serve``, CPU)."""
     server_tp: int
     server_tasks_per_node: int
     nodes_per_server: int
@@ -99,14 +102,22 @@ class JobLayout:
     def world_size(self) -> int:
         return self.train_nodes * self.train_tasks_per_node
 
+    @property
+    def uses_router(self) -> bool:
+        """The job starts the sglang-router in front of its servers (not for vLLM's: the
+        trainer's client routes over them, ``launch.slurm_vllm``)."""
+        return self.server != "vllm"
+
     def describe(self) -> str:
         where = "on the training nodes" if self.colocated else f"on {self.rollout_nodes} node(s)"
         span = (f"{self.nodes_per_server} nodes each" if self.nodes_per_server > 1
                 else f"{self.server_tasks_per_node} per node")
-        tp = f", {self.server_tp} GPU(s) each" if self.server == "sglang" else ""
+        tp = f", {self.server_tp} GPU(s) each" if self.gpus_per_node else ""
+        router = ("router on the first rollout node" if self.uses_router
+                  else "no router: the trainer's client routes over the servers")
         return (f"training: {self.train_nodes} node(s) x {self.train_tasks_per_node} rank(s) = "
                 f"{self.world_size} ranks; rollout: {self.num_servers} {self.server} server(s) "
-                f"{where} ({span}{tp}); router on the first rollout node")
+                f"{where} ({span}{tp}); {router}")
 
 
 def plan_layout(cfg: Config, args: argparse.Namespace) -> JobLayout:
@@ -116,10 +127,16 @@ def plan_layout(cfg: Config, args: argparse.Namespace) -> JobLayout:
                                  ("--gpus-per-node", gpus, 0)):
         if value < minimum:
             raise ConfigError(f"{flag}: must be >= {minimum}, got {value}")
-    server = args.server or ("sglang" if gpus > 0 else "local")
+    server = args.server or ("vllm" if cfg.rollout.engine == "vllm"
+                             else "sglang" if gpus > 0 else "local")
     if server == "sglang" and gpus == 0:
         raise ConfigError("--server sglang: SGLang servers need GPUs; set --gpus-per-node, or use "
                           "--server local (megatron-gspo serve) on CPU machines")
+    if server == "vllm":
+        slurm_vllm.check_layout(cfg, gpus_per_node=gpus)
+    elif cfg.rollout.engine == "vllm":
+        raise ConfigError(f"--server {server}: rollout.engine vllm needs vLLM servers (--server "
+                          "vllm, the default with it)")
     colocated = args.rollout_nodes == 0
     rollout_nodes = args.nodes if colocated else args.rollout_nodes
 
@@ -138,7 +155,7 @@ def plan_layout(cfg: Config, args: argparse.Namespace) -> JobLayout:
     validate_data_parallel(cfg, derive_layout(cfg.parallel, args.nodes * tasks_per_node).data)
 
     tp = cfg.rollout.tp_size
-    if server == "sglang":
+    if server in ("sglang", "vllm") and gpus > 0:
         if tp <= gpus:
             if gpus % tp:
                 raise ConfigError(f"rollout.tp_size: {tp} does not divide --gpus-per-node {gpus}")
@@ -160,7 +177,7 @@ def plan_layout(cfg: Config, args: argparse.Namespace) -> JobLayout:
                               "server (--server local) has no tensor parallelism, set it to 1")
         num_servers = cfg.rollout.num_servers
         if num_servers % rollout_nodes:
-            raise ConfigError(f"rollout.num_servers: {num_servers} local servers do not spread "
+            raise ConfigError(f"rollout.num_servers: {num_servers} {server} servers do not spread "
                               f"evenly over {rollout_nodes} rollout node(s)")
         per_node, nodes_per_server = num_servers // rollout_nodes, 1
     return JobLayout(colocated=colocated, train_nodes=args.nodes, train_tasks_per_node=tasks_per_node,
@@ -328,7 +345,7 @@ def build_script(cfg: Config, args: argparse.Namespace, layout: JobLayout, run_d
     gpus = layout.gpus_per_node
     python = "python" if args.container_image else sys.executable
     model_path = args.model_path or cfg.run.init_from
-    if args.model_path is None and cfg.run.init_from and layout.server == "sglang" and (
+    if args.model_path is None and cfg.run.init_from and layout.server != "local" and (
             megatron_layout.is_checkpoint(cfg.run.init_from)):
         raise ConfigError("--model-path: required: run.init_from is a Megatron checkpoint, and the "
                           "SGLang servers start from the Hugging Face directory it was converted "
@@ -349,7 +366,7 @@ def build_script(cfg: Config, args: argparse.Namespace, layout: JobLayout, run_d
         "python": q(python),
         "model_path": q(model_path),
         "omp_num_threads": "1" if gpus == 0 else "8",
-        "health_timeout_s": str(args.health_timeout_s or (1800 if layout.server == "sglang" else 300)),
+        "health_timeout_s": str(args.health_timeout_s or default_health_timeout_s(layout)),
         "num_servers": str(layout.num_servers),
         "server_tasks_per_node": str(layout.server_tasks_per_node),
         "nodes_per_server": str(layout.nodes_per_server),
@@ -358,10 +375,17 @@ def build_script(cfg: Config, args: argparse.Namespace, layout: JobLayout, run_d
                                        workdir),
         "container_options": _container_options(args, run_dir, workdir),
         "server_srun_options": common + " --overlap",
-        "server_command": q(server_command(layout, cfg.run.seed, layout.colocated,
+        "server_command": q(slurm_vllm.server_command(cfg, gpus_per_node=gpus,
+                                                      gpu_binding=args.gpu_binding)
+                            if layout.server == "vllm" else
+                            server_command(layout, cfg.run.seed, layout.colocated,
                                            rollout=cfg.rollout, gpu_binding=args.gpu_binding,
                                            routed_experts=cfg.gspo.routing_replay == "rollout")),
         "router_command": q(ROUTER_COMMAND),
+        "use_router": "1" if layout.uses_router else "0",
+        "repo_env": (slurm_vllm.repo_export(bool(args.container_image))
+                     if layout.server == "vllm" else "# (MGSPO_REPO: only vLLM servers read it)"),
+        "train_rollout_args": TRAIN_ROLLOUT_ARGS[layout.uses_router],
         "train_srun_options": (f"--nodes={layout.train_nodes} "
                                f"--ntasks-per-node={layout.train_tasks_per_node} --distribution=block"
                                + (" --gpus-per-task=1" if gpus and args.gpu_binding == "task" else "")),
@@ -375,6 +399,23 @@ def build_script(cfg: Config, args: argparse.Namespace, layout: JobLayout, run_d
     }
     template = "colocated.sbatch" if layout.colocated else "disaggregated.sbatch"
     return render(template, values)
+
+
+TRAIN_ROLLOUT_ARGS = {
+    True: '--set rollout.mode=external --set rollout.router_url="$ROUTER_URL"',
+    False: ("--set rollout.mode=external --set rollout.router_url=null "
+            '--set rollout.server_urls="$SERVER_URLS_JSON"'),
+}
+"""How the trainer reaches the job's servers: through the router, or (vLLM) the servers' list
+(``SERVER_URLS_JSON``, filled by slurm/lib.sh ``server_urls``)."""
+
+
+def default_health_timeout_s(layout: JobLayout) -> int:
+    """``--health-timeout-s`` unless given: SGLang and vLLM load checkpoints (and capture CUDA
+    graphs) for many minutes; the local server starts in seconds."""
+    if layout.server == "vllm":
+        return slurm_vllm.DEFAULT_HEALTH_TIMEOUT_S["cuda" if layout.gpus_per_node else "cpu"]
+    return 1800 if layout.server == "sglang" else 300
 
 
 def check_fp8_model_path(cfg: Config, layout: JobLayout, model_path: Path) -> None:
@@ -471,9 +512,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--ntasks-per-node", type=int, default=None,
                    help="training ranks per node (default: --gpus-per-node; on CPU the smallest "
                         "world the parallel layout needs, spread over --nodes)")
-    p.add_argument("--server", choices=("sglang", "local"), default=None,
-                   help="rollout server: sglang (python -m sglang.launch_server, GPUs) or local "
-                        "(megatron-gspo serve, CPU) (default: sglang with GPUs, else local)")
+    p.add_argument("--server", choices=("sglang", "vllm", "local"), default=None,
+                   help="rollout server: sglang (python -m sglang.launch_server, GPUs), vllm "
+                        "(vLLM 0.32's API server; rollout.engine: vllm) or local (megatron-gspo "
+                        "serve, CPU) (default: vllm with rollout.engine vllm, else sglang with "
+                        "GPUs, else local)")
     p.add_argument("--model-path", default=None, metavar="DIR",
                    help="Hugging Face directory (or hub id) the rollout servers start from "
                         "(default: run.init_from)")
@@ -487,7 +530,8 @@ def add_parser(subparsers) -> None:
                         "(default 300)")
     p.add_argument("--health-timeout-s", type=int, default=None, metavar="S",
                    help="bound on the wait for servers and router to be healthy "
-                        "(default 1800 for SGLang, 300 for local servers)")
+                        "(default 1800 for SGLang and vLLM on GPUs, 600 for vLLM on CPUs, 300 "
+                        "for local servers)")
     p.add_argument("--container-image", default=None, metavar="IMG",
                    help="run every step in this container (pyxis/enroot srun flags)")
     p.add_argument("--container-mounts", default=None, metavar="SRC:DST[,...]",

@@ -22,7 +22,7 @@ from pipeline.signals import StopFlag
 
 if TYPE_CHECKING:
     from pipeline.generation.client import RolloutClient
-    from pipeline.generation.factory import ClientSpec
+    from pipeline.engines.factory import ClientSpec
     from pipeline.scoring.data import Prompt, PromptSampler
     from pipeline.scoring.rewards import RewardFn
     from pipeline.servers.pool import ServerPool
@@ -85,7 +85,7 @@ class LoopContext:
     (``pipeline.generation.generator``; with ``tools`` configured, multi-turn trajectories);
     left out: a ``SingleTurnGenerator`` over ``client``."""
     engine: Optional[ClientSpec] = None
-    """Rank 0: how ``client`` was built (``pipeline.generation.factory``), so that another
+    """Rank 0: how ``client`` was built (``pipeline.engines.factory``), so that another
     process can build its own: the rollout producer of ``rollout.async: one_step`` / ``full``
     (``pipeline.sources.remote``). None: those modes run their producer on a thread of this
     process (``pipeline.sources.choice.make_source``; the tests' in-process fakes)."""

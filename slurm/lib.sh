@@ -3,8 +3,8 @@
 # files from the source tree. Needs bash >= 4.3, scontrol, and curl (or python3 as a fallback).
 #
 # Variables the template sets before these functions run:
-#   MGSPO_RUN_DIR LOG_DIR NUM_SERVERS HEALTH_TIMEOUT_S ROUTER_URL
-#   SERVER_URLS[] SERVER_LOGS[] SERVER_WHERE[]   (filled by server_urls)
+#   MGSPO_RUN_DIR LOG_DIR NUM_SERVERS HEALTH_TIMEOUT_S ROUTER_URL USE_ROUTER
+#   SERVER_URLS[] SERVER_LOGS[] SERVER_WHERE[] SERVER_URLS_JSON   (filled by server_urls)
 
 log() { printf '%s [megatron-gspo job %s] %s\n' "$(date '+%F %T')" "${SLURM_JOB_ID:-?}" "$*"; }
 
@@ -135,6 +135,9 @@ server_urls() {  # server_urls NODELIST TASKS_PER_NODE NODES_PER_SERVER PORT0: f
         SERVER_LOGS+=("$LOG_DIR/server-task$task.log")
         SERVER_WHERE+=("server $i (task $task on ${hosts[node]})")
     done
+    # the list the trainer gets without a router (vLLM servers: rollout.server_urls)
+    SERVER_URLS_JSON="[$(printf '"%s",' "${SERVER_URLS[@]}")"
+    SERVER_URLS_JSON="${SERVER_URLS_JSON%,}]"
 }
 
 wait_servers_healthy() {  # wait_servers_healthy SERVERS_PID: every /health answers 200, bounded
@@ -256,11 +259,16 @@ run_job() {
     SERVER_READY=()
 
     start_servers
-    start_router
-    log "started $NUM_SERVERS rollout server(s) (${SERVER_URLS[*]}) and the router ($ROUTER_URL)"
-    wait_router_healthy "$ROUTER_PID"; rc=$?
+    if [ "$USE_ROUTER" = 1 ]; then
+        start_router
+        log "started $NUM_SERVERS rollout server(s) (${SERVER_URLS[*]}) and the router ($ROUTER_URL)"
+        wait_router_healthy "$ROUTER_PID"; rc=$?
+    else
+        log "started $NUM_SERVERS rollout server(s) (${SERVER_URLS[*]}); no router: the trainer routes over them"
+        rc=0
+    fi
     [ "$rc" = 0 ] && { wait_servers_healthy "$SERVERS_PID"; rc=$?; }
-    [ "$rc" = 0 ] && { register_workers; rc=$?; }
+    [ "$rc" = 0 ] && [ "$USE_ROUTER" = 1 ] && { register_workers; rc=$?; }
     if [ "$rc" != 0 ]; then
         [ "$GOT_USR1" = 1 ] && [ "$GOT_TERM" = 0 ] && requeue_self
         [ "$GOT_TERM" = 1 ] && finish 143 "megatron-gspo job: stopped by SIGTERM before training started"
@@ -303,7 +311,7 @@ run_job() {
     if [ -n "$servers_rc" ]; then
         finish 1 "megatron-gspo job: FAILED: the rollout servers exited with status $servers_rc during training (see $LOG_DIR/server-task*.log)"
     fi
-    if ! kill -0 "$ROUTER_PID" 2>/dev/null; then
+    if [ "$USE_ROUTER" = 1 ] && ! kill -0 "$ROUTER_PID" 2>/dev/null; then
         finish 1 "megatron-gspo job: FAILED: the router exited during training (see $LOG_DIR/router.log)"
     fi
     finish 0 "megatron-gspo job: training complete"

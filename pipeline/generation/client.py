@@ -240,6 +240,27 @@ async def read_generate_answer(raw: bytes, rid: str, prompt_ids: Sequence[int], 
     return answer_result(answer, rid, prompt_ids, url, routed_experts)
 
 
+class SGLangWire:
+    """SGLang 0.5.23's requests (``pipeline.engines.base.GenerationWire``): one ``/generate``
+    per sample, read by :func:`read_generate_answer`, aborted by ``/abort_request``."""
+
+    name, generate_path, health_path = "sglang", "/generate", "/health_generate"
+
+    def payload(self, rid: str, input_ids: Sequence[int], sampling: SamplingParams, *,
+                return_routed_experts: bool = False) -> dict:
+        return generate_payload(rid, input_ids, sampling,
+                                return_routed_experts=return_routed_experts)
+
+    async def read(self, raw: bytes, rid: str, prompt_ids: Sequence[int], url: str, *,
+                   routed_experts: Optional[tuple[int, int]] = None) -> RolloutResult:
+        return await read_generate_answer(raw, rid, prompt_ids, url, routed_experts=routed_experts)
+
+    def abort_call(self, rid: Optional[str]) -> tuple[str, dict]:
+        return "/abort_request", ({"rid": rid} if rid else {"abort_all": True})
+
+
+SGLANG_WIRE = SGLangWire()
+
 def weight_version_spans(meta: dict, num_output: int) -> list[Span]:
     """``meta_info.weight_versions`` checked: spans in order that tile ``[0, num_output)``
     (ValueError otherwise), their labels read as versions (``pipeline.generation.version``).
@@ -340,9 +361,10 @@ def flush_cache(url: str, *, timeout_s: float = 60.0, interval_s: float = 0.2) -
         time.sleep(interval_s)
 
 
-async def _probe(session, url: str, timeout_s: float) -> tuple[Optional[int], str]:
+async def _probe(session, url: str, timeout_s: float, path: str = "/health_generate"
+                 ) -> tuple[Optional[int], str]:
     try:
-        async with session.get(url.rstrip("/") + "/health_generate",
+        async with session.get(url.rstrip("/") + path,
                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             return resp.status, (await resp.text())[:500]
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
@@ -352,8 +374,8 @@ async def _probe(session, url: str, timeout_s: float) -> tuple[Optional[int], st
 
 
 async def wait_healthy_async(urls: Sequence[str], timeout_s: float, *, interval_s: float = 0.5,
-                             session=None) -> None:
-    """Poll ``/health_generate`` of every URL until each answers 200; RolloutError otherwise."""
+                             session=None, path: str = "/health_generate") -> None:
+    """Poll ``path`` (``GenerationWire.health_path``) of every URL until each answers 200."""
     own = session is None
     session = session or aiohttp.ClientSession()
     try:
@@ -362,7 +384,7 @@ async def wait_healthy_async(urls: Sequence[str], timeout_s: float, *, interval_
         pending = list(urls)
         while pending:
             left = deadline - time.monotonic()
-            answers = await asyncio.gather(*(_probe(session, u, max(1.0, min(25.0, left)))
+            answers = await asyncio.gather(*(_probe(session, u, max(1.0, min(25.0, left)), path)
                                              for u in pending))
             for u, answer in zip(pending, answers):
                 last[u] = answer
@@ -382,8 +404,9 @@ async def wait_healthy_async(urls: Sequence[str], timeout_s: float, *, interval_
             await session.close()
 
 
-def wait_healthy(urls: Sequence[str], timeout_s: float, *, interval_s: float = 0.5) -> None:
-    asyncio.run(wait_healthy_async(urls, timeout_s, interval_s=interval_s))
+def wait_healthy(urls: Sequence[str], timeout_s: float, *, interval_s: float = 0.5,
+                 path: str = "/health_generate") -> None:
+    asyncio.run(wait_healthy_async(urls, timeout_s, interval_s=interval_s, path=path))
 
 
 def router_workers(router_url: str, *, timeout_s: float = 10.0) -> list[dict]:
@@ -417,8 +440,10 @@ class RolloutClient:
                  health_timeout_s: float = 300.0, max_attempts: int = 5,
                  retry_backoff_s: float = 0.5, connect_timeout_s: float = 10.0,
                  server_cooldown_s: float = 5.0, servers: Any = None,
-                 max_connections: Optional[int] = None, pool: Optional[ConnectionPool] = None):
-        """``servers``: the run's ``ServerPool`` (``wait_for_live``, ``requests_retried``), or
+                 max_connections: Optional[int] = None, pool: Optional[ConnectionPool] = None,
+                 wire: Any = SGLANG_WIRE):
+        """``wire``: the engine's requests (``pipeline.engines.base.GenerationWire``).
+        ``servers``: the run's ``ServerPool`` (``wait_for_live``, ``requests_retried``), or
         None: failures are retried ``max_attempts`` times, then raised. ``max_connections``:
         ``/generate`` requests of this client on the wire at once, all its calls together
         (:mod:`pipeline.generation.connections`; default: a quarter of the process's
@@ -427,6 +452,7 @@ class RolloutClient:
             raise ValueError("RolloutClient: give router_url or server_urls")
         self.router_url = router_url.rstrip("/") if router_url else None
         self.server_urls = [u.rstrip("/") for u in (server_urls or [])]
+        self.wire = wire
         self.max_concurrency = max_concurrency
         self.request_timeout_s = request_timeout_s
         self.health_timeout_s = health_timeout_s
@@ -536,7 +562,7 @@ class RolloutClient:
                                retry_backoff_s=self.retry_backoff_s,
                                connect_timeout_s=self.connect_timeout_s,
                                server_cooldown_s=self.server_cooldown_s, servers=self.servers,
-                               pool=self.pool)
+                               pool=self.pool, wire=self.wire)
         direct._limits, direct._limits_lock = self._limits, self._limits_lock  # one bound
         return direct
 
@@ -567,15 +593,15 @@ class RolloutClient:
                     self._count_retry()
                 sends += 1
                 sent_at = batch.recoveries
-                payload = generate_payload(send_rid, prompt, sampling,
-                                           return_routed_experts=routed_experts is not None)
+                payload = self.wire.payload(send_rid, prompt, sampling,
+                                            return_routed_experts=routed_experts is not None)
                 self._inflight[url] = self._inflight.get(url, 0) + 1
                 timeout = aiohttp.ClientTimeout(total=self.request_timeout_s,
                                                 sock_connect=self.connect_timeout_s)
                 timed_out = False
                 try:
                     async with pooled.slots:  # the pool's limit (before the timeout starts)
-                        async with pooled.session.post(url + "/generate", json=payload,
+                        async with pooled.session.post(url + self.wire.generate_path, json=payload,
                                                        timeout=timeout) as resp:
                             status, raw = resp.status, await resp.read()
                 except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
@@ -592,8 +618,8 @@ class RolloutClient:
                 finally:
                     self._inflight[url] -= 1
                 if status == 200:
-                    result = await read_generate_answer(raw, rid, prompt, url,
-                                                        routed_experts=routed_experts)
+                    result = await self.wire.read(raw, rid, prompt, url,
+                                                  routed_experts=routed_experts)
                     self._down_until.pop(url, None)
                     return result
                 text = raw.decode("utf-8", "replace")
@@ -673,12 +699,12 @@ class RolloutClient:
             await asyncio.to_thread(self.servers.wait_for_router, answered_at, first_at)
 
     async def _abort_on(self, session, urls: Sequence[str], *, rid: Optional[str] = None) -> None:
-        body = {"rid": rid} if rid else {"abort_all": True}
+        path, body = self.wire.abort_call(rid)
         timeout = aiohttp.ClientTimeout(total=10.0)
 
         async def one(url: str) -> None:
             try:
-                async with session.post(url + "/abort_request", json=body, timeout=timeout) as r:
+                async with session.post(url + path, json=body, timeout=timeout) as r:
                     await r.read()
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
                 pass  # a dead server has nothing left to abort
@@ -691,7 +717,7 @@ class RolloutClient:
         await asyncio.gather(*(one(u) for u in urls))
 
     async def abort_all(self, session=None) -> None:
-        """``/abort_request {"abort_all": true}`` on every server (the router does not proxy it)."""
+        """Abort everything on every server (the router does not proxy SGLang's abort)."""
         urls = await asyncio.to_thread(self.worker_urls)
         if session is None:
             async with self.pool.use() as pooled:
@@ -810,68 +836,8 @@ class RolloutClient:
 
     def wait_healthy(self, timeout_s: Optional[float] = None) -> None:
         wait_healthy(self.worker_urls() if self.router_url is None else [self.router_url],
-                     self.health_timeout_s if timeout_s is None else timeout_s)
-
-
-def join_continuation(partial: RolloutResult, cont: RolloutResult) -> RolloutResult:
-    """A sample stopped part-way (``partial``: aborted with its output so far) and the request
-    that continued it (``cont``: ``partial``'s prompt + output as its prompt) as one sample:
-    output ids and log-probs appended, ``weight_versions`` spans shifted behind the partial's
-    (a span of the same version as the partial's last one is merged with it), the finish reason,
-    server and routed experts of the continuation. The routed experts are replaced, not appended:
-    the continuation's prefill routed the partial's tokens again (SGLang returns the routes of the
-    last prefill and the decode steps after it, as after a ``retract``), so they are the routes of
-    ``cont``'s weights for every position of the joined sequence (its row count,
-    ``len(prompt) + len(output) - 1``, is the joined sample's). The joined sample is one turn
-    over its whole output."""
-    if len(partial.turns) != 1 or not all(partial.output_mask):
-        raise ValueError(f"{partial.rid}: a multi-turn trajectory is not continued token by token")
-    if list(cont.prompt_ids) != list(partial.prompt_ids) + list(partial.output_ids):
-        raise ValueError(f"{cont.rid}: the continuation's prompt is not {partial.rid}'s prompt "
-                         "and output so far")
-    n = len(partial.output_ids)
-    spans = list(partial.weight_versions)
-    for version, start, end in cont.weight_versions:
-        if spans and spans[-1].version == version and spans[-1].end == start + n:
-            spans[-1] = Span(version, spans[-1].start, end + n)
-        else:
-            spans.append(Span(version, start + n, end + n))
-    return replace(cont, rid=partial.rid, prompt_ids=list(partial.prompt_ids),
-                   output_ids=list(partial.output_ids) + list(cont.output_ids),
-                   output_logprobs=list(partial.output_logprobs) + list(cont.output_logprobs),
-                   prompt_tokens=partial.prompt_tokens,
-                   completion_tokens=partial.completion_tokens + cont.completion_tokens,
-                   weight_versions=spans, cached_tokens=partial.cached_tokens + cont.cached_tokens,
-                   output_mask=None, turns=None, end_reason=None)  # one turn, from these fields
-
-
-async def continue_samples(client: RolloutClient, prompt_ids: Sequence[int],
-                           partial: Sequence[RolloutResult], sampling: SamplingParams, *,
-                           seed: int, rid_prefix: str,
-                           routed_experts: Optional[tuple[int, int]] = None
-                           ) -> list[RolloutResult]:
-    """Continue the aborted samples of one group from their output so far (finished ones are
-    returned as they are): one request each whose prompt is ``prompt_ids`` + the sample's output
-    and whose ``max_new_tokens`` is what the sample had left; joined with
-    :func:`join_continuation`. ``seed``: the base of the continuation's sampling seeds (distinct
-    per sample). A continuation aborted in turn comes back aborted, with the longer output."""
-    stopped = [i for i, r in enumerate(partial) if r.finish_reason == "abort"]
-    requests = []
-    for i in stopped:
-        r = partial[i]
-        left = sampling.max_new_tokens - len(r.output_ids)
-        if left < 1:
-            raise ValueError(f"{r.rid}: aborted with {len(r.output_ids)} output tokens, "
-                             f"max_new_tokens {sampling.max_new_tokens}: nothing left to continue")
-        requests.append((f"{rid_prefix}-s{i}", list(prompt_ids) + list(r.output_ids),
-                         replace(sampling, n=1, max_new_tokens=left,
-                                 sampling_seed=sample_seed(stream_seed("continue", seed, i),
-                                                           0, 0))))
-    conts = await client.generate(requests, routed_experts=routed_experts) if requests else []
-    out = list(partial)
-    for i, cont in zip(stopped, conts):
-        out[i] = join_continuation(partial[i], cont)
-    return out
+                     self.health_timeout_s if timeout_s is None else timeout_s,
+                     path=self.wire.health_path)
 
 
 def _not_sent(rid: str, prompt: Sequence[int], url: str) -> RolloutResult:

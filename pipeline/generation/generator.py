@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Optional, Protocol
 
-from pipeline.generation.client import RolloutClient, SamplingParams, continue_samples
+from pipeline.generation.client import RolloutClient, SamplingParams
+from pipeline.generation.continuation import continue_samples
 from pipeline.generation.trajectory import RolloutResult
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ class GroupGenerator(Protocol):
 
 class SingleTurnGenerator:
     """One ``/generate`` request per sample (``RolloutClient.generate_groups``); an aborted
-    sample is continued from its output so far (``pipeline.generation.client.continue_samples``)."""
+    sample is continued from its output so far (``pipeline.generation.continuation.continue_samples``)."""
 
     def __init__(self, client: RolloutClient):
         self.client = client

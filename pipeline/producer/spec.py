@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Optional
 
 from megatron_gspo.config import Config
 from pipeline.context import LoopContext
-from pipeline.generation.factory import ClientSpec, build_client, build_generator
+from pipeline.engines.factory import ClientSpec, build_client, build_generator
 from pipeline.observe.metrics import MetricsLogger
 from pipeline.scoring.rewards import build_reward
 from pipeline.signals import StopFlag

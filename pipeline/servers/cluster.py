@@ -181,6 +181,9 @@ def _log_tail(path: Path, lines: int = 20) -> str:
 class LocalRolloutCluster:
     """N ``megatron-gspo serve`` processes and, optionally, the sglang-router in front of them."""
 
+    health_path = "/health_generate"
+    """What a started server answers 200 to once it can generate (a subclass's engine's)."""
+
     def __init__(self, model_path: str | os.PathLike, num_servers: int, *,
                  host: str = "127.0.0.1", base_port: Optional[int] = None, router: bool = True,
                  log_dir: str | os.PathLike, random_seed: int = 0,
@@ -267,10 +270,11 @@ class LocalRolloutCluster:
         except (ProcessLookupError, PermissionError):
             pass
 
-    def _spawn(self, name: str, cmd: list[str], defaults: Optional[dict] = None
-               ) -> subprocess.Popen:
+    def _spawn(self, name: str, cmd: list[str], defaults: Optional[dict] = None,
+               forced: Optional[dict] = None) -> subprocess.Popen:
         """Start ``cmd`` as ``name`` (see the module docstring); ``defaults``: environment
-        variables it gets unless this process's environment sets them."""
+        variables it gets unless this process's environment sets them; ``forced``: ones it gets
+        whatever this process's environment says."""
         log_path = self.log_dir / f"{name}.log"
         # A server (``python -m pipeline.local``) silences the benign third-party warnings
         # (pipeline/observe/benign_warnings.py) unless MEGATRON_GSPO_SHOW_WARNINGS is set in this
@@ -280,6 +284,7 @@ class LocalRolloutCluster:
                **{k: v for k, v in os.environ.items() if k not in _RANK_ONLY_ENV}}
         env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.cpu_threads),
                    TOKENIZERS_PARALLELISM="false")
+        env.update(forced or {})
         old = self._log_writers.pop(name, None)
         if old is not None:  # a restart: the previous process is gone, its output is in
             old.close()
@@ -343,7 +348,8 @@ class LocalRolloutCluster:
                                        + _log_tail(self._logs[f"server{i}"]))
             left = deadline - time.monotonic()
             try:
-                wait_healthy([self.server_urls[i] for i in pending], min(2.0, max(0.5, left)))
+                wait_healthy([self.server_urls[i] for i in pending], min(2.0, max(0.5, left)),
+                             path=self.health_path)
                 return
             except RolloutError as err:
                 if time.monotonic() > deadline:

@@ -111,6 +111,9 @@ class ServerPool:
     the servers again (``rollout.router.readmit_timeout_s``)."""
     paused: PausedServers = field(default_factory=PausedServers)
     """The servers the weight sync has paused now (the loop gives the pusher's record)."""
+    liveness_path: Callable[[bool], str] = lambda paused: "/model_info" if paused else "/health"
+    """paused -> the GET whose 200 says a server's HTTP process serves (the engine's
+    ``ServerControl.liveness_path``; default SGLang's: its ``/health`` waits while paused)."""
     restarts: int = 0
     events: int = 0
     """Drops, restarts and returns so far: a sync retried after a failure compares it."""
@@ -360,7 +363,7 @@ class ServerPool:
             if code is not None:
                 log = self.cluster.log_path(f"server{server.index}")
                 return f"its process exited with status {code}; log {log}"
-        path = "/model_info" if server.url in self.paused else "/health"
+        path = self.liveness_path(server.url in self.paused)
         try:
             status, _ = http_json("GET", server.url + path, timeout_s=self.probe_timeout_s)
         except RolloutError as err:

@@ -41,7 +41,7 @@ import subprocess
 from typing import Any, Optional
 
 from pipeline.context import LoopContext
-from pipeline.generation.factory import ClientSpec
+from pipeline.engines.factory import ClientSpec
 from pipeline.producer.endpoint import Endpoint, PeerGone
 from pipeline.producer.spec import IN_PROCESS, ProducerSpec
 from pipeline.producer.wire import Channel

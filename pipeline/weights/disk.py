@@ -82,10 +82,7 @@ class DiskTransport(Transport):
             shutil.rmtree(final)
         tmp.rename(final)
         t0 = time.perf_counter()
-        body = {"model_path": str(final), "flush_cache": False, "abort_all_requests": False}
-        answers = p.each_server(lambda u: rollout.control(
-            u, "/update_weights_from_disk", body, timeout_s=p.timeout_s,
-            headers=p.headers(p.server_urls.index(u))))
+        answers = p.each_server(lambda u: self.load(u, final, sorted(shards)))
         stats.phases["load_from_disk_s"] = time.perf_counter() - t0
         loads = [float(((a or {}).get("timings") or {}).get("load_s", 0.0)) for a in answers]
         if any(loads):
@@ -98,6 +95,14 @@ class DiskTransport(Transport):
                             meta["checksum"])
             stats.verified_buckets = len(buckets)
         self._retire(final)
+
+    def load(self, url: str, directory: Path, shards: list[str]) -> dict:
+        """Make the server at ``url`` load ``directory`` (SGLang's ``/update_weights_from_disk``);
+        its answer, with ``checksums`` ({shard: [per TP rank]}) where negotiated."""
+        p = self.pusher
+        body = {"model_path": str(directory), "flush_cache": False, "abort_all_requests": False}
+        return rollout.control(url, "/update_weights_from_disk", body, timeout_s=p.timeout_s,
+                               headers=p.headers(p.server_urls.index(url)))
 
     def _retire(self, final: Path) -> None:
         """Keep ``keep_versions`` directories; the first one retired becomes the spare."""

@@ -84,21 +84,17 @@ import torch.distributed as dist
 
 from megatron_gspo.collectives import Failure, Outcome, all_gather, broadcast, on_rank0
 from megatron_gspo.errors import one_line
+from pipeline.engines.base import Engine
+from pipeline.engines.sglang import (EXTENSIONS_HEADER, EXTENSIONS_KEY, LOCAL_SERVER,  # noqa: F401
+                                     SGLANG, offered_extensions)
 from pipeline.generation import client as rollout
 from pipeline.servers.paused import PausedServers
 from pipeline.weights import fp8 as fp8_wire
 from pipeline.weights import transport as wt
-from pipeline.weights.disk import DiskTransport
-from pipeline.weights.distributed import DistributedTransport
 from pipeline.weights.interface import Transport, failure_at
 from pipeline.weights.stats import SyncStats
-from pipeline.weights.tensor import TensorTransport
 
 TransportName = Literal["disk", "tensor", "distributed"]
-LOCAL_SERVER = "megatron-gspo local rollout server"  # its /server_info "implementation"
-EXTENSIONS_KEY = "megatron_gspo_extensions"  # /server_info: the extensions a local server offers
-EXTENSIONS_HEADER = "X-Megatron-Gspo-Extensions"  # a request's negotiated extensions
-PAUSE_MODES = ("abort", "retract")
 _TOKEN_TAG = 7  # p2p tag of the sources' turn token (apart from the gather's messages)
 _POOL_PER_SERVER = 4  # thread-pool workers per server (answers are collected bucket by bucket)
 
@@ -134,13 +130,6 @@ class WeightPushError(RuntimeError):
             self.__cause__ = self.cause.error()
 
 
-def offered_extensions(info: dict) -> set[str]:
-    """The extensions a server's ``/server_info`` offers (none unless it is the local server)."""
-    if info.get("implementation") != LOCAL_SERVER:
-        return set()
-    return {str(e) for e in (info.get(EXTENSIONS_KEY) or [])}
-
-
 class WeightPusher:
     """Pushes bucket streams to rollout servers; see the module docstring. Every rank holds one
     with the same arguments; ``group`` carries the small control messages (None: the default).
@@ -150,8 +139,10 @@ class WeightPusher:
     rank's update group at; None: the address of the source's own interface that routes to the
     first server; ``backend``: the groups' backend). ``timeout_s``: every HTTP call of a push
     (``rollout.request_timeout_s``: a large disk reload can take minutes). ``pause_mode``:
-    ``abort`` or ``retract`` (SGLang's ``in_place`` keeps the paused requests' KV, so SGLang
-    refuses the flush the new weights need: refused here).
+    ``abort`` or ``retract`` (``pipeline.engines.base.PAUSE_MODES``; SGLang's ``in_place``
+    keeps the paused requests' KV, so SGLang refuses the flush the new weights need: refused
+    here). ``engine``: the servers' engine (``pipeline.engines``: its control calls and its
+    transports; default SGLang).
     """
 
     def __init__(self, server_urls: Sequence[str], *, transport: TransportName = "disk",
@@ -160,27 +151,24 @@ class WeightPusher:
                  group_name: str = "megatron_gspo_weights", backend: Optional[str] = None,
                  keep_versions: int = 1, delta: bool = False, full_every: int = 10,
                  verify: bool | Literal["auto"] = "auto", group: Any = None,
-                 quantization: Optional[str] = None):
+                 quantization: Optional[str] = None, engine: Engine = SGLANG):
         if transport not in ("disk", "tensor", "distributed"):
             raise ValueError(f"transport {transport!r}: expected 'disk', 'tensor' or 'distributed'")
-        if pause_mode not in PAUSE_MODES:
-            raise ValueError(f"pause_mode {pause_mode!r}: expected one of {PAUSE_MODES} (SGLang's "
+        modes = engine.control.pause_modes
+        if pause_mode not in modes:
+            raise ValueError(f"pause_mode {pause_mode!r}: expected one of {modes} (SGLang's "
                              "'in_place' keeps the paused requests' KV cache, so the flush after "
                              "the update is refused and they would continue on the old weights' KV)")
         if verify not in (True, False, "auto"):
             raise ValueError(f"verify {verify!r}: expected true, false or 'auto'")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
-        # The one choice of the transport: nothing below asks which one it is.
-        self._transport: Transport
-        if transport == "disk":
-            self._transport = DiskTransport(self, shared_dir=shared_dir,
-                                            keep_versions=keep_versions, spare_name=group_name)
-        elif transport == "tensor":
-            self._transport = TensorTransport(self)
-        else:
-            self._transport = DistributedTransport(self, master_address=master_address,
-                                                   group_name=group_name, backend=backend)
+        # The one choice of the transport (the engine's): nothing below asks which one it is.
+        self.control = engine.control
+        """The servers' control calls (``pipeline.engines.base.ServerControl``)."""
+        self._transport: Transport = engine.make_transport(
+            self, transport, shared_dir=shared_dir, keep_versions=keep_versions,
+            group_name=group_name, master_address=master_address, backend=backend)
         if delta and not self._transport.supports_delta:
             raise ValueError("delta pushes need transport 'distributed' or 'tensor'")
         if quantization not in (None, "fp8"):
@@ -331,13 +319,12 @@ class WeightPusher:
     def _server_info(self, url: str) -> dict:
         """``/server_info`` of ``url``, read once (again after ``set_servers`` renews it)."""
         if url not in self._infos:
-            info = rollout.control(url, "/server_info", method="GET", timeout_s=self.timeout_s)
-            self._infos[url] = info if isinstance(info, dict) else {}
+            self._infos[url] = self.control.server_info(url, timeout_s=self.timeout_s)
         return self._infos[url]
 
     def _negotiate(self, infos: list[dict]) -> tuple[list[str], bool]:
         """Per server, the extensions this push uses; whether it verifies checksums."""
-        offered = [offered_extensions(i) for i in infos]
+        offered = [self.control.extensions(i) for i in infos]
         lacking = lambda ext: [u for u, o in zip(self.server_urls, offered) if ext not in o]  # noqa: E731
         if self.delta and lacking("delta"):
             raise ValueError(f"rollout.weight_sync.delta: {lacking('delta')} offer no delta pushes "
@@ -364,9 +351,8 @@ class WeightPusher:
     def _begin(self, stream, stats: SyncStats) -> dict:
         t0 = self._paused_at = time.perf_counter()
         self.paused.add(self.server_urls)
-        self.each_server(lambda u: rollout.control(u, "/pause_generation",
-                                                   {"mode": self.pause_mode},
-                                                   timeout_s=self.timeout_s))
+        self.each_server(lambda u: self.control.pause(u, self.pause_mode,
+                                                      timeout_s=self.timeout_s))
         infos = self.each_server(self._server_info)
         phases = {"pause_s": time.perf_counter() - t0}
         tp = []
@@ -380,9 +366,8 @@ class WeightPusher:
             if stream.dtype.itemsize != 2:
                 raise ValueError(f"rollout.weight_sync.delta: needs 16-bit weights on the wire "
                                  f"(got {stream.dtype}); set rollout.weight_sync.dtype: bfloat16")
-            versions = self.each_server(lambda u: (rollout.control(
-                u, "/model_info", method="GET", timeout_s=self.timeout_s) or {}).get(
-                "weight_version"))
+            versions = self.each_server(lambda u: self.control.weight_version(
+                u, timeout_s=self.timeout_s))
             full = (self._pushes % self.full_every == 0 or self._last_ok is None
                     or any(v != self._last_ok for v in versions))
         self._transport.begin(stats.weight_version)
@@ -402,20 +387,18 @@ class WeightPusher:
     def _end(self, version: str, buckets: dict, stats: SyncStats, stream) -> None:
         self._transport.end(version, buckets, stats, stream)
         t0 = time.perf_counter()
-        self.each_server(lambda u: rollout.control(u, "/update_weight_version",
-                                                   {"new_version": version,
-                                                    "abort_all_requests": False},
-                                                   timeout_s=self.timeout_s))
-        # abort and retract alike: the radix cache holds KV of the old weights (0.5.23 lets a
-        # paused engine flush with retracted requests waiting; they are recomputed on continue).
-        self.each_server(lambda u: rollout.flush_cache(u, timeout_s=self.timeout_s))
+        self.each_server(lambda u: self.control.set_version(u, version, timeout_s=self.timeout_s))
+        # the cache holds KV of the old weights (the engine drops it: SGLang's flush_cache,
+        # vLLM's reset_prefix_cache, which also recomputes requests paused in place)
+        self.each_server(lambda u: self.control.after_update(u, self.pause_mode,
+                                                             timeout_s=self.timeout_s))
         self.each_server(self._continue)
         stats.phases["flush_continue_s"] = time.perf_counter() - t0
         # what generation waited: from the pause request to the last server's continue
         stats.phases["paused_s"] = time.perf_counter() - self._paused_at
 
     def _continue(self, url: str) -> None:
-        rollout.control(url, "/continue_generation", {}, timeout_s=self.timeout_s)
+        self.control.resume(url, timeout_s=self.timeout_s)
         self.paused.discard([url])
 
     def _finish(self, version: str, buckets: dict, stats: SyncStats, stream,
@@ -439,7 +422,7 @@ class WeightPusher:
         self._transport.recover(notes)
         for url in self.server_urls:
             try:
-                rollout.control(url, "/continue_generation", {}, timeout_s=min(self.timeout_s, 60))
+                self.control.resume(url, timeout_s=min(self.timeout_s, 60))
             except rollout.RolloutError as err:
                 notes.append(f"resuming generation failed: {err}")
             finally:

@@ -42,7 +42,7 @@ from megatron_gspo.config import config_from_dict
 from megatron_gspo.lifetime import STOP_SIGNALS
 from pipeline.context import LoopContext
 from pipeline.generation.client import RolloutError
-from pipeline.generation.factory import ClientSpec, build_client
+from pipeline.engines.factory import ClientSpec, build_client
 from pipeline.generation.routed_experts import encode, expected_rows
 from pipeline.local.bodies import render_json
 from pipeline.observe.metrics import MetricsLogger

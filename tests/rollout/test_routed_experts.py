@@ -235,7 +235,8 @@ def test_a_sample_stopped_by_an_abort_is_continued_from_its_output_so_far(routed
 
     from transformers import AutoModelForCausalLM
 
-    from pipeline.generation.client import continue_samples, parse_generate_response
+    from pipeline.generation.client import parse_generate_response
+    from pipeline.generation.continuation import continue_samples
     from tests.rollout.test_server_conformance import Stream, post, wait_for
 
     prompt, budget = [5, 6, 7, 8, 9], 40

@@ -73,7 +73,8 @@ def test_invalid_values_name_the_field_and_the_fix():
          r"parallel\.expert_tensor: 1 must equal parallel\.tensor 2"),
         ({"run": {"global_batch_size": 10, "micro_batch_size": 4}},
          r"run\.global_batch_size: 10 is not a multiple of run\.micro_batch_size 4"),
-        ({"rollout": {"mode": "external"}}, r"rollout\.router_url: required"),
+        ({"rollout": {"mode": "external"}}, r"rollout\.router_url: external mode needs exactly "
+                                            r"one of .* got neither"),
         ({"model": {"moe_router_topk": 9}}, r"model\.moe_router_topk: 9 exceeds model\.num_experts"),
         ({"optim": {"clip_grad": -1}}, r"optim\.clip_grad: must be >= 0"),
     ]

@@ -21,7 +21,7 @@ import torch
 from megatron_gspo.config import config_from_dict
 from megatron_gspo.errors import RemoteError
 from pipeline.generation.client import RolloutError
-from pipeline.generation.factory import ClientSpec, client_spec
+from pipeline.engines.factory import ClientSpec, client_spec
 from pipeline.producer.endpoint import Endpoint, PeerGone
 from pipeline.producer.spec import PoolHooks, ProducerSpec
 from pipeline.scoring.data import PromptSampler, TaskPromptDataset

@@ -187,7 +187,7 @@ def test_a_restored_stream_trains_the_saved_groups_bit_for_bit():
 class StoppableServer(Server):
     """A server whose requests an abort stops: each returns its output so far (SGLang's
     ``/abort_request``; a sample not started returns none), and that continues a sample from its
-    output (``pipeline.generation.client.continue_samples``' request: prompt + output so far as the
+    output (``pipeline.generation.continuation.continue_samples``' request: prompt + output so far as the
     prompt). Output token t of sample s is ``100 * s + t`` with log-prob ``-t / 100``, so a
     joined sample shows whether its pieces are in place."""
 
@@ -226,7 +226,7 @@ class StoppableServer(Server):
         return out
 
     async def resume(self, prompt, seed, rid, partial):
-        from pipeline.generation.client import join_continuation
+        from pipeline.generation.continuation import join_continuation
 
         length = 60 if prompt.prompt_ids[0] % 2 == 0 else 6
         out = []
@@ -411,7 +411,7 @@ def test_a_full_mode_checkpoint_resumed_in_another_mode_is_refused():
 
 
 def test_a_continuation_joins_only_its_own_partial_sample():
-    from pipeline.generation.client import join_continuation
+    from pipeline.generation.continuation import join_continuation
 
     def result(rid, prompt, out, spans, finish="abort"):
         return RolloutResult(rid=rid, prompt_ids=prompt, output_ids=out,

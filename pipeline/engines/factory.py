@@ -4,7 +4,8 @@
 Rank 0 builds its own from here (``launch.rl_session.RLSession.build_rollout``: evaluation, the
 parity probes, ``rollout.async: off``), and so does the rollout producer process of the async
 modes (``pipeline.producer.worker``), from the same spec sent over its pipe: a second rollout
-engine is swapped in here, once, for both.
+engine is swapped in here, once, for both: the spec names ``rollout.engine``, and the client
+speaks that engine's wire (:mod:`pipeline.engines.choice`).
 
     client = build_client(ClientSpec(router_url="http://r:30000"), servers=pool)
     generator = build_generator(cfg, client, encoder, interrupted=lambda: stop.signum is not None)
@@ -16,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
+from pipeline.engines.choice import engine as choose_engine
 from pipeline.generation.client import RolloutClient
 from pipeline.generation.generator import GroupGenerator, SingleTurnGenerator
 from pipeline.generation.multiturn import ToolGenerator
@@ -37,6 +39,8 @@ class ClientSpec:
     """``rollout.max_concurrency``."""
     request_timeout_s: float = 600.0
     """``rollout.request_timeout_s``."""
+    engine: str = "sglang"
+    """``rollout.engine``: whose wire the client speaks."""
 
 
 def client_spec(cfg: Config, router_url: Optional[str],
@@ -45,7 +49,8 @@ def client_spec(cfg: Config, router_url: Optional[str],
     config's bounds."""
     return ClientSpec(router_url=router_url, server_urls=tuple(server_urls),
                       max_concurrency=cfg.rollout.max_concurrency,
-                      request_timeout_s=cfg.rollout.request_timeout_s)
+                      request_timeout_s=cfg.rollout.request_timeout_s,
+                      engine=cfg.rollout.engine)
 
 
 def build_client(spec: ClientSpec, *, servers: Any = None) -> RolloutClient:
@@ -54,7 +59,8 @@ def build_client(spec: ClientSpec, *, servers: Any = None) -> RolloutClient:
     failures are retried, then raised)."""
     client = RolloutClient(router_url=spec.router_url, server_urls=list(spec.server_urls) or None,
                            max_concurrency=spec.max_concurrency,
-                           request_timeout_s=spec.request_timeout_s)
+                           request_timeout_s=spec.request_timeout_s,
+                           wire=choose_engine(spec.engine).wire)
     client.servers = servers
     return client
 
