@@ -269,6 +269,7 @@ def test_pause_retract_continues_in_flight_under_the_new_version(vllm_url):
     results, seen, probe = pause_scenario(vllm_url, "retract", version=label)
     assert seen["probe_frozen"], seen
     assert probe.finish == "length" and len(probe.tokens) == LONG.max_new_tokens
+    assert len(probe.spans) == 2, (probe.spans, seen)
     (old, s0, e0), (new, s1, e1) = [(s["version"], s["start"], s["end"]) for s in probe.spans]
     assert old == current and new == label, probe.spans
     assert s0 == 0 and e0 == s1 == seen["probe_paused"] and e1 == LONG.max_new_tokens
@@ -316,7 +317,7 @@ def test_dead_server_mid_rollout_is_restarted_and_the_batch_completes(vllm_clust
     """Last in the module: the session server is SIGKILLed and restarted (the model's weights)."""
     pool = ServerPool([vllm_url], cluster=vllm_cluster, outage_timeout_s=600,
                       liveness_path=VLLM.control.liveness_path)
-    client = client_of(vllm_url, servers=pool, max_attempts=2, retry_backoff_s=0.1)
+    client = client_of(vllm_url, servers=pool, retry_backoff_s=0.1)
     stop = threading.Event()
 
     def sync_when_asked():  # the loop's part: the restarted server gets the weights, is admitted
