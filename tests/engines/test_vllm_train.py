@@ -8,7 +8,10 @@ started by the session from the vLLM environment, 3 GSPO steps:
   is off by nats);
 * ``rollout.async: full`` with the gloo broadcast (the servers paused in ``keep`` and the paused
   requests recomputed under the new weights): every step trained within the staleness bound,
-  nothing dropped, the per-token versions read from vLLM's spans.
+  nothing dropped, the per-token versions read from vLLM's spans;
+* ``rollout.async: one_step`` with the gloo broadcast: step n+1's rollout runs in the rollout
+  producer's own process (speaking vLLM's wire, built from the client spec) while step n trains;
+  every step trains a batch one version old at most, every bucket verified by the extension.
 
 From the seeded initialisation (no SFT policy: the checks are the pipeline's, not the reward's).
 Marked ``vllm`` and ``slow``: ~2 min per run on the 2-core machine, each with a vLLM start.
@@ -59,3 +62,13 @@ def test_three_full_async_steps_with_vllm_stay_within_the_staleness_bound(tmp_pa
         assert r["sync/paused_s"] > 0.0
     # generation ran ahead of the trainer: tokens of the previous version, read from vLLM's spans
     assert max(r["train/staleness_mean"] for r in rows) > 0.0
+
+
+def test_three_one_step_async_steps_with_vllm_from_the_producer_process(tmp_path):
+    rows = train(tmp_path / "one_step", "rollout.async=one_step", "rollout.max_staleness=1",
+                 "rollout.weight_sync.transport=distributed")
+    for r in rows:
+        assert r["train/staleness_max"] <= 1.0, r
+        assert r["sync/verified_buckets"] > 0, r
+    # steps 2 and 3 train the batch made while the step before them trained
+    assert [r["train/staleness_max"] for r in rows][1:] == [1.0, 1.0], rows
