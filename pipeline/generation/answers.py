@@ -54,15 +54,21 @@ def expected_rows(prompt_len: int, output_len: int, start_len: int = 0) -> int:
     return max(0, seqlen - 1 - min(start_len, seqlen - 1))
 
 
-def routed_bytes(text: Any, rows: int, num_layers: int, top_k: int) -> bytes:
-    """SGLang's base64 ``routed_experts`` -> its int32 bytes; ValueError if the payload is not
-    base64 of exactly ``rows x num_layers x top_k`` int32 values."""
+def routed_base64(text: Any) -> bytes:
+    """The bytes of a ``routed_experts`` field (base64 text, as SGLang and vLLM both send it);
+    ValueError naming the field if it is not a string of valid base64."""
     if not isinstance(text, str):
         raise ValueError(f"routed_experts must be a base64 string, got {type(text).__name__}")
     try:
-        raw = base64.b64decode(text.encode("ascii"), validate=True)
+        return base64.b64decode(text.encode("ascii"), validate=True)
     except (binascii.Error, UnicodeEncodeError) as err:
         raise ValueError(f"routed_experts is not base64: {err}") from None
+
+
+def routed_bytes(text: Any, rows: int, num_layers: int, top_k: int) -> bytes:
+    """SGLang's base64 ``routed_experts`` -> its int32 bytes; ValueError if the payload is not
+    base64 of exactly ``rows x num_layers x top_k`` int32 values."""
+    raw = routed_base64(text)
     want = rows * num_layers * top_k
     if len(raw) != 4 * want:
         raise ValueError(f"routed_experts holds {len(raw)} bytes; expected {rows} positions x "

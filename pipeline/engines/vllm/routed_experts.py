@@ -31,14 +31,12 @@ takes vLLM's rows as it takes SGLang's. numpy only: the client's parse process i
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 from typing import Any, Optional
 
 import numpy as np
 
-from pipeline.generation.answers import ROUTED_DTYPE, expected_rows
+from pipeline.generation.answers import ROUTED_DTYPE, expected_rows, routed_base64
 
 WIRE_DTYPES = ("uint8", "uint16")
 """The dtypes vLLM 0.32 sends: uint8 for up to 256 experts, uint16 above."""
@@ -52,12 +50,7 @@ def decode(text: Any, *, prompt_len: int, output_len: int, num_layers: int, top_
     ``[prompt_start, prompt_len + output_len - 1)``. ValueError naming what is wrong when the
     payload is not base64 ``.npy`` of that shape, of vLLM's dtypes, with ids below
     ``num_experts`` (when given; the training batch checks the ids again)."""
-    if not isinstance(text, str):
-        raise ValueError(f"routed_experts must be a base64 string, got {type(text).__name__}")
-    try:
-        raw = base64.b64decode(text.encode("ascii"), validate=True)
-    except (binascii.Error, UnicodeEncodeError) as err:
-        raise ValueError(f"routed_experts is not base64: {err}") from None
+    raw = routed_base64(text)
     try:
         array = np.load(io.BytesIO(raw), allow_pickle=False)
     except (ValueError, OSError, EOFError) as err:
