@@ -28,7 +28,6 @@ from pipeline.observe.metrics import MetricsLogger
 from pipeline.scoring.data import PromptSampler, build_datasets
 from pipeline.scoring.rewards import build_reward
 from pipeline.scoring.tasks import write_byte_tokenizer
-from pipeline.servers.cluster import LocalRolloutCluster
 from pipeline.servers.pool import ServerPool
 from pipeline.signals import PREEMPTED_EXIT_CODE
 from pipeline.sources.base import BatchSource

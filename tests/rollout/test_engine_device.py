@@ -47,8 +47,9 @@ def test_config_field_is_validated(value, ok):
 
 
 def test_embedded_servers_get_the_configured_device(monkeypatch, tmp_path):
-    import launch.rl_session
+    import pipeline.engines.sglang
     from launch.rl_session import RLSession
+    from pipeline.engines.choice import engine
 
     seen = {}
 
@@ -62,11 +63,11 @@ def test_embedded_servers_get_the_configured_device(monkeypatch, tmp_path):
         def stop(self):
             pass
 
-    monkeypatch.setattr(launch.rl_session, "LocalRolloutCluster", Recorder)  # where it is used
+    monkeypatch.setattr(pipeline.engines.sglang, "LocalRolloutCluster", Recorder)  # where it is used
     cfg = config_from_dict({"rollout": {"local_server_device": "cuda:0"},
                             "run": {"output_dir": str(tmp_path)}})
     session = RLSession.__new__(RLSession)
-    session.cfg, session.run_dir = cfg, tmp_path
+    session.cfg, session.run_dir, session.engine = cfg, tmp_path, engine("sglang")
     from contextlib import ExitStack
     session.resources = ExitStack()
     session._start_local_servers("/some/model")
