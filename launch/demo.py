@@ -8,6 +8,13 @@
 It ends with ``held-out reward: SFT <x> -> GSPO <y>``: the mean held-out reward of the SFT policy
 (GSPO step 0) and of the final policy. Outputs go to ``--out`` (default runs/demo).
 
+``--engine vllm`` generates the rollouts with real vLLM 0.32 servers instead of the project's own
+(``rollout.engine: vllm``, docs/vllm.md): one vLLM server started from the vLLM environment
+(``launch/envs/vllm_cpu.sh`` builds it into ``.venv-vllm``; ``$MGSPO_VLLM_PYTHON`` names another),
+the weights pushed into it after every step through the project's worker extension; the same
+model (its head_dim 32 is a head size vLLM's CPU attention runs), the same SFT stage and the
+same final line. Out: runs/demo_vllm.
+
 ``--task tools`` runs the multi-turn demo instead (docs/tools.md): sums of two 5-digit numbers,
 which the tiny model cannot add token by token, with a calculator tool (``pipeline.scoring.tasks:add``)
 run in the sandbox; SFT on reference trajectories that call it (the call format), then GSPO on
@@ -43,6 +50,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--task", choices=sorted(TASK_CONFIGS), default="addition",
                    help="addition: one prompt, one response (default); tools: multi-turn "
                         "trajectories with a calculator tool (docs/tools.md)")
+    p.add_argument("--engine", choices=sorted(ENGINE_SETTINGS), default="sglang",
+                   help="the rollout engine: sglang (the project's own servers speaking SGLang's "
+                        "protocol, default) or vllm (real vLLM servers from the environment "
+                        "launch/envs/vllm_cpu.sh builds; docs/vllm.md)")
     p.add_argument("--config", default=None,
                    help="GSPO run configuration (default: launch/configs/tiny_cpu.yaml, "
                         "--task tools: tiny_cpu_tools.yaml)")
@@ -59,6 +70,15 @@ def add_parser(subparsers) -> None:
 TASK_CONFIGS = {"addition": ("tiny_cpu.yaml", "tiny_cpu_sft.yaml", "runs/demo"),
                 "tools": ("tiny_cpu_tools.yaml", "tiny_cpu_tools_sft.yaml", "runs/demo_tools")}
 """``--task`` -> (GSPO config, SFT config, output directory) by default."""
+
+ENGINE_SETTINGS = {
+    "sglang": (),
+    # one vLLM server: each is ~3 GB and pins its threads to the first core (vLLM's CPU default)
+    "vllm": ("rollout.engine=vllm", "rollout.num_servers=1"),
+}
+"""``--engine`` -> the GSPO settings it adds (before ``--set``, which can override them)."""
+OUT_SUFFIX = {"sglang": "", "vllm": "_vllm"}
+"""``--engine`` -> the default output directory's suffix (runs/demo_vllm)."""
 
 FORWARDED = {signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGINT,
              signal.SIGUSR1: signal.SIGUSR1, signal.SIGHUP: signal.SIGTERM}
@@ -125,13 +145,13 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     config, sft_config, default_out = TASK_CONFIGS[args.task]
     config = args.config or str(CONFIGS / config)
     sft_config = args.sft_config or str(CONFIGS / sft_config)
-    out = Path(args.out or default_out)
+    out = Path(args.out or default_out + OUT_SUFFIX[args.engine])
     if (out / "gspo" / "checkpoints").exists() or (out / "sft").exists():
         raise SystemExit(f"{out} already holds a demo run: choose another --out or remove it")
     sft = ["sft", "--config", sft_config, "--set", f"run.output_dir={out / 'sft'}"]
     gspo = ["train", "--config", config, "--set", f"run.output_dir={out / 'gspo'}",
             "--set", f"run.init_from={out / 'sft' / 'hf'}"]
-    for override in args.overrides:
+    for override in (*ENGINE_SETTINGS[args.engine], *args.overrides):
         gspo += ["--set", override]
     try:
         with Stages() as stages:

@@ -17,6 +17,10 @@ the longest end-to-end checks, out of the README's suite (which must stay under 
 the 2-core machine) and run by ``.ci/run`` after it, ``pytest -m extended``. Measured with
 ``MGSPO_TEST_TIMES`` on 2026-12-04: each above ~25 s; since 2026-12-07 also layout cases whose
 area keeps other cases in the suite.
+
+The ``vllm`` tier (marked in its modules, tests/engines): the pipeline against real vLLM 0.32 from
+its own environment (launch/envs/vllm_cpu.sh), out of the README's suite (pyproject.toml's
+addopts) and run by ``.ci/run`` last, ``pytest -m vllm`` (docs/vllm.md).
 """
 
 SLOW = (

@@ -126,8 +126,9 @@ class RolloutConfig:
     embedded mode starts vLLM servers from the environment ``launch/envs/vllm_cpu.sh`` builds,
     ``$MGSPO_VLLM_PYTHON`` or ``.venv-vllm``, one per rollout.num_servers, no router). With vllm:
     top_p 1 and top_k -1 (vLLM's log-probs renormalise over the tokens top-p/top-k keep; the
-    trainer's do not), no parity watchdog; routing replay ``rollout`` from GPU servers only
-    (vLLM's routed experts need Model Runner V2, i.e. Triton: refused on the CPU)."""
+    trainer's do not), not colocated, no delta sync, no parity watchdog (all refused);
+    routing replay ``rollout`` from GPU servers only (vLLM's routed experts need Model Runner V2,
+    i.e. Triton: refused on the CPU)."""
     router_url: Optional[str] = None
     """External mode: the router in front of the servers (sglang-router, or another that lists
     its workers at ``GET /workers``); the weight sync reaches every worker it lists. With
@@ -294,6 +295,13 @@ class RolloutConfig:
                 f"rollout.engine: vllm with rollout.top_p {self.top_p} / top_k {self.top_k}: "
                 "vLLM's log-probs are renormalised over the tokens top-p/top-k keep, the "
                 "trainer's are not; use top_p 1 and top_k -1 with vLLM")
+        require(self.engine != "vllm" or not self.colocated,
+                "rollout.colocated: not with rollout.engine vllm (the memory release around "
+                "training is SGLang's release/resume_memory_occupation; vLLM's /sleep does "
+                "nothing on the CPU)")
+        require(self.engine != "vllm" or not self.weight_sync.delta,
+                "rollout.weight_sync.delta: vLLM has no delta format; set it to false with "
+                "rollout.engine vllm")
         require(self.engine != "vllm" or self.weight_sync.transport != "tensor",
                 "rollout.engine: vllm has no 'tensor' weight sync (vLLM's is CUDA IPC); set "
                 "rollout.weight_sync.transport to distributed or disk")

@@ -11,7 +11,7 @@ from launch.cli import COMMAND_MODULES, build_parser, main
 
 # Freeze the CLI: adding or removing an option is a deliberate change of this list.
 EXPECTED_OPTIONS = {
-    "demo": {"--task", "--config", "--sft-config", "--out", "--set"},
+    "demo": {"--task", "--engine", "--config", "--sft-config", "--out", "--set"},
     "train": {"--config", "--set", "--resume", "--nproc", "--ignore-memory-plan"},
     "sft": {"--config", "--set", "--resume", "--nproc"},
     "config": {"--config", "--set", "--world-size"},
