@@ -304,15 +304,6 @@ def test_nccl_into_vllm_is_refused_on_the_cpu_with_the_reason(tmp_path):
         WeightPusher(["http://127.0.0.1:9"], transport="tensor", engine=VLLM)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's NCCL weight-transfer engine "
-                    "needs a GPU on both sides (the trainer imports vLLM's rendezvous)")
-def test_nccl_weight_transfer_engine_on_gpu():
-    pytest.skip("needs GPU vLLM servers started with --weight-transfer-config "
-                "'{\"backend\": \"nccl\"}' and vLLM in the trainer's environment; not "
-                "provisioned in this tier")
-
-
 def test_dead_server_mid_rollout_is_restarted_and_the_batch_completes(vllm_cluster, vllm_url):
     """Last in the module: the session server is SIGKILLed and restarted (the model's weights)."""
     pool = ServerPool([vllm_url], cluster=vllm_cluster, outage_timeout_s=600,
