@@ -87,12 +87,9 @@ class DistributedTransport(SessionTransport):
         address = self.master_address or wt.routable_address(p.server_urls[0])
         port = wt.free_port(address)
         name = self.my_group_name()
-        body = lambda i: {"master_address": address, "master_port": port,  # noqa: E731
-                          "rank_offset": offsets[i], "world_size": world, "group_name": name,
-                          "backend": self.backend}
         # Each server's call blocks until the whole group has joined: issue them concurrently.
-        futures = [p.pool.submit(rollout.control, u, "/init_weights_update_group", body(i),
-                                 timeout_s=p.timeout_s)
+        futures = [p.pool.submit(self._join_server, u, address=address, port=port,
+                                 rank_offset=offsets[i], world=world, name=name)
                    for i, u in enumerate(p.server_urls)]
         try:
             self._update_group = wt.new_update_group(address, port, 0, world, group_name=name,
@@ -100,6 +97,16 @@ class DistributedTransport(SessionTransport):
         finally:
             for f in futures:
                 f.result()
+
+    def _join_server(self, url: str, *, address: str, port: int, rank_offset: int, world: int,
+                     name: str):
+        """One server's side of joining the update group (SGLang's
+        ``/init_weights_update_group``); blocks until the whole group has joined."""
+        return rollout.control(url, "/init_weights_update_group",
+                               {"master_address": address, "master_port": port,
+                                "rank_offset": rank_offset, "world_size": world,
+                                "group_name": name, "backend": self.backend},
+                               timeout_s=self.pusher.timeout_s)
 
     def send(self, bucket, version: str, wire, wire_flat: torch.Tensor, extra: dict,
              entry: dict) -> list:

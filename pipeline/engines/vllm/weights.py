@@ -93,21 +93,15 @@ class VllmGlooTransport(DistributedTransport):
         self.pusher.each_server(lambda u: collective_rpc(u, "mgspo_drop_received",
                                                          timeout_s=self.pusher.timeout_s))
 
-    def _make_group(self, world: int, offsets: list[int]) -> None:
-        p = self.pusher
-        address = self.master_address or wt.routable_address(p.server_urls[0])
-        port = wt.free_port(address)
-        name = self.my_group_name()
-        spec = lambda i: {"address": address, "port": port, "rank_offset": offsets[i],  # noqa: E731
-                          "world_size": world, "group_name": name, "timeout_s": p.timeout_s}
-        futures = [p.pool.submit(collective_rpc, u, "mgspo_join_group", spec(i),
-                                 timeout_s=p.timeout_s) for i, u in enumerate(p.server_urls)]
-        try:
-            self._update_group = wt.new_update_group(address, port, 0, world, group_name=name,
-                                                     backend="gloo", timeout_s=p.timeout_s)
-        finally:
-            for f in futures:
-                f.result()
+    def _join_server(self, url: str, *, address: str, port: int, rank_offset: int, world: int,
+                     name: str):
+        """One server's side of joining the update group: the worker extension's
+        ``mgspo_join_group`` (the group's making is DistributedTransport's)."""
+        return collective_rpc(url, "mgspo_join_group",
+                              {"address": address, "port": port, "rank_offset": rank_offset,
+                               "world_size": world, "group_name": name,
+                               "timeout_s": self.pusher.timeout_s},
+                              timeout_s=self.pusher.timeout_s)
 
     def send(self, bucket, version: str, wire, wire_flat: torch.Tensor, extra: dict,
              entry: dict) -> list:
