@@ -34,7 +34,7 @@ from megatron_gspo.config import load_config
 
 class FaultyServers(RLSession):
     def _start_local_servers(self, model_path):
-        import launch.rl_session as session_module  # where the session starts its servers
+        import pipeline.engines.sglang as session_module  # where the SGLang engine starts them
 
         real = session_module.LocalRolloutCluster
 
