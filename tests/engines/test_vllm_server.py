@@ -176,13 +176,21 @@ class Probe:
                         self.started.set()
 
 
-def _pause_scenario(url: str, mode: str, version: str | None = None):
+def _pause_scenario(url: str, mode: str, relabel: bool, attempt: int):
     """A batch of long requests and a streamed :class:`Probe`; the pause in ``mode`` once the
-    probe has its first token; what the pause left (``seen``); with ``version``: label it, then the
-    cache reset of the update; resume. Returns the batch's results, ``seen`` and the probe."""
+    probe has its first token; what the pause left (``seen``); with ``relabel``: a new version's
+    label (the server's current one plus one, read in this attempt: ``seen["old_version"]``,
+    ``seen["new_version"]``), then the cache reset of the update; resume. Returns the batch's
+    results, ``seen`` and the probe."""
     client, control = client_of(url), VLLM.control
-    requests = [(f"{mode}{i}", [9 + i % 200, 6, 7], LONG) for i in range(BATCH)]
-    probe, seen = Probe(url, f"probe-{mode}"), {}
+    tag = f"{mode}-try{attempt}"  # request ids of their own in each attempt
+    requests = [(f"{tag}-{i}", [9 + i % 200, 6, 7], LONG) for i in range(BATCH)]
+    probe, seen = Probe(url, f"probe-{tag}"), {}
+    version = None
+    if relabel:
+        current = control.weight_version(url, timeout_s=30)
+        version = str(int(current) + 1) if current.isdigit() else "41"  # a label it lacks
+        seen["old_version"], seen["new_version"] = current, version
 
     async def scenario():
         batch = asyncio.create_task(client.generate(requests))
@@ -195,7 +203,7 @@ def _pause_scenario(url: str, mode: str, version: str | None = None):
         seen["probe_paused"] = len(probe.tokens)
         seen["probe_done_at_pause"] = probe.finish is not None
         seen["paused"] = await asyncio.to_thread(control.is_paused, url)
-        late = asyncio.create_task(client.generate([(f"{mode}-late", [3, 4], SamplingParams(
+        late = asyncio.create_task(client.generate([(f"{tag}-late", [3, 4], SamplingParams(
             max_new_tokens=4))]))
         if mode == "abort":  # what was in flight comes back without a resume
             await asyncio.wait_for(asyncio.shield(streamed), 60)
@@ -217,12 +225,13 @@ def _pause_scenario(url: str, mode: str, version: str | None = None):
         control.resume(url, timeout_s=30)
 
 
-def pause_scenario(url: str, mode: str, version: str | None = None, tries: int = 3):
+def pause_scenario(url: str, mode: str, relabel: bool = False, tries: int = 5):
     """:func:`_pause_scenario` until the probe was mid-decode when the pause took hold: on a
     loaded machine vLLM's API process streams in bursts and reads the pause late, and the
-    probe's 240 tokens (~1 s) can all be made first (at most ``tries`` times)."""
-    for _ in range(tries):
-        results, seen, probe = _pause_scenario(url, mode, version)
+    probe's 240 tokens (~1 s) can all be made first (at most ``tries`` times). Each attempt reads
+    the server's version anew: a raced ``relabel`` attempt has already moved it."""
+    for attempt in range(tries):
+        results, seen, probe = _pause_scenario(url, mode, relabel, attempt)
         # the probe ran its 240 tokens before the pause held (aborted or frozen mid-way: not)
         raced = seen["probe_at_pause"] == LONG.max_new_tokens or (
             mode != "wait" and probe.finish == "length" and seen["probe_done_at_pause"])
@@ -264,9 +273,8 @@ def test_pause_retract_continues_in_flight_under_the_new_version(vllm_url):
     """The pipeline's ``retract`` (rollout.async full): ``keep``, the new version's label, the
     cache reset that preempts the frozen requests, the resume: the probe's tokens before the
     pause carry the old label, those after it the new one."""
-    current = VLLM.control.weight_version(vllm_url, timeout_s=30)
-    label = str(int(current) + 1) if current.isdigit() else "41"  # a label the server lacks
-    results, seen, probe = pause_scenario(vllm_url, "retract", version=label)
+    results, seen, probe = pause_scenario(vllm_url, "retract", relabel=True)
+    current, label = seen["old_version"], seen["new_version"]
     assert seen["probe_frozen"], seen
     assert probe.finish == "length" and len(probe.tokens) == LONG.max_new_tokens
     assert len(probe.spans) == 2, (probe.spans, seen)
