@@ -5,7 +5,8 @@
 Prints, for every pipeline stage, the itemised peak (weights, fp32 gradients, optimizer states,
 activations per micro-batch with the configured recompute, the 1F1B schedule's in-flight
 micro-batches, logits and the log-prob workspace, communication buffers), then the rollout
-servers' side (the update groups' buffers, the memory of one SGLang GPU with bf16 and with FP8
+servers' side (the update groups' buffers, the memory of one server GPU, in the terms of
+``rollout.engine``, with bf16 and with FP8
 weights, and the modelled weight-sync pause per step of the distributed and the disk transport:
 megatron_gspo/rollout_plan.py) and ends with one line
 ``fits: yes|no (peak X GiB of M GiB, stage S)``. Exit status 0 when it fits, 1 when it does not,

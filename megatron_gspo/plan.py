@@ -590,33 +590,39 @@ def plan_memory(cfg: Config, world_size: int, gpu_memory_gib: float, *, spec: st
 
 def _rollout_server_notes(cfg: Config, gpu_memory_gib: float,
                           world_size: Optional[int] = None) -> list[str]:
-    """Per SGLang GPU: the weight-update groups' NCCL buffers (``rollout.weight_sync.transport:
-    distributed``)."""
+    """Per server GPU: the weight-update groups' NCCL buffers (``rollout.weight_sync.transport:
+    distributed``), outside the engine's share of the GPU (``rollout_plan.SERVER_BUDGETS``)."""
     r, p, sync = cfg.rollout, cfg.parallel, cfg.rollout.weight_sync
-    # what distributed would use: auto resolves to node there
-    mode = sync.resolved_senders() if sync.transport == "distributed" or sync.senders != "auto" \
-        else "node"
-    count = update_group_count(cfg, world_size, mode=mode)
+    b = rollout_plan.server_budget(cfg)
+    if b.update_groups == "one":
+        count, why = 1, f"{b.engine}'s weight-transfer engine: trainer rank 0 and every worker"
+    else:
+        # what distributed would use: auto resolves to node there
+        mode = sync.resolved_senders() if sync.transport == "distributed" \
+            or sync.senders != "auto" else "node"
+        count = update_group_count(cfg, world_size, mode=mode)
+        why = {"rank": f"one per sending rank: pipeline {p.pipeline} x expert "
+                       f"{p.expert if cfg.model.num_experts else 1}",
+               "stage": f"one per pipeline stage: {p.pipeline}",
+               "node": f"one per node and pipeline stage, {GPUS_PER_NODE} GPUs per node"}[mode]
+        why += f"; rollout.weight_sync.senders {sync.senders}"
     groups = NCCL_UPDATE_GROUP_BYTES * count
-    why = {"rank": f"one per sending rank: pipeline {p.pipeline} x expert "
-                   f"{p.expert if cfg.model.num_experts else 1}",
-           "stage": f"one per pipeline stage: {p.pipeline}",
-           "node": f"one per node and pipeline stage, {GPUS_PER_NODE} GPUs per node"}[mode]
-    estimate = (f"{count} update group(s) ({why}; rollout.weight_sync.senders "
-                f"{sync.senders}) x "
+    estimate = (f"{count} update group(s) ({why}) x "
                 f"{NCCL_UPDATE_GROUP_BYTES / MIB:.0f} MiB NCCL buffers (NCCL_BUFFSIZE "
                 f"{NCCL_BUFFSIZE / MIB:.0f} MiB x {NCCL_CHANNELS} channels x 2) = "
                 f"{groups / GIB:.2f} GiB")
     if sync.transport != "distributed":
         return [f"rollout-server GPU: no weight-update groups (weight_sync {sync.transport}); "
-                f"weight_sync distributed would add {estimate} per SGLang GPU, outside "
-                "mem_fraction_static"]
-    fraction = r.mem_fraction_static
-    left = (f"{1 - fraction:.2f} x {gpu_memory_gib:g} GiB = {(1 - fraction) * gpu_memory_gib:.1f} "
-            "GiB" if fraction is not None else "SGLang's default")
+                f"weight_sync distributed would add {estimate} per {b.engine} GPU, outside "
+                f"{b.flag}"]
+    fraction, default = rollout_plan.server_fraction(cfg)
+    left = f"{1 - fraction:.2f} x {gpu_memory_gib:g} GiB = {(1 - fraction) * gpu_memory_gib:.1f} GiB"
+    if default:
+        left += f" with {b.flag} {fraction:g}, {b.default_source}"
+    if b.rest_holds:
+        left += f", also for {b.rest_holds}"
     return [f"rollout-server GPU (weight_sync distributed, {r.tp_size} GPU(s) per server): "
-            f"{estimate} per GPU, outside SGLang's mem_fraction_static (what it leaves: {left}, "
-            "also for CUDA graphs and activations)"]
+            f"{estimate} per GPU, outside {b.engine}'s {b.flag} (what it leaves: {left})"]
 
 
 class PlanDoesNotFit(ConfigError):

@@ -1,14 +1,19 @@
-"""The rollout servers' side of ``megatron-gspo plan``: what one SGLang GPU holds, and the modelled
+"""The rollout servers' side of ``megatron-gspo plan``: what one server GPU holds, and the modelled
 pause of one weight sync per step (a model, not a measurement: docs/performance.md, "The same
 design on a GPU cluster").
 
-**Server memory** (:func:`server_memory`), per SGLang GPU: the weights it keeps (bf16, or FP8 with
+**Server memory** (:func:`server_memory`), per server GPU: the weights it keeps (bf16, or FP8 with
 ``rollout.quantization: fp8``: ``megatron_gspo.hf.fp8``, 1 byte per element of the attention and
-expert projections plus a float32 scale per 128 x 128 block), and what ``mem_fraction_static`` of
-the GPU leaves for the KV cache (bf16 K and V of every layer for the GPU's KV heads). Experts
+expert projections plus a float32 scale per 128 x 128 block), and what the engine's share of the
+GPU leaves for the KV cache (bf16 K and V of every layer for the GPU's KV heads). Experts
 divide over all ``rollout.tp_size`` GPUs of a server (TP or EP inside it), attention over the
 attention TP group (``tp_size / dp_size`` with ``enable_dp_attention``: SGLang's
-``use_attn_tp_group``), the embedding likewise, the output layer over the whole server.
+``use_attn_tp_group``), the embedding likewise, the output layer over the whole server. The share
+is ``rollout.mem_fraction_static``, which each engine reads in its own terms
+(:data:`SERVER_BUDGETS`, by ``rollout.engine``): SGLang's ``--mem-fraction-static`` holds the
+weights and the KV cache, so the KV cache is what the weights leave of it; vLLM's
+``--gpu-memory-utilization`` also holds the activation peak, the CUDA-graph estimate and the
+non-torch memory that vLLM profiles when it starts, so the plan's KV cache is an upper bound there.
 
 **Weight-sync pause** (:func:`sync_estimate`), from the bytes each link carries, for both
 transports whatever the config chooses:
@@ -45,9 +50,69 @@ MIB = float(1 << 20)
 GB = 1e9
 GPUS_PER_NODE = 8
 """GPUs per node the model assumes (H100 / H200 nodes), for the trainer and the servers."""
-DEFAULT_MEM_FRACTION = 0.85
-"""``mem_fraction_static`` assumed when ``rollout.mem_fraction_static`` is unset (SGLang then
-picks one from the GPU; the recipes set 0.85 / 0.8)."""
+
+
+@dataclass(frozen=True)
+class ServerBudget:
+    """How one rollout engine reads ``rollout.mem_fraction_static``: the share of each server GPU
+    it takes when it starts."""
+
+    engine: str
+    """The engine's name in the plan's lines."""
+    flag: str
+    """The engine's flag that ``rollout.mem_fraction_static`` renders to."""
+    default: float
+    """The share when ``rollout.mem_fraction_static`` is unset."""
+    default_source: str
+    """Where :attr:`default` comes from."""
+    holds: str
+    """What the share holds."""
+    rest_holds: str
+    """What else of the engine's lives in the rest of the GPU, beside the weight-update groups."""
+    kv_bound: str
+    """Empty when the KV cache is what the weights leave of the share; else what more the engine
+    takes from it before the KV cache (the plan's KV cache is then an upper bound)."""
+    update_groups: str
+    """The NCCL groups every server GPU joins with ``weight_sync.transport: distributed``:
+    ``"per-sender"`` (one per sending trainer rank: ``megatron_gspo.plan.update_group_count``) or
+    ``"one"`` (one group, one sender)."""
+
+
+SERVER_BUDGETS = {
+    "sglang": ServerBudget(
+        engine="SGLang", flag="mem_fraction_static", default=0.85,
+        default_source="assumed: SGLang picks one from the GPU; the recipes set 0.85 / 0.8",
+        holds="weights + KV cache", rest_holds="CUDA graphs and activations", kv_bound="",
+        update_groups="per-sender"),
+    "vllm": ServerBudget(
+        engine="vLLM", flag="gpu_memory_utilization", default=0.92,
+        default_source="vLLM 0.32's default, CacheConfig.gpu_memory_utilization",
+        holds="weights, activations, CUDA graphs, KV cache", rest_holds="",
+        kv_bound="at most: less the activation peak, the CUDA-graph estimate and the non-torch "
+                 "memory vLLM profiles when it starts",
+        update_groups="one"),
+}
+"""By ``rollout.engine``. SGLang 0.5.23 (``ServerArgs.mem_fraction_static``): the static pool of
+weights and KV cache; activations and CUDA graphs live in the rest. vLLM 0.32
+(``Worker.determine_available_memory``, ``vllm/v1/worker/gpu_worker.py``): KV cache =
+``gpu_memory_utilization`` x the GPU - (weights + profiled activation peak + non-torch memory) -
+the CUDA-graph estimate (``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``, on by default); its NCCL
+weight-transfer engine (``/init_weight_transfer_engine``, after that profile) is one group of
+trainer rank 0 and every worker, outside the share."""
+
+
+def server_budget(cfg: Config) -> ServerBudget:
+    """The :class:`ServerBudget` of ``cfg.rollout.engine``."""
+    return SERVER_BUDGETS[cfg.rollout.engine]
+
+
+def server_fraction(cfg: Config) -> tuple[float, bool]:
+    """(the share of each server GPU the engine takes, whether it is the engine's default)."""
+    r = cfg.rollout
+    if r.mem_fraction_static is not None:
+        return r.mem_fraction_static, False
+    return server_budget(cfg).default, True
+
 REFERENCES = (
     "NeMo-RL, Qwen3-30B-A3B (61 GB) on DGX H100, Megatron EP8xPP2 -> vLLM TP8xDP2, NCCL "
     "resharding (each generation GPU receives only its shard): 0.74-1.00 s per refit "
@@ -161,7 +226,7 @@ def _attention_tp(cfg: Config) -> tuple[int, int]:
 
 
 def server_weights(cfg: Config, fp8: bool) -> float:
-    """The weight bytes one SGLang GPU keeps."""
+    """The weight bytes one server GPU keeps."""
     inv = inventory(cfg, fp8)
     replica_tp, attn_tp = _attention_tp(cfg)
     return (inv.experts / replica_tp + inv.attention / attn_tp + inv.embed / attn_tp
@@ -169,11 +234,12 @@ def server_weights(cfg: Config, fp8: bool) -> float:
 
 
 def server_memory(cfg: Config, gpu_memory_gib: float, fp8: bool) -> ServerMemory:
-    """One SGLang GPU: its weights, the ``mem_fraction_static`` budget, the KV cache left."""
-    m, r = cfg.model, cfg.rollout
+    """One server GPU: its weights, the engine's share of the GPU (:func:`server_fraction`), the
+    KV cache the weights leave of it (an upper bound for vLLM: :data:`SERVER_BUDGETS`)."""
+    m = cfg.model
     _, attn_tp = _attention_tp(cfg)
     weights = server_weights(cfg, fp8)
-    fraction = r.mem_fraction_static if r.mem_fraction_static is not None else DEFAULT_MEM_FRACTION
+    fraction, _ = server_fraction(cfg)
     budget = fraction * gpu_memory_gib * GIB
     kv_heads = max(1, m.num_query_groups // attn_tp)
     per_token = 2 * m.num_layers * kv_heads * m.head_dim * 2  # K and V, bf16
@@ -230,17 +296,20 @@ def sync_estimate(cfg: Config, world_size: int, transport: str, a: SyncAssumptio
 
 def notes(cfg: Config, gpu_memory_gib: float, world_size: int,
           assumptions: Optional[SyncAssumptions] = None) -> list[str]:
-    """The plan's lines for the rollout servers: memory per SGLang GPU in bf16 and FP8, and the
-    weight-sync pause of both transports (the configured one marked)."""
+    """The plan's lines for the rollout servers: memory per server GPU in bf16 and FP8 (in the
+    terms of ``rollout.engine``), and the weight-sync pause of both transports (the configured one
+    marked)."""
     a = assumptions or SyncAssumptions()
     r = cfg.rollout
     fp8_on = r.quantization == "fp8"
-    fraction = r.mem_fraction_static if r.mem_fraction_static is not None else DEFAULT_MEM_FRACTION
+    b = server_budget(cfg)
+    fraction, default = server_fraction(cfg)
     rollout_tokens = cfg.run.seq_length + 1
-    lines = [f"server memory per SGLang GPU ({r.tp_size} GPU(s) per server; mem_fraction_static "
-             f"{fraction:g}{'' if r.mem_fraction_static is not None else ' assumed'} of "
-             f"{gpu_memory_gib:g} GiB = {fraction * gpu_memory_gib:.1f} GiB for weights + KV "
-             "cache):"]
+    source = f" ({b.default_source})" if default else " (rollout.mem_fraction_static)"
+    lines = [f"server memory per {b.engine} GPU ({r.tp_size} GPU(s) per server; {b.flag} "
+             f"{fraction:g}{source} of {gpu_memory_gib:g} GiB = {fraction * gpu_memory_gib:.1f} "
+             f"GiB for {b.holds}):"]
+    bound = f" {b.kv_bound}" if b.kv_bound else ""
     base = server_memory(cfg, gpu_memory_gib, fp8=False)
     for fp8 in (False, True):
         mem = server_memory(cfg, gpu_memory_gib, fp8)
@@ -250,7 +319,7 @@ def notes(cfg: Config, gpu_memory_gib: float, world_size: int,
         mark = "  [this config]" if fp8 == fp8_on else ""
         lines.append(f"  {what} {mem.weights / GIB:.2f} GiB -> KV cache {mem.kv / GIB:.2f} GiB = "
                      f"{mem.kv_tokens:,} tokens ({mem.kv_tokens // rollout_tokens:,} sequences of "
-                     f"run.seq_length + 1 = {rollout_tokens:,}{gain}){mark}")
+                     f"run.seq_length + 1 = {rollout_tokens:,}{gain}){bound}{mark}")
     inv = inventory(cfg, fp8_on)
     lines.append(f"weight sync per step (a model, not a measurement; docs/performance.md): "
                  f"{inv.total / GB:.1f} GB {'fp8 + scales' if fp8_on else 'bf16'} on the wire, "

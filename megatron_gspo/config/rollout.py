@@ -190,8 +190,10 @@ class RolloutConfig:
     why it is gone. A stop signal ends the wait at once."""
     # -- SGLang server flags (the Slurm launcher passes them; names as SGLang spells them) --
     mem_fraction_static: Optional[float] = None
-    """SGLang --mem-fraction-static: the share of GPU memory for weights and KV cache; null:
-    SGLang's own default."""
+    """The share of each server GPU the engine takes; null: the engine's own default. SGLang:
+    --mem-fraction-static, the share for weights and KV cache. vLLM (rollout.engine vllm):
+    --gpu-memory-utilization, the share for weights, activations, CUDA graphs and KV cache
+    (default 0.92). ``megatron-gspo plan`` reads it in the engine's terms."""
     ep_size: int = 1
     """SGLang --ep-size: expert parallelism inside one server (divides rollout.tp_size)."""
     enable_dp_attention: bool = False

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from megatron_gspo.config import ConfigError, load_config
+from megatron_gspo.rollout_plan import SERVER_BUDGETS
 from pipeline.engines.vllm import server_args as sa
 from tests.engines import vllm_env
 
@@ -45,6 +46,14 @@ class VllmParser:
             raise RuntimeError(f"the parser process exited ({self.proc.wait()}):\n"
                                f"{self.log.read_text()[-3000:]}")
         return json.loads(line)
+
+    def defaults(self, dests: list[str]) -> dict:
+        """vLLM's engine arguments without any flag, by destination."""
+        self.proc.stdin.write(json.dumps({"defaults": dests}) + "\n")
+        self.proc.stdin.flush()
+        answer = json.loads(self.proc.stdout.readline())
+        assert answer["error"] is None, answer["error"]
+        return answer["values"]
 
     def accepts(self, argv: list[str]) -> dict:
         answer = self.parse(argv)
@@ -171,3 +180,14 @@ def test_environment_and_shell_rendering(tmp_path):
     assert line.startswith(f'"$PY" -m {sa.API_SERVER_MODULE} --model "$MODEL" --host 0.0.0.0 '
                            "--port $((P0 + 2 * i)) --seed $((1234 + i))")
     assert """--weight-transfer-config '{"backend": "nccl"}'""" in line
+
+
+@pytest.mark.vllm
+def test_the_memory_plans_vllm_default_share_is_vllms_own(vllm_parser):
+    """``megatron-gspo plan`` with ``rollout.engine: vllm`` and no ``rollout.mem_fraction_static``
+    (which renders no --gpu-memory-utilization) plans vLLM's own default share of the GPU."""
+    cfg = _cfg(RECIPE, "rollout.engine=vllm", "rollout.mem_fraction_static=null")
+    argv = sa.server_argv(cfg, model_path="/models/hf", port=20010, seed=1, device="cuda")
+    assert "--gpu-memory-utilization" not in argv
+    got = vllm_parser.defaults(["gpu_memory_utilization"])
+    assert got["gpu_memory_utilization"] == SERVER_BUDGETS["vllm"].default

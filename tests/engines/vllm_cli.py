@@ -6,7 +6,9 @@ Run as a script by the vLLM environment's interpreter (launch/envs/vllm_cpu.sh),
 its own: ``.venv-vllm/bin/python tests/engines/vllm_cli.py``. It reads one JSON request a line on
 stdin, ``{"argv": [...]}`` (the words after ``python -m vllm.entrypoints.launchers.api_server.entry``),
 and answers one JSON line: ``{"error": null, "values": {dest: value}}`` (the parsed values of the
-flags given) when vLLM takes the command line, else ``{"error": "<what is wrong>"}``.
+flags given) when vLLM takes the command line, else ``{"error": "<what is wrong>"}``. A request
+``{"defaults": [dest, ...]}`` answers ``{"error": null, "values": {dest: value}}`` with the values
+vLLM's engine arguments take when no flag is given (``AsyncEngineArgs`` of an empty command line).
 
 The parser is the one that module's ``main`` builds: ``make_arg_parser(FlexibleArgumentParser())``
 (``vllm.entrypoints.launchers.cli_args``), followed by its ``validate_parsed_serve_args`` and
@@ -77,8 +79,13 @@ def main() -> int:
     for line in sys.stdin:
         request = json.loads(line)
         try:
-            answer = {"error": None, "values": check(parser, request["argv"])}
-        except CommandLineError as exc:
+            if "defaults" in request:
+                engine_args = AsyncEngineArgs.from_cli_args(parser.parse_args([]))
+                values = {dest: getattr(engine_args, dest) for dest in request["defaults"]}
+            else:
+                values = check(parser, request["argv"])
+            answer = {"error": None, "values": values}
+        except (CommandLineError, AttributeError) as exc:
             answer = {"error": str(exc)}
         print(json.dumps(answer, default=str), flush=True)
     return 0

@@ -13,6 +13,7 @@ import pytest
 
 from launch.cli import main
 from megatron_gspo.config import load_config
+from megatron_gspo.plan import plan_memory
 from megatron_gspo.rollout_plan import (GB, GIB, SyncAssumptions, inventory, server_memory,
                                         sync_estimate)
 
@@ -112,3 +113,43 @@ def test_a_bad_assumption_exits_2_naming_the_flag(item, capsys):
     argv = ["plan", "--config", "launch/configs/qwen3_30b_a3b.yaml", "--sync-assume", item]
     assert main(argv) == 2
     assert f"--sync-assume: {item!r}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("engine,flag,default", [("sglang", "mem_fraction_static", 0.85),
+                                                 ("vllm", "gpu_memory_utilization", 0.92)])
+def test_server_memory_is_planned_in_the_engines_own_terms(engine, flag, default):
+    """``rollout.mem_fraction_static`` is SGLang's --mem-fraction-static (weights + KV cache) or
+    vLLM's --gpu-memory-utilization (also activations and CUDA graphs, which vLLM profiles when
+    it starts: the planned KV cache is an upper bound), with each engine's own default when
+    unset (vLLM 0.32's 0.92 is checked against vLLM's code in the vllm tier:
+    tests/engines/test_vllm_server_args.py); the weight-update groups every server GPU joins:
+    one per sender for SGLang, vLLM's weight-transfer engine's one for vLLM."""
+    base = ["rollout.weight_sync.transport=distributed", f"rollout.engine={engine}",
+            "rollout.mem_fraction_static=null"]
+    cfg = load_config("launch/configs/qwen3_30b_a3b.yaml", base)
+    mem = server_memory(cfg, 80, fp8=False)
+    assert mem.budget == default * 80 * GIB
+    per_token = 2 * 48 * (4 // 2) * 128 * 2  # K and V, 48 layers, 2 of 4 KV heads per GPU, bf16
+    assert mem.kv_tokens == int((default * 80 * GIB - mem.weights) // per_token)
+    lines = notes_of(cfg)
+    (head,) = [l for l in lines if l.startswith("server memory per ")]
+    assert head.startswith(f"server memory per {'SGLang' if engine == 'sglang' else 'vLLM'} GPU ")
+    assert f"{flag} {default:g} (" in head and f"= {default * 80:.1f} GiB" in head
+    served = [l for l in lines if l.startswith("  served in ")]
+    assert len(served) == 2
+    assert all(("at most: less the activation peak" in l) == (engine == "vllm") for l in served)
+    (groups,) = [l for l in lines if l.startswith("rollout-server GPU")]
+    count = 1 if engine == "vllm" else 2  # 16 ranks, one stage, 8 GPUs a node: a sender each
+    name = "SGLang" if engine == "sglang" else "vLLM"
+    assert f": {count} update group(s) (" in groups and f"outside {name}'s {flag}" in groups
+    assert f"what it leaves: {1 - default:.2f} x 80 GiB" in groups
+    # set: the same share for both, in each engine's flag
+    set_cfg = load_config("launch/configs/qwen3_30b_a3b.yaml",
+                          [*base[:2], "rollout.mem_fraction_static=0.7"])
+    assert server_memory(set_cfg, 80, fp8=False).budget == 0.7 * 80 * GIB
+    assert any(l.startswith("server memory per ") and f"{flag} 0.7 (rollout.mem_fraction_static)"
+               in l for l in notes_of(set_cfg))
+
+
+def notes_of(cfg) -> list[str]:
+    return plan_memory(cfg, 16, 80).notes
