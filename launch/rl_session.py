@@ -157,7 +157,7 @@ class RLSession(Session):
         common = dict(cfg=cfg, run_dir=str(run_dir), stop=self.stop, control_group=self.control)
         if not self.is_main:
             return LoopContext(**common, logger=MetricsLogger(run_dir, enabled=False),
-                                    parity=_parity_watchdog(cfg, run_dir))
+                                    parity=_parity_watchdog(cfg, run_dir, self.engine))
 
         train_set, eval_set = build_datasets(cfg.data, seed=cfg.run.seed)
         sampler = PromptSampler(train_set, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
@@ -202,7 +202,8 @@ class RLSession(Session):
                                    interrupted=lambda: self.stop.signum is not None),
             client=client, decode=encoder.decode,
             stop_token_ids=[encoder.eos_id], server_urls=list(server_urls), servers=pool,
-            parity=_parity_watchdog(cfg, run_dir, eval_set=eval_set, train_set=train_set))
+            parity=_parity_watchdog(cfg, run_dir, self.engine, eval_set=eval_set,
+                                    train_set=train_set))
 
     def build_source(self, ctx: LoopContext, start_step: int, run_state: dict) -> BatchSource:
         """The run's batch source, chosen once from ``rollout.async`` (every rank holds one, rank
@@ -273,15 +274,16 @@ class RLSession(Session):
         return PREEMPTED_EXIT_CODE if result["status"] == "preempted" else 0
 
 
-def _parity_watchdog(cfg: Config, run_dir: Path, *, eval_set=None, train_set=None):
-    """The parity watchdog of every rank (None unless parity.enabled); rank 0 passes the
-    datasets its probe prompts are drawn from (``pipeline.weights.parity``)."""
+def _parity_watchdog(cfg: Config, run_dir: Path, engine: Engine, *, eval_set=None,
+                     train_set=None):
+    """The parity watchdog of every rank (None unless parity.enabled), scoring through the
+    engine's scorer; rank 0 passes the datasets its probe prompts are drawn from
+    (``pipeline.weights.parity``)."""
     if not cfg.parity.enabled:
         return None
-
     prompts = (draw_probe_prompts(eval_set, train_set, cfg.parity.num_probes, cfg.run.seed)
                if train_set is not None else [])
-    return ParityWatchdog(cfg, run_dir, prompts=prompts)
+    return ParityWatchdog(cfg, run_dir, engine.scorer, prompts=prompts)
 
 
 

@@ -14,7 +14,7 @@ from megatron_gspo.config.model import ModelConfig, ParallelConfig
 from megatron_gspo.config.rollout import ParityConfig, RolloutConfig
 from megatron_gspo.config.run import OptimConfig, RunSettings
 from megatron_gspo.config.validate import (validate_batches, validate_data_reward,
-                                           validate_engine, validate_model_parallel,
+                                           validate_model_parallel,
                                            validate_parallel_optim,
                                            validate_quantization, validate_routing_replay,
                                            validate_schedule, validate_staleness,
@@ -44,7 +44,6 @@ class Config:
         validate_schedule(self.optim, self.run)
         validate_weight_sync(self.rollout, self.model)
         validate_quantization(self.rollout, self.gspo)
-        validate_engine(self.rollout, self.parity.enabled)
         validate_routing_replay(self.gspo, self.model)
         validate_staleness(self.rollout, self.run, self.gspo, self.model)
 

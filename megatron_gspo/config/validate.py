@@ -123,13 +123,6 @@ def validate_weight_sync(rollout: RolloutConfig, model: ModelConfig) -> None:
             "bfloat16")
 
 
-def validate_engine(rollout: RolloutConfig, parity_enabled: bool) -> None:
-    """What rollout.engine vllm does not offer yet across sections."""
-    require(not (rollout.engine == "vllm" and parity_enabled),
-            "parity.enabled: the parity watchdog scores its probes through SGLang's /generate "
-            "(prompt log-probs); not with rollout.engine vllm yet: set parity.enabled: false")
-
-
 def validate_quantization(rollout: RolloutConfig, gspo: GSPOConfig) -> None:
     """FP8 rollouts, bf16 training (``rollout.quantization``): the rollout log-probs come from
     FP8 weights, the trainer's from its own; the behaviour weight (``gspo.mismatch_correction``,

@@ -13,7 +13,9 @@ The pipeline needs four things of an engine, and nothing else asks which engine 
 * a weight transport per ``rollout.weight_sync.transport`` (:meth:`Engine.make_transport`,
   :class:`pipeline.weights.interface.Transport`): :class:`pipeline.weights.push.WeightPusher`
   keeps the pause, the bucket order, the checks, the versions and the recovery for all of them.
-* the servers of an embedded run (:meth:`Engine.cluster`) and their flags.
+* the servers of an embedded run (:meth:`Engine.cluster`) and their flags;
+* :class:`ProbeScorer`: how the parity watchdog (``pipeline.weights.parity``) has one server
+  score fixed token sequences (prefill only, the log-probs of given tokens at T = 1).
 
 :func:`pipeline.engines.choice.engine` returns the one :class:`Engine` of a run; it is chosen
 once, where the session is built (``launch.rl_session``).
@@ -57,6 +59,21 @@ class GenerationWire(Protocol):
         """(path, body) that aborts the request ``rid`` on a server (None: every request)."""
 
 
+class ProbeScorer(Protocol):
+    """One engine's scoring of a parity probe: the raw (T = 1) log-probs a server gives the
+    probe's response tokens after its prompt, prefill only (``pipeline.weights.parity``)."""
+
+    def score_call(self, rid: str, prompt_ids: Sequence[int], response_ids: Sequence[int], *,
+                   routed_experts: bool = False) -> tuple[str, dict]:
+        """(path, body) of the request (``routed_experts``: also the routed experts, where the
+        engine gives them for a prefill)."""
+
+    def read_scores(self, body: Any, prompt_ids: Sequence[int], response_ids: Sequence[int],
+                    url: str) -> tuple[list[float], Any]:
+        """A 200 answer -> (one log-prob per response token, the routed experts or None);
+        ``RolloutError`` naming ``url`` when it is malformed or scores other tokens."""
+
+
 class ServerControl(Protocol):
     """What the weight sync and the server pool do to one server (``url``); every call is
     bounded by ``timeout_s`` and raises ``RolloutError`` naming the server and the call."""
@@ -98,6 +115,7 @@ class Engine(Protocol):
     name: str
     wire: GenerationWire
     control: ServerControl
+    scorer: ProbeScorer
 
     def check(self, cfg, *, on_gpu: bool) -> None:
         """Refuse (``ConfigError``, one line naming the field) what the engine cannot serve of

@@ -1,10 +1,12 @@
 """SGLang behind the engine seam (:mod:`pipeline.engines.base`): the existing client's wire
-(:class:`pipeline.generation.client.SGLangWire`), SGLang 0.5.23's control calls, the three
-transports of :mod:`pipeline.weights` and the embedded cluster of ``megatron-gspo serve``
-processes behind the sglang-router. Nothing here changes what those do; it names them."""
+(:class:`pipeline.generation.client.SGLangWire`), SGLang 0.5.23's control calls, the parity
+probes' scoring (:class:`SGLangScorer`), the three transports of :mod:`pipeline.weights` and the
+embedded cluster of ``megatron-gspo serve`` processes behind the sglang-router."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -65,12 +67,55 @@ class SGLangControl:
         return "/model_info" if paused else "/health"
 
 
+class SGLangScorer:
+    """The parity probes through SGLang's native ``/generate`` (docs/sglang_protocol.md):
+    ``input_ids`` = prompt + response, ``max_new_tokens: 0`` (prefill only), ``return_logprob:
+    true`` and ``logprob_start_len: len(prompt) - 1``. SGLang then answers
+    ``input_token_logprobs`` for the input tokens from that position on, the first entry
+    ``[None, token, ...]`` (SGLang never gives the token AT ``logprob_start_len`` a value) and then
+    one ``[logprob, token, text]`` per response token: the raw (T = 1) ``log_softmax(logits)``,
+    without temperature. With ``routed_experts``, SGLang's ``return_routed_experts``."""
+
+    def score_call(self, rid: str, prompt_ids: Sequence[int], response_ids: Sequence[int], *,
+                   routed_experts: bool = False) -> tuple[str, dict]:
+        body = {"rid": rid, "input_ids": list(prompt_ids) + list(response_ids),
+                "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
+                "return_logprob": True, "logprob_start_len": len(prompt_ids) - 1,
+                "stream": False}
+        if routed_experts:
+            body["return_routed_experts"] = True
+        return "/generate", body
+
+    def read_scores(self, body: Any, prompt_ids: Sequence[int], response_ids: Sequence[int],
+                    url: str) -> tuple[list[float], Any]:
+        """The last ``len(response)`` entries of ``input_token_logprobs``, their token ids
+        checked; ``meta_info.routed_experts`` when present."""
+        if isinstance(body, list) and len(body) == 1:
+            body = body[0]
+        n = len(response_ids)
+        try:
+            entries = body["meta_info"]["input_token_logprobs"]
+            if len(entries) < n:
+                raise ValueError(f"{len(entries)} input_token_logprobs for {n} response tokens")
+            tail = entries[len(entries) - n:]
+            ids = [int(e[1]) for e in tail]
+            if ids != list(response_ids):
+                raise ValueError(f"input_token_logprobs token ids {ids} are not the response "
+                                 f"{list(response_ids)}")
+            values = [float(e[0]) for e in tail]
+        except (KeyError, TypeError, ValueError, IndexError) as err:
+            raise rollout.RolloutError(url, 200, f"malformed parity /generate answer: {err}; "
+                                                 f"body: {json.dumps(body)[:300]}") from None
+        return values, (body.get("meta_info") or {}).get("routed_experts")
+
+
 class SGLangEngine:
     """SGLang (and the project's own server, which speaks its protocol)."""
 
     name = "sglang"
     wire = rollout.SGLANG_WIRE
     control = SGLangControl()
+    scorer = SGLangScorer()
 
     def check(self, cfg, *, on_gpu: bool) -> None:
         """Nothing beyond the config's own checks."""

@@ -13,19 +13,18 @@ response the servers generate greedily at the first check (at most ``rollout.max
 tokens, stopping at EOS), written to ``<run_dir>/parity_probes.json`` and read back by a resumed
 run, so every check of a run scores the same token sequences.
 
-The servers' side is SGLang's native ``/generate`` (docs/sglang_protocol.md): ``input_ids`` =
-prompt + response, ``max_new_tokens: 0`` (prefill only), ``return_logprob: true`` and
-``logprob_start_len: len(prompt) - 1``. SGLang then answers ``input_token_logprobs`` for the
-input tokens from that position on, the first entry ``[None, token, ...]`` (SGLang never gives
-the token AT ``logprob_start_len`` a value) and then one ``[logprob, token, text]`` per response
-token: the raw (T = 1) ``log_softmax(logits)``, without temperature. The trainer's side is
+The servers' side is the engine's scorer (``pipeline.engines.base.ProbeScorer``, chosen with
+``rollout.engine``): prompt + response as the input, prefill only, the raw (T = 1) log-probs of
+the response tokens (SGLang: ``/generate`` with ``input_token_logprobs``,
+``pipeline.engines.sglang.SGLangScorer``; vLLM: ``/inference/v1/generate`` with
+``prompt_logprobs``, ``pipeline.engines.vllm.client.VllmScorer``). The trainer's side is
 ``RLTrainer.score_log_probs`` (the RL loss's log-prob function, Megatron, every rank) at T = 1.
 
 Each server is asked directly (not through the router, which would pick one), one request per
 probe. A server that does not answer at all (it died after the sync) is left out of that check
 and counted (``parity/servers_unreachable``): the server pool drops it at the next sync; one that
-answers with an error fails the check. Router disagreement: when the servers return ``routed_experts`` (SGLang's
-``return_routed_experts``; ``request_routed_experts``), the raw answers are handed to
+answers with an error fails the check. Router disagreement: when the servers return
+``routed_experts`` (SGLang's ``return_routed_experts``), the raw answers are handed to
 ``routing_hook(probes, routed_by_server)``, whose metrics are logged with the gaps; without a
 hook nothing is asked for.
 
@@ -52,11 +51,12 @@ from pipeline.generation.client import RolloutError, SamplingParams, error_messa
 from pipeline.scoring.tasks import PAD_ID
 
 if TYPE_CHECKING:
+    from pipeline.engines.base import ProbeScorer
     from pipeline.scoring.data import Prompt
 
 PROBES_FILE = "parity_probes.json"
 PROBE_TEMPERATURE = 1.0
-"""SGLang's input_token_logprobs are raw log-probs (T = 1); the trainer scores at the same."""
+"""The engines' scores are raw log-probs (T = 1); the trainer scores at the same."""
 
 
 class ParityError(RuntimeError):
@@ -110,57 +110,23 @@ def load_probes(path: Path) -> list[Probe]:
 # The servers' side
 
 
-def score_request(rid: str, probe: Probe, *, routed_experts: bool = False) -> dict:
-    """The /generate body that scores ``probe``'s response tokens (prefill only)."""
-    body = {"rid": rid, "input_ids": list(probe.prompt_ids) + list(probe.response_ids),
-            "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
-            "return_logprob": True, "logprob_start_len": len(probe.prompt_ids) - 1,
-            "stream": False}
-    if routed_experts:
-        body["return_routed_experts"] = True
-    return body
-
-
-def parse_score_response(body: Any, probe: Probe, url: str) -> list[float]:
-    """The response tokens' log-probs from a /generate answer to :func:`score_request`: the last
-    ``len(response)`` entries of ``input_token_logprobs``, their token ids checked."""
-    if isinstance(body, list) and len(body) == 1:
-        body = body[0]
-    n = len(probe.response_ids)
-    try:
-        entries = body["meta_info"]["input_token_logprobs"]
-        if len(entries) < n:
-            raise ValueError(f"{len(entries)} input_token_logprobs for {n} response tokens")
-        tail = entries[len(entries) - n:]
-        ids = [int(e[1]) for e in tail]
-        if ids != list(probe.response_ids):
-            raise ValueError(f"input_token_logprobs token ids {ids} are not the response "
-                             f"{list(probe.response_ids)}")
-        values = [float(e[0]) for e in tail]
-    except (KeyError, TypeError, ValueError, IndexError) as err:
-        raise RolloutError(url, 200, f"malformed parity /generate answer: {err}; body: "
-                                     f"{json.dumps(body)[:300]}") from None
-    return values
-
-
-def score_on_server(url: str, probes: Sequence[Probe], *, timeout_s: float,
+def score_on_server(url: str, probes: Sequence[Probe], scorer: ProbeScorer, *, timeout_s: float,
                     routed_experts: bool = False) -> tuple[list[list[float]], list[Any]]:
-    """Every probe scored by the server at ``url``: (log-probs per probe, ``routed_experts`` per
-    probe or None). One request per probe, sent straight to the server."""
+    """Every probe scored by the server at ``url`` through the engine's ``scorer``: (log-probs per
+    probe, routed experts per probe or None). One request per probe, sent straight to the
+    server."""
     tag = uuid.uuid4().hex[:10]
     values, routed = [], []
     for i, probe in enumerate(probes):
-        status, answer = http_json("POST", url.rstrip("/") + "/generate",
-                                   score_request(f"parity-{tag}-{i}", probe,
-                                                 routed_experts=routed_experts),
-                                   timeout_s=timeout_s)
+        path, body = scorer.score_call(f"parity-{tag}-{i}", probe.prompt_ids, probe.response_ids,
+                                       routed_experts=routed_experts)
+        status, answer = http_json("POST", url.rstrip("/") + path, body, timeout_s=timeout_s)
         if status != 200:
             raise RolloutError(url, status, error_message(json.dumps(answer)
                                                           if not isinstance(answer, str) else answer))
-        values.append(parse_score_response(answer, probe, url))
-        body = answer[0] if isinstance(answer, list) and answer else answer
-        routed.append((body.get("meta_info") or {}).get("routed_experts")
-                      if isinstance(body, dict) else None)
+        got, experts = scorer.read_scores(answer, probe.prompt_ids, probe.response_ids, url)
+        values.append(got)
+        routed.append(experts)
     return values, routed
 
 
@@ -245,12 +211,15 @@ class ParityResult:
 class ParityWatchdog:
     """Every rank holds one (built by ``launch.rl_session``); rank 0's holds the probe prompts.
 
+    ``scorer``: the engine's (``Engine.scorer``; rank 0 asks the servers through it).
     ``routing_hook(probes, routed_by_server) -> dict``: optional metrics of the routers'
     disagreement from the servers' ``routed_experts`` (asked for only when it is set)."""
 
-    def __init__(self, cfg: Config, run_dir: str | Path, *, prompts: Sequence[Prompt] = (),
+    def __init__(self, cfg: Config, run_dir: str | Path, scorer: ProbeScorer, *,
+                 prompts: Sequence[Prompt] = (),
                  routing_hook: Optional[Callable[[list[Probe], dict[str, list]], dict]] = None):
         self.cfg = cfg
+        self.scorer = scorer
         self.path = Path(run_dir) / PROBES_FILE
         self.prompts = list(prompts)
         self.probes: Optional[list[Probe]] = None
@@ -290,7 +259,7 @@ class ParityWatchdog:
         for url in urls:
             try:
                 scores[url], routed[url] = score_on_server(
-                    url, probes, timeout_s=self.cfg.rollout.request_timeout_s,
+                    url, probes, self.scorer, timeout_s=self.cfg.rollout.request_timeout_s,
                     routed_experts=want_routing)
             except RolloutError as err:
                 if err.status is not None:  # it answered, wrongly: that is an error

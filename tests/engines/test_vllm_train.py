@@ -5,7 +5,7 @@ started by the session from the vLLM environment, 3 GSPO steps:
 * ``rollout.async: off`` with the disk sync (the worker extension's reload, the MoE repack, the
   prefix-cache reset): after EVERY sync the trainer's log-probs of the samples equal vLLM's
   (``train/rollout_trainer_logprob_abs_diff``, fp32: < 1e-4; a stale or corrupted served model
-  is off by nats);
+  is off by nats), and so do the parity watchdog's probes scored by vLLM (``parity/*``);
 * ``rollout.async: full`` with the gloo broadcast (the servers paused in ``keep`` and the paused
   requests recomputed under the new weights): every step trained within the staleness bound,
   nothing dropped, the per-token versions read from vLLM's spans;
@@ -46,11 +46,20 @@ def train(run_dir, *extra: str):
 
 
 def test_three_synchronous_steps_with_vllm_match_the_trainer_after_every_sync(tmp_path):
-    rows = train(tmp_path / "off", "rollout.async=off", "rollout.weight_sync.transport=disk")
+    rows = train(tmp_path / "off", "rollout.async=off", "rollout.weight_sync.transport=disk",
+                 "parity.enabled=true", "parity.num_probes=4")
     for r in rows:
         assert r["train/rollout_trainer_logprob_abs_diff"] < 1e-4, r
         assert r["train/staleness_max"] == 0.0
         assert r["sync/verified_buckets"] > 0  # the worker extension checked each shard
+    # the parity watchdog through vLLM's prompt log-probs after every sync (the initial one and
+    # one per step): the served model is the trainer's, to fp32 noise, no re-sync
+    checks = {r["step"]: r for r in read_metrics(tmp_path / "off")
+              if "parity/logprob_gap_mean" in r}
+    assert sorted(checks) == [0, 1, 2, 3], checks
+    for r in checks.values():
+        assert 0 < r["parity/logprob_gap_mean"] <= r["parity/logprob_gap_max"] < 1e-4, r
+        assert r["parity/num_tokens"] > 0 and "parity/resyncs" not in r
 
 
 def test_three_full_async_steps_with_vllm_stay_within_the_staleness_bound(tmp_path):

@@ -130,7 +130,6 @@ def test_a_vllm_server_without_the_worker_extension_is_refused_by_name(tmp_path)
     ("rollout.engine=tgi", "rollout.engine"),
     ("rollout.top_p=0.9", "rollout.engine"),
     ("rollout.colocated=true", "rollout.colocated"),
-    ("parity.enabled=true", "parity.enabled"),
     ("rollout.weight_sync.transport=tensor", "rollout.engine"),
 ])
 def test_rollout_engine_is_validated_with_one_line_naming_the_field(override, field):

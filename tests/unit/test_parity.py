@@ -15,10 +15,12 @@ import torch.distributed as dist
 
 from megatron_gspo.config import ConfigError, config_from_dict
 from pipeline.step.phases import check_parity
+from pipeline.engines.sglang import SGLangScorer
+from pipeline.engines.vllm.client import VllmScorer
 from pipeline.weights import parity
 from pipeline.scoring.data import TaskPromptDataset
 from pipeline.weights.parity import (ParityError, ParityResult, ParityWatchdog, Probe, gap_stats,
-                             load_probes, parse_score_response, probe_batch, response_values,
+                             load_probes, probe_batch, response_values,
                              save_probes)
 from pipeline.generation.client import RolloutError
 from pipeline.scoring.tasks import AdditionTask
@@ -57,17 +59,45 @@ def test_probe_rows_and_their_response_positions():
         probe_batch([Probe([1] * 6, [2] * 4)], seq_length=8)
 
 
-def test_a_server_answer_is_read_and_checked():
+def test_an_sglang_answer_is_read_and_checked():
+    read = SGLangScorer().read_scores
     answer = {"meta_info": {"input_token_logprobs": [[None, 5, None], [-0.5, 6, None],
                                                      [-0.25, 7, None]]}}
-    assert parse_score_response(answer, PROBES[0], "http://s") == [-0.5, -0.25]
+    assert read(answer, PROBES[0].prompt_ids, PROBES[0].response_ids, "http://s") == (
+        [-0.5, -0.25], None)
     wrong = {"meta_info": {"input_token_logprobs": [[None, 5, None], [-0.5, 6, None],
                                                     [-0.25, 8, None]]}}
     with pytest.raises(RolloutError, match="http://s.*not the response"):
-        parse_score_response(wrong, PROBES[0], "http://s")
+        read(wrong, PROBES[0].prompt_ids, PROBES[0].response_ids, "http://s")
     with pytest.raises(RolloutError, match="1 input_token_logprobs for 2"):
-        parse_score_response({"meta_info": {"input_token_logprobs": [[None, 5, None]]}},
-                             PROBES[0], "http://s")
+        read({"meta_info": {"input_token_logprobs": [[None, 5, None]]}},
+             PROBES[0].prompt_ids, PROBES[0].response_ids, "http://s")
+
+
+def test_a_vllm_probe_request_and_answer():
+    """vLLM 0.32's ``/inference/v1/generate`` with ``prompt_logprobs: 0``: one entry per input
+    token (``None`` first), keyed by the token's id as a JSON string (the real server's answers:
+    tests/engines/test_vllm_server.py)."""
+    scorer, (prompt, response) = VllmScorer(), (PROBES[0].prompt_ids, PROBES[0].response_ids)
+    path, body = scorer.score_call("parity-x-0", prompt, response)
+    assert path == "/inference/v1/generate" and body["token_ids"] == [3, 4, 5, 6, 7]
+    assert body["sampling_params"]["prompt_logprobs"] == 0
+    assert body["sampling_params"]["max_tokens"] == 1 and body["stream"] is False
+    entry = lambda t, v: {str(t): {"logprob": v, "rank": 1, "decoded_token": None}}  # noqa: E731
+    answer = {"prompt_logprobs": [None, entry(4, -1.0), entry(5, -2.0), entry(6, -0.5),
+                                  entry(7, -0.25)], "choices": [{"token_ids": [9]}]}
+    assert scorer.read_scores(answer, prompt, response, "http://v") == ([-0.5, -0.25], None)
+    other = {**answer, "prompt_logprobs": [*answer["prompt_logprobs"][:4], entry(8, -0.25)]}
+    with pytest.raises(RolloutError, match=r"http://v.*prompt_logprobs\[4\] scores \['8'\], "
+                                           "not the response token 7"):
+        scorer.read_scores(other, prompt, response, "http://v")
+    with pytest.raises(RolloutError, match="4 prompt_logprobs for 5 input tokens"):
+        scorer.read_scores({"prompt_logprobs": answer["prompt_logprobs"][:4]}, prompt, response,
+                           "http://v")
+    with pytest.raises(RolloutError, match="malformed parity answer"):
+        scorer.read_scores({"choices": []}, prompt, response, "http://v")
+    with pytest.raises(ValueError, match="routed experts"):
+        scorer.score_call("r", prompt, response, routed_experts=True)
 
 
 def test_probe_file_round_trip_and_a_damaged_one(tmp_path):
@@ -116,7 +146,7 @@ class StandInServers(ParityWatchdog):
     """Answers with the trainer's values plus ``offsets[k]`` at the k-th check (per server)."""
 
     def __init__(self, cfg, run_dir, offsets):
-        super().__init__(cfg, run_dir)
+        super().__init__(cfg, run_dir, SGLangScorer())
         self.offsets, self.calls = list(offsets), 0
 
     def server_scores(self, urls, client, stop_token_ids):
@@ -187,7 +217,7 @@ def test_a_server_that_died_after_the_sync_is_counted_not_checked(tmp_path, caps
     from pipeline.servers.cluster import free_port
 
     cfg = config_from_dict({"parity": {"enabled": True}, "rollout": {"request_timeout_s": 5.0}})
-    watchdog = ParityWatchdog(cfg, tmp_path)
+    watchdog = ParityWatchdog(cfg, tmp_path, SGLangScorer())
     watchdog.probes = PROBES
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with pytest.raises(RolloutError, match="no rollout server answered"):

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -161,6 +161,49 @@ class VllmWire:
 
     def abort_call(self, rid: Optional[str]) -> tuple[str, dict]:
         return "/abort_requests", ({"request_ids": [vllm_request_id(rid)]} if rid else {})
+
+
+class VllmScorer:
+    """The parity probes (``pipeline.engines.base.ProbeScorer``) through
+    ``/inference/v1/generate``: ``token_ids`` = prompt + response, ``prompt_logprobs: 0`` (each
+    input token's own log-prob, no alternatives), ``max_tokens: 1`` (vLLM's least; the one
+    generated token is ignored). vLLM 0.32 answers ``prompt_logprobs``: ``None`` for the first
+    input token, then one ``{token_id: {"logprob", "rank", "decoded_token"}}`` per input token,
+    the raw (T = 1) ``log_softmax`` whatever ``--logprobs-mode`` (prompt tokens skip the sampling
+    processors: ``GPUModelRunner._get_prompt_logprobs_dict``), ``-inf`` sent as -9999. Routed
+    experts of a prefill are not asked for (the parity routing hook is SGLang's)."""
+
+    def score_call(self, rid: str, prompt_ids: Sequence[int], response_ids: Sequence[int], *,
+                   routed_experts: bool = False) -> tuple[str, dict]:
+        if routed_experts:
+            raise ValueError("parity routing hook: vLLM's scorer does not ask for the routed "
+                             "experts of a prefill")
+        return GENERATE_PATH, {
+            "request_id": rid, "token_ids": [int(t) for t in [*prompt_ids, *response_ids]],
+            "sampling_params": {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0,
+                                "detokenize": False},
+            "output_mode": "tokens", "stream": False}
+
+    def read_scores(self, body: Any, prompt_ids: Sequence[int], response_ids: Sequence[int],
+                    url: str) -> tuple[list[float], Any]:
+        """The response tokens' entries of ``prompt_logprobs``, each keyed by its own token."""
+        try:
+            entries = body["prompt_logprobs"]
+            total = len(prompt_ids) + len(response_ids)
+            if not isinstance(entries, list) or len(entries) != total:
+                raise ValueError(f"{len(entries) if isinstance(entries, list) else entries!r} "
+                                 f"prompt_logprobs for {total} input tokens")
+            values = []
+            for position, token in enumerate(response_ids, start=len(prompt_ids)):
+                entry = entries[position] or {}
+                if str(int(token)) not in entry:
+                    raise ValueError(f"prompt_logprobs[{position}] scores {sorted(entry)}, not "
+                                     f"the response token {int(token)}")
+                values.append(float(entry[str(int(token))]["logprob"]))
+        except (KeyError, TypeError, ValueError) as err:
+            raise rollout.RolloutError(url, 200, f"malformed parity answer: {err}; body: "
+                                                 f"{json.dumps(body)[:300]}") from None
+        return values, None
 
 
 class VllmControl:

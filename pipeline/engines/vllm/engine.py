@@ -23,7 +23,7 @@ import torch
 from megatron_gspo.config import Config, ConfigError
 from pipeline.engines.vllm import server_args as sa
 from pipeline.engines.vllm import weights
-from pipeline.engines.vllm.client import SERVER_FLAGS, VllmControl, VllmWire
+from pipeline.engines.vllm.client import SERVER_FLAGS, VllmControl, VllmScorer, VllmWire
 from pipeline.servers.cluster import LocalRolloutCluster
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -81,6 +81,7 @@ class VllmEngine:
     name = "vllm"
     wire = VllmWire()
     control = VllmControl()
+    scorer = VllmScorer()
 
     def check(self, cfg: Config, *, on_gpu: bool) -> None:
         """Embedded servers (on this machine's device): vLLM 0.32's refusals
