@@ -43,7 +43,8 @@ from pipeline.engines.vllm.weights import NCCL_ON_CPU
 from pipeline.generation.client import RolloutClient, SamplingParams, http_json
 from pipeline.generation.continuation import continue_samples
 from pipeline.servers.pool import ServerPool
-from pipeline.weights.parity import Probe, gap_stats, score_on_server
+from pipeline.weights.parity import Probe as ParityProbe
+from pipeline.weights.parity import gap_stats, score_on_server
 from pipeline.weights.push import WeightPusher
 from tests.engines import vllm_sync_worker
 
@@ -120,7 +121,7 @@ def test_the_parity_scorer_reads_vllms_raw_prompt_logprobs(vllm_url, hf_model):
     greedy = client_of(vllm_url).generate_sync(
         [(f"probe{i}", p, SamplingParams(temperature=0.0, max_new_tokens=12))
          for i, p in enumerate(PROMPTS)])
-    probes = [Probe(list(p), list(r.output_ids)) for p, r in zip(PROMPTS, greedy)]
+    probes = [ParityProbe(list(p), list(r.output_ids)) for p, r in zip(PROMPTS, greedy)]
     assert all(p.response_ids for p in probes)
     scores, routed = score_on_server(vllm_url, probes, VLLM.scorer, timeout_s=60)
     assert routed == [None] * len(probes)
@@ -130,7 +131,8 @@ def test_the_parity_scorer_reads_vllms_raw_prompt_logprobs(vllm_url, hf_model):
     print(f"parity probes, vLLM vs transformers: mean {gap['mean']:.2e}, max {gap['max']:.2e}")
     assert gap["max"] < 1e-4 and gap["num_tokens"] == sum(len(p.response_ids) for p in probes)
     # another response under the same prompt: other values (the response's own tokens are read)
-    shifted = [Probe(p.prompt_ids, [(t + 1) % 100 for t in p.response_ids]) for p in probes]
+    shifted = [ParityProbe(p.prompt_ids, [(t + 1) % 100 for t in p.response_ids])
+               for p in probes]
     other = score_on_server(vllm_url, shifted, VLLM.scorer, timeout_s=60)[0]
     assert gap_stats(other, reference)["mean"] > 1e-2
 
