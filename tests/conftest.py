@@ -74,6 +74,14 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.slow)  # the fast tier leaves it out (tests/tiers.py)
         if _listed(item.nodeid, EXTENDED):
             item.add_marker(pytest.mark.extended)  # out of the README's suite (tests/tiers.py)
+        # the tiers out of the README's suite are out of the fast tier too: `-m "not slow"`
+        # replaces pyproject.toml's `-m` (addopts), which is what leaves them out of the suite
+        if any(item.get_closest_marker(tier) for tier in OUTSIDE_THE_SUITE):
+            item.add_marker(pytest.mark.slow)
+
+
+OUTSIDE_THE_SUITE = ("extended", "bridge", "vllm")
+"""The markers pyproject.toml's addopts leaves out of the README's suite."""
 
 
 def _listed(nodeid: str, prefixes: tuple[str, ...]) -> bool:

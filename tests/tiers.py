@@ -14,7 +14,10 @@ checkpoint resume, vocab-parallel log-probs, routing replay (EP2), packed contex
 the memory planner's parameter count. The README's test command runs everything.
 
 Entries are node-id prefixes: a file, a test function (all its parameters) or one parametrised
-case. tests/conftest.py marks them ``slow`` at collection.
+case. tests/conftest.py marks them ``slow`` at collection, and also every test of the tiers out of
+the README's suite (``extended``, ``bridge``, ``vllm``): ``-m "not slow"`` replaces
+pyproject.toml's ``-m``, so without it the fast tier ran them (22 tests, ~2.5 min, with the
+vLLM environment built).
 
 :data:`EXTENDED` (marked ``extended`` at collection, like the tests marked so in their modules):
 the longest end-to-end checks, out of the README's suite (which must stay under 20 minutes on
