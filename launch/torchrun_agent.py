@@ -14,7 +14,8 @@ agent), with four changes:
   signal during that stop (the launcher forwards a signal that a ``killpg`` also delivered
   directly; a user presses Ctrl-C twice) would raise again inside the stop and leave the ranks,
   which are in sessions of their own, running without anyone waiting for them. Here only the
-  first signal counts; later ones are logged. SIGHUP and SIGQUIT reach the ranks as SIGTERM, the
+  first signal counts; later ones are logged once torchrun has returned (a signal handler that
+  logs can re-enter the log file's writer). SIGHUP and SIGQUIT reach the ranks as SIGTERM, the
   signal they checkpoint on (``pipeline.signals.StopFlag``).
 * **Quiet.** torchrun's log (its warnings, and when a rank fails the ``ChildFailedError`` report
   with every rank's traceback) goes to ``<log dir>/torchrun.log``; the launcher prints the one
@@ -62,26 +63,38 @@ def _log_to_file(log_dir: Optional[str]) -> None:
             logger.handlers = [handler]
 
 
-def _stop_once(mp_api) -> None:
-    """Replace torchrun's signal handler with one that raises for the first signal only."""
+def _stop_once(mp_api) -> list[int]:
+    """Replace torchrun's signal handler with one that raises for the first signal only. Returns
+    the list the handler appends every signal to, in order: :func:`_log_signals` logs it once
+    torchrun has returned. The handler itself does no I/O: a second signal that arrives while the
+    first one's handler writes a log line re-enters the log file's writer ("reentrant call
+    inside <_io.BufferedWriter>", which logging prints with a traceback)."""
     original = mp_api._terminate_process_handler
-    log = logging.getLogger("launch.torchrun_agent")
     seen: list[int] = []
 
     def handler(signum: int, frame) -> None:
-        if seen:
-            log.warning("signal %s during the stop that %s started: the ranks are already "
-                        "stopping (SIGKILL aborts)", signal.Signals(signum).name,
-                        signal.Signals(seen[0]).name)
-            return
         seen.append(signum)
-        log.warning("signal %s: stopping the ranks", signal.Signals(signum).name)
+        if len(seen) > 1:
+            return  # the ranks are already stopping
         if signum not in (signal.SIGINT, signal.SIGUSR1, signal.SIGTERM):
             signum = signal.SIGTERM  # SIGHUP / SIGQUIT: the ranks checkpoint on SIGTERM
         original(signum, frame)
 
     # PContext.start looks the handler up by name when it registers it (after this runs)
     mp_api._terminate_process_handler = handler
+    return seen
+
+
+def _log_signals(log: logging.Logger, seen: list[int]) -> None:
+    """The signals :func:`_stop_once`'s handler received: the first stopped the ranks, the
+    others came during that stop and were not acted on."""
+    if not seen:
+        return
+    first = signal.Signals(seen[0]).name
+    log.warning("signal %s: stopped the ranks", first)
+    for signum in seen[1:]:
+        log.warning("signal %s during the stop that %s started: the ranks were already "
+                    "stopping (SIGKILL aborts)", signal.Signals(signum).name, first)
 
 
 def _bind_stores() -> None:
@@ -114,7 +127,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from torch.distributed.run import parse_args, run
 
     _log_to_file(os.environ.get(LOG_DIR_ENV))
-    _stop_once(mp_api)
+    signals = _stop_once(mp_api)
     _bind_stores()
     log = logging.getLogger("launch.torchrun_agent")
     try:
@@ -129,6 +142,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except mp_api.SignalException as err:
         log.warning("stopped by %s", err.sigval.name)
         return 128 + int(err.sigval)
+    finally:
+        _log_signals(log, list(signals))
 
 
 if __name__ == "__main__":
