@@ -594,7 +594,7 @@ def _rollout_server_notes(cfg: Config, gpu_memory_gib: float,
     distributed``), outside the engine's share of the GPU (``rollout_plan.SERVER_BUDGETS``)."""
     r, p, sync = cfg.rollout, cfg.parallel, cfg.rollout.weight_sync
     b = rollout_plan.server_budget(cfg)
-    if b.update_groups == "one":
+    if b.one_update_group:
         count, why = 1, f"{b.engine}'s weight-transfer engine: trainer rank 0 and every worker"
     else:
         # what distributed would use: auto resolves to node there

@@ -51,6 +51,13 @@ GB = 1e9
 GPUS_PER_NODE = 8
 """GPUs per node the model assumes (H100 / H200 nodes), for the trainer and the servers."""
 
+REFERENCES = (
+    "NeMo-RL, Qwen3-30B-A3B (61 GB) on DGX H100, Megatron EP8xPP2 -> vLLM TP8xDP2, NCCL "
+    "resharding (each generation GPU receives only its shard): 0.74-1.00 s per refit "
+    "(github.com/NVIDIA-NeMo/RL/pull/2971); NeMo-RL's broadcast refit of Qwen3-235B: 13 s -> "
+    "5.5 s with the gather overlapped (github.com/NVIDIA-NeMo/RL/pull/1379)")
+"""Published refit times to compare the model with."""
+
 
 @dataclass(frozen=True)
 class ServerBudget:
@@ -72,10 +79,9 @@ class ServerBudget:
     kv_bound: str
     """Empty when the KV cache is what the weights leave of the share; else what more the engine
     takes from it before the KV cache (the plan's KV cache is then an upper bound)."""
-    update_groups: str
-    """The NCCL groups every server GPU joins with ``weight_sync.transport: distributed``:
-    ``"per-sender"`` (one per sending trainer rank: ``megatron_gspo.plan.update_group_count``) or
-    ``"one"`` (one group, one sender)."""
+    one_update_group: bool
+    """With ``weight_sync.transport: distributed`` every server GPU joins one NCCL group (one
+    sender); else one per sending trainer rank (``megatron_gspo.plan.update_group_count``)."""
 
 
 SERVER_BUDGETS = {
@@ -83,14 +89,14 @@ SERVER_BUDGETS = {
         engine="SGLang", flag="mem_fraction_static", default=0.85,
         default_source="assumed: SGLang picks one from the GPU; the recipes set 0.85 / 0.8",
         holds="weights + KV cache", rest_holds="CUDA graphs and activations", kv_bound="",
-        update_groups="per-sender"),
+        one_update_group=False),
     "vllm": ServerBudget(
         engine="vLLM", flag="gpu_memory_utilization", default=0.92,
         default_source="vLLM 0.32's default, CacheConfig.gpu_memory_utilization",
         holds="weights, activations, CUDA graphs, KV cache", rest_holds="",
         kv_bound="at most: less the activation peak, the CUDA-graph estimate and the non-torch "
                  "memory vLLM profiles when it starts",
-        update_groups="one"),
+        one_update_group=True),
 }
 """By ``rollout.engine``. SGLang 0.5.23 (``ServerArgs.mem_fraction_static``): the static pool of
 weights and KV cache; activations and CUDA graphs live in the rest. vLLM 0.32
@@ -112,13 +118,6 @@ def server_fraction(cfg: Config) -> tuple[float, bool]:
     if r.mem_fraction_static is not None:
         return r.mem_fraction_static, False
     return server_budget(cfg).default, True
-
-REFERENCES = (
-    "NeMo-RL, Qwen3-30B-A3B (61 GB) on DGX H100, Megatron EP8xPP2 -> vLLM TP8xDP2, NCCL "
-    "resharding (each generation GPU receives only its shard): 0.74-1.00 s per refit "
-    "(github.com/NVIDIA-NeMo/RL/pull/2971); NeMo-RL's broadcast refit of Qwen3-235B: 13 s -> "
-    "5.5 s with the gather overlapped (github.com/NVIDIA-NeMo/RL/pull/1379)")
-"""Published refit times to compare the model with."""
 
 
 @dataclass(frozen=True)

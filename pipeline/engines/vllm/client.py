@@ -195,11 +195,11 @@ class VllmScorer:
                                  f"prompt_logprobs for {total} input tokens")
             values = []
             for position, token in enumerate(response_ids, start=len(prompt_ids)):
-                entry = entries[position] or {}
-                if str(int(token)) not in entry:
+                entry, key = entries[position] or {}, str(int(token))
+                if key not in entry:
                     raise ValueError(f"prompt_logprobs[{position}] scores {sorted(entry)}, not "
-                                     f"the response token {int(token)}")
-                values.append(float(entry[str(int(token))]["logprob"]))
+                                     f"the response token {key}")
+                values.append(float(entry[key]["logprob"]))
         except (KeyError, TypeError, ValueError) as err:
             raise rollout.RolloutError(url, 200, f"malformed parity answer: {err}; body: "
                                                  f"{json.dumps(body)[:300]}") from None
